@@ -34,4 +34,10 @@ KVCMAS_ALLOW_SGL_KERNEL_STANDIN = EnvVar(
     "Allow the raising sgl_kernel stand-in when no real sgl_kernel is installed (CPU only).",
 )
 
-ALL = (KVCMAS_CACHE_DIR, KVCMAS_ALLOW_SGL_KERNEL_STANDIN)
+KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
+    "KVCMAS_SGL_KERNEL_STANDIN_LOG",
+    "",
+    "If set, a file to which the sgl_kernel stand-in appends one line per op call (tests).",
+)
+
+ALL = (KVCMAS_CACHE_DIR, KVCMAS_ALLOW_SGL_KERNEL_STANDIN, KVCMAS_SGL_KERNEL_STANDIN_LOG)
