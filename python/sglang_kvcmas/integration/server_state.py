@@ -1,0 +1,48 @@
+"""Report which tree cache the scheduler actually built, through ``/server_info``.
+
+``/server_info`` shows the ``--radix-cache-backend`` the server was *asked* for; this adds what
+each scheduler *instantiated*. An AFTER hook on the scheduler's internal-state readback adds a
+``kvcmas`` entry to every element of ``/server_info``'s ``internal_states``::
+
+    "kvcmas": {"tree_cache_class": "sglang_kvcmas.integration.radix_cache_backend.KvcmasRadixCache",
+               "radix_cache_backend": "kvcmas", "plugin_version": "0.1.0"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sglang_kvcmas
+
+INTERNAL_STATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController.get_internal_state"
+)
+"""The SGLang method our hook wraps (checked by test/test_sglang_contract.py)."""
+
+STATE_KEY = "kvcmas"
+
+
+def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
+    """The ``kvcmas`` entry for one scheduler's tree cache."""
+    cls = type(tree_cache)
+    return {
+        "tree_cache_class": f"{cls.__module__}.{cls.__qualname__}",
+        "radix_cache_backend": getattr(tree_cache, "backend_name", None),
+        "plugin_version": sglang_kvcmas.__version__,
+    }
+
+
+def add_tree_cache_to_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any):
+    """AFTER hook for ``SchedulerInternalStateController.get_internal_state``.
+
+    Args:
+        result: the ``GetInternalStateReqOutput`` SGLang built; its ``internal_state`` dict is
+            extended in place.
+        controller: the ``SchedulerInternalStateController`` (``self`` of the hooked method).
+    """
+    scheduler = getattr(controller, "scheduler", None)
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    if tree_cache is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state[STATE_KEY] = describe_tree_cache(tree_cache)
+    return result

@@ -1,0 +1,74 @@
+"""``python -m sglang_kvcmas.launch_server`` / ``sglang-kvcmas-server``: SGLang's HTTP server with
+sglang-kvcmas loaded and CPU-friendly defaults.
+
+Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*``, ``/metrics``,
+``/server_info``, ...) and every SGLang flag. What we add, each overridable by giving the flag:
+
+- ``--model-path`` defaults to the embedded SmolLM2-135M-Instruct; also accepts ``embedded``, a
+  Hugging Face folder, or a ``.gguf`` file (see ``sglang_kvcmas.models.resolve``). A bad path
+  fails before SGLang boots, with exit status 2.
+- On CPU (no ``--device`` or ``--device cpu``): ``--device cpu --dtype float32
+  --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static 0.1``,
+  ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
+  ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 2) unless the
+  environment sets it.
+- Always: ``--enable-cache-report``, ``--enable-metrics`` (when prometheus_client is installed),
+  and ``--radix-cache-backend kvcmas`` (our tree cache). ``--kvcmas-stock-cache`` leaves the
+  backend unset, i.e. SGLang's default tree cache (``UnifiedRadixCache``), for baselines.
+
+The tree cache actually built is reported in the server log ("sglang-kvcmas: tree cache ... in
+use") and in ``/server_info`` → ``internal_states[i].kvcmas.tree_cache_class``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
+from sglang_kvcmas.server.options import build_sglang_argv, parse_launcher_args
+
+
+EXIT_BAD_MODEL = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server; returns (or exits with) a non-zero status on a bad model path."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options = parse_launcher_args(argv)
+    try:
+        model_path = resolve_model_path(options.model)
+    except ModelPathError as e:
+        print(f"sglang-kvcmas-server: error: bad --model-path: {e}", file=sys.stderr)
+        return EXIT_BAD_MODEL
+
+    if options.on_cpu:
+        # Threads are read once by the OpenMP runtime: set them before torch is imported.
+        os.environ.setdefault("OMP_NUM_THREADS", str(options.cpu_threads))
+        from sglang_kvcmas.integration.cpu_runtime import prepare_cpu_server_process
+
+        kernel = prepare_cpu_server_process()
+    from sglang_kvcmas.integration.serve import explicit_dests, serve
+
+    sglang_argv = build_sglang_argv(
+        options, str(model_path), explicit_dests(list(options.sglang_argv))
+    )
+    print(
+        "[sglang-kvcmas] launching SGLang: "
+        + shlex.join(sglang_argv)
+        + (
+            f"\n[sglang-kvcmas] sgl_kernel: {kernel.source} ({kernel.location}); "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+            if options.on_cpu
+            else ""
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(sglang_argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
