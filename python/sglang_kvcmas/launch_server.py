@@ -10,7 +10,8 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
 - On CPU (no ``--device`` or ``--device cpu``): ``--device cpu --dtype float32
   --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static 0.1``,
   ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
-  ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 2) unless the
+  ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 1, see
+  ``server/options.py``) unless the
   environment sets it.
 - Always: ``--enable-cache-report``, ``--enable-metrics`` (when prometheus_client is installed),
   and ``--radix-cache-backend kvcmas`` (our tree cache). ``--kvcmas-stock-cache`` leaves the

@@ -14,8 +14,14 @@ import importlib.util
 from dataclasses import dataclass
 
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
-DEFAULT_CPU_THREADS = 2
-"""OpenMP threads for the server on CPU (measured: see docs in launch_server.py)."""
+DEFAULT_CPU_THREADS = 1
+"""OpenMP threads for the server on CPU when ``OMP_NUM_THREADS`` is unset.
+
+Measured on a shared 2-core machine (benchmark/serving/throughput.py, SmolLM2 fp32, 1000-token
+prefill / 64-token decode): 1 thread 277 / 12.6 tok/s, 2 threads 103 / 1.8 tok/s. Two OpenMP
+threads spin-wait on each other whenever another process holds a core, so one thread is the
+robust default; on dedicated cores pass ``--kvcmas-cpu-threads`` or set ``OMP_NUM_THREADS``.
+"""
 
 
 @dataclass(frozen=True)

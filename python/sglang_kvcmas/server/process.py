@@ -1,0 +1,131 @@
+"""Start ``sglang-kvcmas-server`` as a child process, wait until it is healthy, stop it cleanly.
+
+Used by the test fixture and the serving benchmarks so that every caller boots the server the
+same way: our launcher, 127.0.0.1, its own process group, output to a log file, and a clear
+error with the log's tail when it dies or does not become healthy in time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time (message has the log's tail)."""
+
+
+def free_port(start: int = 30000, end: int = 31000) -> int:
+    """The first port in ``[start, end)`` that nothing listens on (bind-tested)."""
+    for port in range(start, end):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise ServerStartError(f"no free port in {start}..{end - 1}")
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+@dataclass
+class ServerProcess:
+    """One launcher process. Use as a context manager, or call :meth:`start` / :meth:`stop`.
+
+    Attributes:
+        args: extra launcher/SGLang flags (``--port`` and ``--host`` are added).
+        log_path: where the server's stdout and stderr go.
+        port: port to serve on; a free one in 30000–30999 when None.
+        env: extra environment variables for the server.
+        boot_timeout_s: how long :meth:`start` waits for ``/health``.
+    """
+
+    args: list[str] = field(default_factory=list)
+    log_path: Path = Path("sglang-kvcmas-server.log")
+    port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    boot_timeout_s: float = 300.0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        """Launch and block until ``GET /health`` answers 200.
+
+        Raises:
+            ServerStartError: if the process exits first or the timeout passes (it is stopped).
+        """
+        if self.port is None:
+            self.port = free_port()
+        cmd = [sys.executable, "-m", "sglang_kvcmas.launch_server", *self.args,
+               "--host", HOST, "--port", str(self.port)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env}, start_new_session=True,
+            )
+        deadline = time.monotonic() + self.boot_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with status {self.proc.returncode} while booting; "
+                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(
+            f"server not healthy after {self.boot_timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{log_tail(self.log_path)}"
+        )
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the launcher (SGLang then stops its children), then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the process group: scheduler and detokenizer, if any survived
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

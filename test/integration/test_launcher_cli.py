@@ -1,0 +1,92 @@
+"""The launcher's command line: our defaults, user overrides, and a fast clear failure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sglang_kvcmas.server.options import (
+    DEFAULT_RADIX_CACHE_BACKEND,
+    build_sglang_argv,
+    default_flags,
+    parse_launcher_args,
+)
+
+
+def _argv(user: list[str], explicit: set[str] = frozenset()) -> list[str]:
+    return build_sglang_argv(parse_launcher_args(user), "/models/m", set(explicit))
+
+
+def _value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_defaults_on_cpu():
+    argv = _argv([])
+    assert _value(argv, "--model-path") == "/models/m"
+    assert _value(argv, "--device") == "cpu"
+    assert _value(argv, "--dtype") == "float32"
+    assert _value(argv, "--attention-backend") == "torch_native"
+    assert int(_value(argv, "--max-total-tokens")) == 16384
+    assert float(_value(argv, "--mem-fraction-static")) <= 0.2
+    assert _value(argv, "--radix-cache-backend") == DEFAULT_RADIX_CACHE_BACKEND == "kvcmas"
+    assert "--enable-cache-report" in argv
+    assert "--enable-metrics" in argv  # prometheus_client is installed
+
+
+def test_user_flags_win():
+    argv = _argv(["--dtype", "bfloat16", "--port", "30123"], explicit={"dtype", "port"})
+    assert argv.count("--dtype") == 1 and _value(argv, "--dtype") == "bfloat16"
+    assert _value(argv, "--port") == "30123"
+
+
+def test_model_path_and_alias_are_ours():
+    assert parse_launcher_args(["--model", "embedded"]).model == "embedded"
+    opts = parse_launcher_args(["--model-path", "/x", "--port", "1"])
+    assert opts.model == "/x" and opts.sglang_argv == ("--port", "1")
+
+
+def test_stock_cache_leaves_backend_unset():
+    argv = _argv(["--kvcmas-stock-cache"])
+    assert "--radix-cache-backend" not in argv
+    assert "--kvcmas-stock-cache" not in argv  # never reaches SGLang
+
+
+def test_gpu_device_gets_no_cpu_defaults():
+    opts = parse_launcher_args(["--device", "cuda"])
+    assert not opts.on_cpu
+    dests = {f.dest for f in default_flags(opts)}
+    assert {"dtype", "attention_backend", "max_total_tokens"}.isdisjoint(dests)
+    assert "radix_cache_backend" in dests
+
+
+def test_cpu_threads_flag():
+    assert parse_launcher_args(["--kvcmas-cpu-threads", "2"]).cpu_threads == 2
+    with pytest.raises(SystemExit):
+        parse_launcher_args(["--kvcmas-cpu-threads", "0"])
+
+
+def test_explicit_dests_follow_sglang_aliases():
+    from sglang_kvcmas.integration.serve import explicit_dests
+
+    assert explicit_dests(["--model", "x", "--dtype=half", "--enable-metrics"]) == {
+        "model_path", "dtype", "enable_metrics"}
+    assert explicit_dests([]) == set()
+
+
+def test_unknown_model_path_fails_fast_without_booting(tmp_path):
+    missing = tmp_path / "no-such-model"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_kvcmas.launch_server", "--model-path", str(missing),
+         "--port", "30999"],
+        capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert "bad --model-path" in proc.stderr and str(missing) in proc.stderr
+    assert "launching SGLang" not in proc.stderr  # failed before SGLang was even imported
+    assert elapsed < 30, f"took {elapsed:.1f} s"
