@@ -67,8 +67,7 @@ def reader_kv(
         sl = slice(span.start, span.end)
         f = factors[j] if factors is not None else SpanFactors()
         if span.shift:
-            shift = torch.full((span.length,), span.shift, dtype=torch.long)
-            k[sl] = apply_rope(k[sl], shift, inv_freq)
+            k[sl] = apply_rope(k[sl], torch.tensor([span.shift]), inv_freq)
         if f.k is not None:
             reader_pos = torch.arange(span.start, span.end)
             k[sl] += apply_rope(f.k.dense().to(k.device), reader_pos, inv_freq)

@@ -49,7 +49,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 
     Args:
         x: [n, num_heads, head_dim] any float dtype (computed in float32)
-        positions: [n] integer, may be negative (R(−p) is the inverse of R(p))
+        positions: [n] or [1] integer (one position broadcasts over all tokens), may be negative
+            (R(−p) is the inverse of R(p))
         inv_freq: [head_dim // 2] float32
     Returns:
         [n, num_heads, head_dim] float32

@@ -1,0 +1,164 @@
+"""CPU micro-benchmark of the torch reference: reading through deltas vs. plain attention.
+
+For each (mode, length, rank) it times, side by side in one run, attention of a batch of reader
+agents over the same pool (a) plain, exactly as stored, and (b) through shared spans with rank-r
+K/V deltas and position shifts. Reported: the median over repeats of the per-repeat ratio
+delta/plain (the two are timed back to back, alternating which goes first, so machine noise hits
+both), with absolute milliseconds as context. Writes one JSONL record per configuration and a PNG.
+
+    python benchmark/kernels/delta_attention_bench.py [--out DIR] [--repeats N]
+
+Shapes follow the embedded model (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), float32,
+one torch thread (the CI machines are 2 shared cores; one thread keeps the ratio stable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas.attention.reference import delta_attention, plain_attention
+from sglang_kvcmas.attention.rope import rope_inv_freq
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+NUM_AGENTS = 4
+
+
+def build(seq_len: int, num_queries: int, rank: int, seed: int = 0):
+    """NUM_AGENTS readers share one span (90% of the sequence) on the same pool slots."""
+    g = torch.Generator().manual_seed(seed)
+    head = max(1, seq_len // 20)
+    span_len = min(seq_len - num_queries - head, int(seq_len * 0.9))
+    pool = seq_len * NUM_AGENTS + span_len
+    k_buffer = torch.randn(pool, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v_buffer = torch.randn(pool, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    shared = torch.arange(span_len)  # the base copy of the shared span
+    requests, factors, free = [], [], span_len
+    for a in range(NUM_AGENTS):
+        own = seq_len - span_len
+        own_slots = torch.arange(free, free + own)
+        free += own
+        slots = torch.cat([own_slots[:head], shared, own_slots[head:]])
+        requests.append(DeltaRequest(slots, num_queries, (SharedSpan(head, span_len, 3 * a - 4),)))
+
+        def delta() -> LowRankDelta:
+            return LowRankDelta(torch.randn(span_len, NUM_KV_HEADS, rank, generator=g),
+                                torch.randn(NUM_KV_HEADS, HEAD_DIM, rank, generator=g) * 0.1)
+
+        factors.append([SpanFactors(delta(), delta())])
+    q = torch.randn(num_queries * NUM_AGENTS, NUM_HEADS, HEAD_DIM, generator=g)
+    return q, k_buffer, v_buffer, requests, factors
+
+
+def measure(seq_len: int, num_queries: int, rank: int, repeats: int, warmup: int) -> dict:
+    q, kb, vb, reqs, facs = build(seq_len, num_queries, rank)
+    inv = rope_inv_freq(HEAD_DIM, 1e5)
+
+    def plain():
+        plain_attention(q, kb, vb, reqs)
+
+    def delta():
+        delta_attention(q, kb, vb, reqs, facs, inv)
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        plain(), delta()
+    t_plain, t_delta, ratios = [], [], []
+    for i in range(repeats):
+        if i % 2:
+            d, p = timed(delta), timed(plain)
+        else:
+            p, d = timed(plain), timed(delta)
+        t_plain.append(p), t_delta.append(d), ratios.append(d / p)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "plain_ms": 1e3 * statistics.median(t_plain),
+        "delta_ms": 1e3 * statistics.median(t_delta),
+        "ratio_median": statistics.median(ratios),
+        "ratio_q1": q1,
+        "ratio_q3": q3,
+    }
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["config"]["mode"] for r in records})
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for rank in sorted({r["config"]["rank"] for r in records}):
+            rs = [r for r in records if r["config"]["mode"] == mode and r["config"]["rank"] == rank]
+            xs = [r["config"]["seq_len"] for r in rs]
+            ax.errorbar(xs, [r["metrics"]["ratio_median"] for r in rs],
+                        yerr=[[r["metrics"]["ratio_median"] - r["metrics"]["ratio_q1"] for r in rs],
+                              [r["metrics"]["ratio_q3"] - r["metrics"]["ratio_median"] for r in rs]],
+                        marker="o", capsize=3, label=f"rank {rank}")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("time through deltas / plain attention")
+        ax.set_title(f"torch reference, CPU, {mode}, {NUM_AGENTS} agents")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("results/kernels"))
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+               "threads": torch.get_num_threads()}
+    records = []
+    print(f"{'mode':>7} {'len':>5} {'rank':>4} {'plain ms':>9} {'delta ms':>9} {'ratio':>6} (IQR)")
+    for mode, num_queries in (("decode", 1), ("extend", 32)):
+        for seq_len in args.lengths:
+            for rank in args.ranks:
+                m = measure(seq_len, num_queries, rank, args.repeats, args.warmup)
+                rec = {"bench": "delta_attention_torch_cpu", "commit": commit(), "machine": machine,
+                       "config": {"mode": mode, "seq_len": seq_len, "num_queries": num_queries,
+                                  "rank": rank, "num_agents": NUM_AGENTS, "num_heads": NUM_HEADS,
+                                  "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                                  "dtype": "float32", "repeats": args.repeats},
+                       "metrics": m}
+                records.append(rec)
+                print(f"{mode:>7} {seq_len:>5} {rank:>4} {m['plain_ms']:>9.2f} {m['delta_ms']:>9.2f}"
+                      f" {m['ratio_median']:>6.2f} ({m['ratio_q1']:.2f}-{m['ratio_q3']:.2f})",
+                      flush=True)
+    jsonl = args.out / "delta_attention_cpu.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot(records, args.out / "delta_attention_cpu.png")
+    print(f"wrote {jsonl} and {args.out / 'delta_attention_cpu.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""GPU micro-benchmark: attention through per-agent deltas vs. plain attention vs. materializing.
+
+Methods, timed side by side on the same batch (several reader agents sharing one span of base KV):
+
+  flashinfer_plain       FlashInfer FA2 paged attention over the base KV as stored (no deltas):
+                         the denominator of the target "rank-8 deltas cost <= 1.3x plain".
+  triton_plain           our Triton kernel with the spans removed (same kernel, no delta work).
+  triton_delta           our Triton kernel reading base KV + rank-r K/V deltas + RoPE shift.
+  materialize_flashinfer per-agent K/V written out first (torch), then FlashInfer plain over it.
+  flashinfer_delta_key   our FlashInfer variant (key deltas only; see flashinfer_delta.py), if
+                         --with-variant (first use JIT-compiles it: minutes).
+
+    python benchmark/kernels/delta_attention_gpu_bench.py --out DIR [--quick] [--with-variant]
+
+Writes ``DIR/delta_attention_gpu.jsonl`` (one record per configuration) and a PNG. Times are
+medians of ``triton.testing.do_bench`` (CUDA events, warmed up, L2 flushed between calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas.attention.plan import pack_delta_factors, plan_delta_batch
+from sglang_kvcmas.attention.reference import reader_kv
+from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.triton_delta import delta_decode_triton, delta_extend_triton
+
+H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention
+DTYPE = torch.bfloat16
+
+
+def build(num_agents: int, seq_len: int, num_queries: int, rank: int, seed: int = 0):
+    """Readers share one span of base KV (90% of each sequence) at the same pool slots."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    head = seq_len // 20
+    span_len = int(seq_len * 0.9)
+    own = seq_len - span_len
+    pool = span_len + num_agents * own
+    kb = torch.randn(pool, H_KV, D, device="cuda", dtype=DTYPE, generator=g)
+    vb = torch.randn(pool, H_KV, D, device="cuda", dtype=DTYPE, generator=g)
+    reqs, facs = [], []
+    for a in range(num_agents):
+        own_slots = torch.arange(span_len + a * own, span_len + (a + 1) * own)
+        slots = torch.cat([own_slots[:head], torch.arange(span_len), own_slots[head:]])
+        reqs.append(DeltaRequest(slots, num_queries, (SharedSpan(head, span_len, 3 * a - 5),)))
+
+        def delta() -> LowRankDelta:
+            return LowRankDelta(
+                torch.randn(span_len, H_KV, rank, device="cuda", generator=g),
+                torch.randn(H_KV, D, rank, device="cuda", generator=g) * 0.05)
+
+        facs.append([SpanFactors(delta(), delta())])
+    q = torch.randn(num_agents * num_queries, H, D, device="cuda", dtype=DTYPE, generator=g)
+    return q, kb, vb, reqs, facs
+
+
+def flashinfer_plain(workspace, reqs, num_queries: int):
+    """A planned plain FlashInfer wrapper over the pool (page size 1) and its run function."""
+    import flashinfer
+
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    lens = [r.seq_len for r in reqs]
+    kv_indptr = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                             device="cuda")
+    qo_indptr = torch.arange(0, (len(reqs) + 1) * num_queries, num_queries, dtype=torch.int32,
+                             device="cuda")
+    idx = torch.cat([r.kv_indices for r in reqs]).to(device="cuda", dtype=torch.int32)
+    w.plan(qo_indptr, kv_indptr, idx, torch.ones(len(reqs), dtype=torch.int32, device="cuda"),
+           H, H_KV, D, 1, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return lambda q, kb, vb: w.run(q, (kb.unsqueeze(1), vb.unsqueeze(1)))
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> dict:
+    q, kb, vb, reqs, facs = build(num_agents, seq_len, num_queries, rank)
+    inv = rope_inv_freq(D, 5e5).cuda()
+    plan = plan_delta_batch(reqs, 64, "cuda")
+    packed = pack_delta_factors(plan, facs, H_KV, D, torch.float32, "cuda")
+    plain_reqs = [DeltaRequest(r.kv_indices, r.num_queries) for r in reqs]
+    plain_plan = plan_delta_batch(plain_reqs, 64, "cuda")
+    plain_packed = pack_delta_factors(plain_plan, None, H_KV, D, torch.float32, "cuda")
+    kernel = delta_decode_triton if num_queries == 1 else delta_extend_triton
+    fi_plain = flashinfer_plain(workspace, reqs, num_queries)
+    # Materialized readers: each agent's K/V written to its own slots, then plain attention.
+    mat_reqs, off = [], 0
+    for r in reqs:
+        mat_reqs.append(DeltaRequest(torch.arange(off, off + r.seq_len), r.num_queries))
+        off += r.seq_len
+    fi_mat = flashinfer_plain(workspace, mat_reqs, num_queries)
+
+    def materialize_then_attend():
+        ks, vs = zip(*(reader_kv(kb, vb, r, f, inv) for r, f in zip(reqs, facs)))
+        return fi_mat(q, torch.cat(ks).to(DTYPE), torch.cat(vs).to(DTYPE))
+
+    times = {
+        "flashinfer_plain": bench(lambda: fi_plain(q, kb, vb)),
+        "triton_plain": bench(lambda: kernel(q, kb, vb, plain_plan, plain_packed, inv)),
+        "triton_delta": bench(lambda: kernel(q, kb, vb, plan, packed, inv)),
+        "materialize_flashinfer": bench(materialize_then_attend),
+    }
+    if with_variant:
+        from sglang_kvcmas.attention.flashinfer_delta import DeltaFlashInferWrapper
+
+        w = DeltaFlashInferWrapper(workspace, DTYPE, D)
+        w.plan(reqs, plan, H, H_KV)
+        times["flashinfer_delta_key"] = bench(lambda: w.run(q, kb, vb, packed.k_u, packed.k_c, inv))
+    base = times["flashinfer_plain"]
+    return {"ms": times, "ratio_vs_flashinfer_plain": {k: v / base for k, v in times.items()},
+            "delta_over_triton_plain": times["triton_delta"] / times["triton_plain"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
+    ap.add_argument("--with-variant", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.version.cuda,
+               "triton": triton.__version__}
+    lengths = (2048, 8192) if args.quick else (2048, 8192, 32768)
+    grid = [("decode", 8, L, 1, r) for L in lengths for r in (4, 8, 16)]
+    grid += [("extend", 4, L, 256, r) for L in lengths[:2] for r in (4, 8, 16)]
+    records = []
+    jsonl = args.out / "delta_attention_gpu.jsonl"
+    with jsonl.open("w") as f:
+        for mode, agents, seq_len, nq, rank in grid:
+            try:
+                m = measure(agents, seq_len, nq, rank, args.with_variant, workspace)
+            except Exception as exc:  # one failing method must not lose the other records
+                m = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            rec = {"bench": "delta_attention_gpu", "commit": commit, "machine": machine,
+                   "config": {"mode": mode, "num_agents": agents, "seq_len": seq_len,
+                              "num_queries": nq, "rank": rank, "num_heads": H,
+                              "num_kv_heads": H_KV, "head_dim": D, "dtype": "bfloat16",
+                              "span_fraction": 0.9},
+                   "metrics": m}
+            records.append(rec)
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            r = m.get("ratio_vs_flashinfer_plain", {})
+            print(f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} "
+                  + " ".join(f"{k}={v:.2f}x" for k, v in r.items()) + (m.get("error", "")),
+                  flush=True)
+    plot(records, args.out / "delta_attention_gpu.png")
+    print(f"wrote {jsonl}")
+    sys.exit(0 if all("error" not in r["metrics"] for r in records) else 1)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r["metrics"]]
+    modes = sorted({r["config"]["mode"] for r in ok})
+    if not modes:
+        return
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rs = [r for r in ok if r["config"]["mode"] == mode and r["config"]["rank"] == 8]
+        xs = [r["config"]["seq_len"] for r in rs]
+        for method in rs[0]["metrics"]["ratio_vs_flashinfer_plain"] if rs else []:
+            ax.plot(xs, [r["metrics"]["ratio_vs_flashinfer_plain"][method] for r in rs],
+                    marker="o", label=method)
+        ax.axhline(1.3, color="red", lw=0.8, ls="--", label="target 1.3x")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length per agent")
+        ax.set_ylabel("time / FlashInfer plain over base KV")
+        ax.set_title(f"{mode}, rank 8, bf16")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
