@@ -68,7 +68,7 @@ def flashinfer_plain(workspace, reqs, num_queries: int):
 
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
     lens = [r.seq_len for r in reqs]
-    kv_indptr = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+    kv_indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                              device="cuda")
     qo_indptr = torch.arange(0, (len(reqs) + 1) * num_queries, num_queries, dtype=torch.int32,
                              device="cuda")

@@ -96,6 +96,69 @@ def _full_grid():
         yield f"n{n}_r{r}_g{g}_p{ps}", (specs, r, g, 1, 32, ps, 32)
 
 
+@pytest.mark.parametrize("name", list(EXTEND_CASES))
+def test_extend_matches_reference(name, device):
+    specs, _, group, h_kv, d, page, block_n = EXTEND_CASES[name]
+    case = make_case(specs, h_kv, group, d, page_size=page, seed=zlib.crc32(name.encode()) % 1000, device=device)
+    got, want = run_both(case, block_n, decode=False, device=device)
+    torch.testing.assert_close(got, want, **tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(name, num_splits, device):
+    specs, _, group, h_kv, d, page, block_n = DECODE_CASES[name]
+    case = make_case(specs, h_kv, group, d, page_size=page, seed=7, device=device)
+    got, want = run_both(case, block_n, decode=True, num_splits=num_splits, device=device)
+    torch.testing.assert_close(got, want, **tol(torch.float32, device))
+
+
+def test_zero_delta_kernel_is_plain_attention(device):
+    specs = [ReqSpec(81, 5, ((2, 70, 0),), (8,)), ReqSpec(17, 1, ((0, 16, 0),), (8,))]
+    case = make_case(specs, 2, 3, 32, page_size=16, device=device)
+    zero = [[SpanFactors(LowRankDelta(f.k.u * 0, f.k.c), LowRankDelta(f.v.u * 0, f.v.c))
+             for f in facs] for facs in case.factors]
+    inv = rope_inv_freq(32).to(device)
+    plan = plan_delta_batch(case.requests, 16, device)
+    packed = pack_delta_factors(plan, zero, 2, 32, torch.float32, device)
+    got = delta_extend_triton(case.q, case.k_buffer, case.v_buffer, plan, packed, inv)
+    want = plain_attention(case.q, case.k_buffer, case.v_buffer, case.requests)
+    torch.testing.assert_close(got, want, **tol(torch.float32, device))
+
+
+def test_exact_delta_kernel_equals_recomputed_kv(device):
+    """Kernel side of the identity: base + exact delta == the reader's recomputed attention."""
+    from test_delta_reference import _owner_and_reader, sdpa
+
+    q, kb, vb, req, facs, k_true, v_true, inv = _owner_and_reader(rank=None)  # rank = head_dim
+    req = DeltaRequest(req.kv_indices, req.num_queries, req.spans)
+    plan = plan_delta_batch([req], 16, device)
+    packed = pack_delta_factors(plan, [facs], kb.shape[1], kb.shape[2], torch.float32, device)
+    got = delta_extend_triton(q.to(device), kb.to(device), vb.to(device), plan, packed,
+                              inv.to(device))
+    torch.testing.assert_close(got.cpu(), sdpa(q, k_true, v_true), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(EXTEND_CASES))
+def test_extend_bf16_on_gpu(name):
+    specs, _, group, h_kv, d, page, block_n = EXTEND_CASES[name]
+    case = make_case(specs, h_kv, group, d, page_size=page, dtype=torch.bfloat16, device="cuda")
+    got, want = run_both(case, block_n, decode=False, device="cuda")
+    torch.testing.assert_close(got, want, **tol(torch.bfloat16, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_bf16_on_gpu(name):
+    specs, _, group, h_kv, d, page, block_n = DECODE_CASES[name]
+    case = make_case(specs, h_kv, group, d, page_size=page, dtype=torch.bfloat16, device="cuda")
+    got, want = run_both(case, block_n, decode=True, device="cuda")
+    torch.testing.assert_close(got, want, **tol(torch.bfloat16, "cuda"))
+
+
 @pytest.mark.skipif(not FULL_GRID, reason="extended grid: set KVCMAS_KERNEL_TESTS_FULL=1")
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("name,cfg", list(_full_grid()) if FULL_GRID else [])

@@ -254,6 +254,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _num_warps(head_dim: int, block_m: int) -> int:
+    # float32 K/V tiles and two accumulators live in registers; wide heads need more warps.
+    return 8 if head_dim * block_m >= 128 * 64 else 4
+
+
 def _common_args(k_buffer, v_buffer, packed: PackedFactors) -> list:
     return [
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -287,7 +292,7 @@ def delta_extend_triton(
         packed: from ``pack_delta_factors`` for this layer (on q's device)
         inv_freq: [d // 2] float32 RoPE frequencies
         sm_scale: default ``1/sqrt(d)``
-        block_m: query rows (tokens × GQA group) per program, a power of two ≥ 16
+        block_m: query rows (tokens × GQA group) per program, a power of two ≥ 16 and ≥ group
     Returns:
         [total_queries, H, d] in q's dtype
     """
@@ -304,7 +309,7 @@ def delta_extend_triton(
         inv_freq, scale, group, tokens,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), *_common_args(k_buffer, v_buffer, packed),
         BLOCK_M=block_m, BLOCK_N=plan.block_n, HALF=head_dim // 2, BLOCK_R=packed.block_r,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=_dot_precision(q.dtype), num_warps=_num_warps(head_dim, block_m),
     )
     return o
 
@@ -350,7 +355,7 @@ def delta_decode_triton(
         q.stride(0), q.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), *_common_args(k_buffer, v_buffer, packed),
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, HALF=head_dim // 2,
-        BLOCK_R=packed.block_r, DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_R=packed.block_r, DOT_PREC=_dot_precision(q.dtype), num_warps=4,
     )
     o = torch.empty_like(q)
     _merge_splits_kernel[(batch, num_heads)](
