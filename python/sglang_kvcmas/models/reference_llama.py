@@ -148,6 +148,10 @@ class RefLlama:
     def __init__(self, hf_model):
         self.hf = hf_model.eval()
         base = hf_model
+        # peft's PeftModel forwards attribute lookups (``lm_head``, ``model``) to the wrapped
+        # model, so the loop below would stop at the PeftModel itself: unwrap it explicitly.
+        if hasattr(base, "get_base_model"):
+            base = base.get_base_model()
         # peft's PeftModel -> LoraModel -> LlamaForCausalLM; plain HF model otherwise.
         while not hasattr(base, "lm_head") and hasattr(base, "model"):
             base = base.model
