@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.reference import delta_attention, plain_attention
 from sglang_kvcmas.attention.rope import rope_inv_freq
@@ -50,8 +49,10 @@ def build(seq_len: int, num_queries: int, rank: int, seed: int = 0):
         requests.append(DeltaRequest(slots, num_queries, (SharedSpan(head, span_len, 3 * a - 4),)))
 
         def delta() -> LowRankDelta:
-            return LowRankDelta(torch.randn(span_len, NUM_KV_HEADS, rank, generator=g),
-                                torch.randn(NUM_KV_HEADS, HEAD_DIM, rank, generator=g) * 0.1)
+            return LowRankDelta(
+                torch.randn(span_len, NUM_KV_HEADS, rank, generator=g),
+                torch.randn(NUM_KV_HEADS, HEAD_DIM, rank, generator=g) * 0.1,
+            )
 
         factors.append([SpanFactors(delta(), delta())])
     q = torch.randn(num_queries * NUM_AGENTS, NUM_HEADS, HEAD_DIM, generator=g)
@@ -111,10 +112,17 @@ def plot(records: list[dict], path: Path) -> None:
         for rank in sorted({r["config"]["rank"] for r in records}):
             rs = [r for r in records if r["config"]["mode"] == mode and r["config"]["rank"] == rank]
             xs = [r["config"]["seq_len"] for r in rs]
-            ax.errorbar(xs, [r["metrics"]["ratio_median"] for r in rs],
-                        yerr=[[r["metrics"]["ratio_median"] - r["metrics"]["ratio_q1"] for r in rs],
-                              [r["metrics"]["ratio_q3"] - r["metrics"]["ratio_median"] for r in rs]],
-                        marker="o", capsize=3, label=f"rank {rank}")
+            ax.errorbar(
+                xs,
+                [r["metrics"]["ratio_median"] for r in rs],
+                yerr=[
+                    [r["metrics"]["ratio_median"] - r["metrics"]["ratio_q1"] for r in rs],
+                    [r["metrics"]["ratio_q3"] - r["metrics"]["ratio_median"] for r in rs],
+                ],
+                marker="o",
+                capsize=3,
+                label=f"rank {rank}",
+            )
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
@@ -136,24 +144,41 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "threads": torch.get_num_threads()}
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     records = []
     print(f"{'mode':>7} {'len':>5} {'rank':>4} {'plain ms':>9} {'delta ms':>9} {'ratio':>6} (IQR)")
     for mode, num_queries in (("decode", 1), ("extend", 32)):
         for seq_len in args.lengths:
             for rank in args.ranks:
                 m = measure(seq_len, num_queries, rank, args.repeats, args.warmup)
-                rec = {"bench": "delta_attention_torch_cpu", "commit": commit(), "machine": machine,
-                       "config": {"mode": mode, "seq_len": seq_len, "num_queries": num_queries,
-                                  "rank": rank, "num_agents": NUM_AGENTS, "num_heads": NUM_HEADS,
-                                  "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                                  "dtype": "float32", "repeats": args.repeats},
-                       "metrics": m}
+                rec = {
+                    "bench": "delta_attention_torch_cpu",
+                    "commit": commit(),
+                    "machine": machine,
+                    "config": {
+                        "mode": mode,
+                        "seq_len": seq_len,
+                        "num_queries": num_queries,
+                        "rank": rank,
+                        "num_agents": NUM_AGENTS,
+                        "num_heads": NUM_HEADS,
+                        "num_kv_heads": NUM_KV_HEADS,
+                        "head_dim": HEAD_DIM,
+                        "dtype": "float32",
+                        "repeats": args.repeats,
+                    },
+                    "metrics": m,
+                }
                 records.append(rec)
-                print(f"{mode:>7} {seq_len:>5} {rank:>4} {m['plain_ms']:>9.2f} {m['delta_ms']:>9.2f}"
-                      f" {m['ratio_median']:>6.2f} ({m['ratio_q1']:.2f}-{m['ratio_q3']:.2f})",
-                      flush=True)
+                print(
+                    f"{mode:>7} {seq_len:>5} {rank:>4} {m['plain_ms']:>9.2f} {m['delta_ms']:>9.2f}"
+                    f" {m['ratio_median']:>6.2f} ({m['ratio_q1']:.2f}-{m['ratio_q3']:.2f})",
+                    flush=True,
+                )
     jsonl = args.out / "delta_attention_cpu.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     plot(records, args.out / "delta_attention_cpu.png")

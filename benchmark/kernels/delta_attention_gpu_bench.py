@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import triton
-
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.plan import pack_delta_factors, plan_delta_batch
 from sglang_kvcmas.attention.reference import reader_kv
@@ -55,7 +54,8 @@ def build(num_agents: int, seq_len: int, num_queries: int, rank: int, seed: int 
         def delta() -> LowRankDelta:
             return LowRankDelta(
                 torch.randn(span_len, H_KV, rank, device="cuda", generator=g),
-                torch.randn(H_KV, D, rank, device="cuda", generator=g) * 0.05)
+                torch.randn(H_KV, D, rank, device="cuda", generator=g) * 0.05,
+            )
 
         facs.append([SpanFactors(delta(), delta())])
     q = torch.randn(num_agents * num_queries, H, D, device="cuda", dtype=DTYPE, generator=g)
@@ -68,13 +68,26 @@ def flashinfer_plain(workspace, reqs, num_queries: int):
 
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
     lens = [r.seq_len for r in reqs]
-    kv_indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                             device="cuda")
-    qo_indptr = torch.arange(0, (len(reqs) + 1) * num_queries, num_queries, dtype=torch.int32,
-                             device="cuda")
+    kv_indptr = torch.tensor(
+        [0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"
+    )
+    qo_indptr = torch.arange(
+        0, (len(reqs) + 1) * num_queries, num_queries, dtype=torch.int32, device="cuda"
+    )
     idx = torch.cat([r.kv_indices for r in reqs]).to(device="cuda", dtype=torch.int32)
-    w.plan(qo_indptr, kv_indptr, idx, torch.ones(len(reqs), dtype=torch.int32, device="cuda"),
-           H, H_KV, D, 1, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+    w.plan(
+        qo_indptr,
+        kv_indptr,
+        idx,
+        torch.ones(len(reqs), dtype=torch.int32, device="cuda"),
+        H,
+        H_KV,
+        D,
+        1,
+        causal=True,
+        q_data_type=DTYPE,
+        kv_data_type=DTYPE,
+    )
     return lambda q, kb, vb: w.run(q, (kb.unsqueeze(1), vb.unsqueeze(1)))
 
 
@@ -116,8 +129,11 @@ def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> 
         w.plan(reqs, plan, H, H_KV)
         times["flashinfer_delta_key"] = bench(lambda: w.run(q, kb, vb, packed.k_u, packed.k_c, inv))
     base = times["flashinfer_plain"]
-    return {"ms": times, "ratio_vs_flashinfer_plain": {k: v / base for k, v in times.items()},
-            "delta_over_triton_plain": times["triton_delta"] / times["triton_plain"]}
+    return {
+        "ms": times,
+        "ratio_vs_flashinfer_plain": {k: v / base for k, v in times.items()},
+        "delta_over_triton_plain": times["triton_delta"] / times["triton_plain"],
+    }
 
 
 def main() -> None:
@@ -129,10 +145,17 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.version.cuda,
-               "triton": triton.__version__}
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
+    machine = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.version.cuda,
+        "triton": triton.__version__,
+    }
     lengths = (2048, 8192) if args.quick else (2048, 8192, 32768)
     grid = [("decode", 8, L, 1, r) for L in lengths for r in (4, 8, 16)]
     grid += [("extend", 4, L, 256, r) for L in lengths[:2] for r in (4, 8, 16)]
@@ -144,19 +167,34 @@ def main() -> None:
                 m = measure(agents, seq_len, nq, rank, args.with_variant, workspace)
             except Exception as exc:  # one failing method must not lose the other records
                 m = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            rec = {"bench": "delta_attention_gpu", "commit": commit, "machine": machine,
-                   "config": {"mode": mode, "num_agents": agents, "seq_len": seq_len,
-                              "num_queries": nq, "rank": rank, "num_heads": H,
-                              "num_kv_heads": H_KV, "head_dim": D, "dtype": "bfloat16",
-                              "span_fraction": 0.9},
-                   "metrics": m}
+            rec = {
+                "bench": "delta_attention_gpu",
+                "commit": commit,
+                "machine": machine,
+                "config": {
+                    "mode": mode,
+                    "num_agents": agents,
+                    "seq_len": seq_len,
+                    "num_queries": nq,
+                    "rank": rank,
+                    "num_heads": H,
+                    "num_kv_heads": H_KV,
+                    "head_dim": D,
+                    "dtype": "bfloat16",
+                    "span_fraction": 0.9,
+                },
+                "metrics": m,
+            }
             records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()
             r = m.get("ratio_vs_flashinfer_plain", {})
-            print(f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} "
-                  + " ".join(f"{k}={v:.2f}x" for k, v in r.items()) + (m.get("error", "")),
-                  flush=True)
+            print(
+                f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} "
+                + " ".join(f"{k}={v:.2f}x" for k, v in r.items())
+                + (m.get("error", "")),
+                flush=True,
+            )
     plot(records, args.out / "delta_attention_gpu.png")
     print(f"wrote {jsonl}")
     sys.exit(0 if all("error" not in r["metrics"] for r in records) else 1)
@@ -177,8 +215,12 @@ def plot(records: list[dict], path: Path) -> None:
         rs = [r for r in ok if r["config"]["mode"] == mode and r["config"]["rank"] == 8]
         xs = [r["config"]["seq_len"] for r in rs]
         for method in rs[0]["metrics"]["ratio_vs_flashinfer_plain"] if rs else []:
-            ax.plot(xs, [r["metrics"]["ratio_vs_flashinfer_plain"][method] for r in rs],
-                    marker="o", label=method)
+            ax.plot(
+                xs,
+                [r["metrics"]["ratio_vs_flashinfer_plain"][method] for r in rs],
+                marker="o",
+                label=method,
+            )
         ax.axhline(1.3, color="red", lw=0.8, ls="--", label="target 1.3x")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length per agent")

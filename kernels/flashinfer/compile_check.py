@@ -31,11 +31,12 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
     ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
-    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(Path(tempfile.gettempdir()) / "kvcmas-fi"))
+    os.environ.setdefault(
+        "FLASHINFER_WORKSPACE_BASE", str(Path(tempfile.gettempdir()) / "kvcmas-fi")
+    )
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "8.0")
     import torch
     from flashinfer.jit.attention import gen_customize_batch_prefill_module
-
     from sglang_kvcmas.attention.flashinfer_delta import jit_args
 
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
@@ -57,7 +58,9 @@ def main() -> int:
     proc = subprocess.run(["ninja", "-C", str(spec.build_dir), "-j", jobs, *targets])
     elapsed = time.time() - t0
     ok = proc.returncode == 0 and all(o.exists() for o in objects)
-    print(f"[compile-check] {'ok' if ok else 'FAILED'}: {len(objects)} object(s) in {elapsed:.0f} s")
+    print(
+        f"[compile-check] {'ok' if ok else 'FAILED'}: {len(objects)} object(s) in {elapsed:.0f} s"
+    )
     return 0 if ok else 1
 
 

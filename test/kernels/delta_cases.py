@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 
 
@@ -77,7 +76,17 @@ def make_case(
     q = randn(total_q, num_kv_heads * group, head_dim)
     to = lambda t: t.to(device)  # noqa: E731
     return Case(
-        to(q), to(k_buffer), to(v_buffer), tuple(requests),
-        [[SpanFactors(*(None if d is None else LowRankDelta(to(d.u), to(d.c)) for d in (f.k, f.v)))
-          for f in facs] for facs in factors],
+        to(q),
+        to(k_buffer),
+        to(v_buffer),
+        tuple(requests),
+        [
+            [
+                SpanFactors(
+                    *(None if d is None else LowRankDelta(to(d.u), to(d.c)) for d in (f.k, f.v))
+                )
+                for f in facs
+            ]
+            for facs in factors
+        ],
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
+from delta_cases import ReqSpec, make_case
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.reference import (
     delta_attention,
@@ -17,8 +17,6 @@ from sglang_kvcmas.attention.reference import (
     reader_kv,
 )
 from sglang_kvcmas.attention.rope import apply_rope, rope_inv_freq
-
-from delta_cases import ReqSpec, make_case
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -64,8 +62,10 @@ def test_no_spans_equals_sdpa():
 def test_zero_delta_and_zero_shift_is_plain_attention():
     specs = [ReqSpec(81, 5, ((3, 40, 0), (50, 10, 0)), (4, 8))]
     case = make_case(specs, 2, 3, 32)
-    zero = [[SpanFactors(LowRankDelta(f.k.u * 0, f.k.c), LowRankDelta(f.v.u, f.v.c * 0))
-             for f in facs] for facs in case.factors]
+    zero = [
+        [SpanFactors(LowRankDelta(f.k.u * 0, f.k.c), LowRankDelta(f.v.u, f.v.c * 0)) for f in facs]
+        for facs in case.factors
+    ]
     inv = rope_inv_freq(32)
     got = delta_attention(case.q, case.k_buffer, case.v_buffer, case.requests, zero, inv)
     want = plain_attention(case.q, case.k_buffer, case.v_buffer, case.requests)
@@ -75,8 +75,8 @@ def test_zero_delta_and_zero_shift_is_plain_attention():
 def _owner_and_reader(rank: int | None, seed: int = 0):
     """A reader whose shared span was computed by an owner at other positions.
 
-    Returns (q, k_buffer, v_buffer, request, factors, k_true, v_true): k_true/v_true are the reader's
-    own recomputed KV ([seq_len, H_kv, d], keys rotated at reader positions), which the delta read
+    Returns (q, k_buffer, v_buffer, request, factors, k_true, v_true, inv_freq): k_true/v_true are
+    the reader's own recomputed KV ([seq_len, H_kv, d], keys rotated at reader positions), which the delta read
     must reproduce. rank=None: the deviation is full rank and factored exactly by SVD.
     """
     g = torch.Generator().manual_seed(seed)
@@ -97,8 +97,10 @@ def _owner_and_reader(rank: int | None, seed: int = 0):
         fk, fv = factor(dk), factor(dv)
     else:
         fk, fv = (
-            LowRankDelta(torch.randn(span_len, h_kv, rank, generator=g),
-                         torch.randn(h_kv, d, rank, generator=g) * 0.2)
+            LowRankDelta(
+                torch.randn(span_len, h_kv, rank, generator=g),
+                torch.randn(h_kv, d, rank, generator=g) * 0.2,
+            )
             for _ in range(2)
         )
         dk, dv = fk.dense(), fv.dense()

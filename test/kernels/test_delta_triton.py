@@ -20,7 +20,6 @@ import pytest
 import torch
 from conftest import FULL_GRID
 from delta_cases import ReqSpec, make_case
-
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SpanFactors
 from sglang_kvcmas.attention.plan import pack_delta_factors, plan_delta_batch
 from sglang_kvcmas.attention.reference import delta_attention, plain_attention
@@ -43,8 +42,9 @@ def run_both(case, block_n: int, decode: bool, num_splits: int | None = None, de
         plan, case.factors, case.k_buffer.shape[1], d, case.q.dtype, device, case.requests
     )
     if decode:
-        got = delta_decode_triton(case.q, case.k_buffer, case.v_buffer, plan, packed, inv,
-                                  num_splits=num_splits)
+        got = delta_decode_triton(
+            case.q, case.k_buffer, case.v_buffer, plan, packed, inv, num_splits=num_splits
+        )
     else:
         got = delta_extend_triton(case.q, case.k_buffer, case.v_buffer, plan, packed, inv)
     return got, want
@@ -56,23 +56,62 @@ EXTEND_CASES = {
     "len17_prefill": ([ReqSpec(17, 17)], 2, 3, 2, 32, 16, 16),
     "len81_gqa7": ([ReqSpec(81, 17, ((5, 55, 9),), (8,))], 8, 7, 1, 32, 1, 16),
     "len987_two_spans": (
-        [ReqSpec(987, 17, ((0, 500, 37), (600, 360, -120)), (16, 3))], 16, 3, 1, 32, 64, 64),
+        [ReqSpec(987, 17, ((0, 500, 37), (600, 360, -120)), (16, 3))],
+        16,
+        3,
+        1,
+        32,
+        64,
+        64,
+    ),
     "agents4_shared_span": (
-        [ReqSpec(81, 9, ((4, 60, 2),), (4,)), ReqSpec(81, 3, ((9, 60, -3),), (1,)),
-         ReqSpec(17, 1, ((1, 15, 0),), (13,)), ReqSpec(40, 40)], 4, 3, 2, 64, 16, 32),
+        [
+            ReqSpec(81, 9, ((4, 60, 2),), (4,)),
+            ReqSpec(81, 3, ((9, 60, -3),), (1,)),
+            ReqSpec(17, 1, ((1, 15, 0),), (13,)),
+            ReqSpec(40, 40),
+        ],
+        4,
+        3,
+        2,
+        64,
+        16,
+        32,
+    ),
     "long_queries_naive_reuse": ([ReqSpec(120, 81, ((3, 32, 5),), (0,))], 0, 1, 2, 32, 1, 32),
 }
 
 DECODE_CASES = {
     "batch_1_17_81": (
         [ReqSpec(1, 1), ReqSpec(17, 1, ((0, 16, 3),), (8,)), ReqSpec(81, 1, ((10, 50, 4),), (8,))],
-        1, 7, 1, 32, 1, 16),
+        1,
+        7,
+        1,
+        32,
+        1,
+        16,
+    ),
     "len987_splits": (
         [ReqSpec(987, 1, ((1, 900, 11),), (16,)), ReqSpec(81, 1, ((0, 80, -2),), (4,))],
-        4, 3, 2, 32, 16, 64),
+        4,
+        3,
+        2,
+        32,
+        16,
+        64,
+    ),
     "agents5_mixed_ranks": (
-        [ReqSpec(60, 1, ((5, 40, s),), (r,)) for s, r in ((0, 1), (3, 2), (-4, 7), (8, 16), (1, 0))],
-        2, 1, 2, 64, 64, 16),
+        [
+            ReqSpec(60, 1, ((5, 40, s),), (r,))
+            for s, r in ((0, 1), (3, 2), (-4, 7), (8, 16), (1, 0))
+        ],
+        2,
+        1,
+        2,
+        64,
+        64,
+        16,
+    ),
 }
 
 
@@ -99,7 +138,9 @@ def _full_grid():
 @pytest.mark.parametrize("name", list(EXTEND_CASES))
 def test_extend_matches_reference(name, device):
     specs, _, group, h_kv, d, page, block_n = EXTEND_CASES[name]
-    case = make_case(specs, h_kv, group, d, page_size=page, seed=zlib.crc32(name.encode()) % 1000, device=device)
+    case = make_case(
+        specs, h_kv, group, d, page_size=page, seed=zlib.crc32(name.encode()) % 1000, device=device
+    )
     got, want = run_both(case, block_n, decode=False, device=device)
     torch.testing.assert_close(got, want, **tol(torch.float32, device))
 
@@ -116,8 +157,10 @@ def test_decode_matches_reference(name, num_splits, device):
 def test_zero_delta_kernel_is_plain_attention(device):
     specs = [ReqSpec(81, 5, ((2, 70, 0),), (8,)), ReqSpec(17, 1, ((0, 16, 0),), (8,))]
     case = make_case(specs, 2, 3, 32, page_size=16, device=device)
-    zero = [[SpanFactors(LowRankDelta(f.k.u * 0, f.k.c), LowRankDelta(f.v.u * 0, f.v.c))
-             for f in facs] for facs in case.factors]
+    zero = [
+        [SpanFactors(LowRankDelta(f.k.u * 0, f.k.c), LowRankDelta(f.v.u * 0, f.v.c)) for f in facs]
+        for facs in case.factors
+    ]
     inv = rope_inv_freq(32).to(device)
     plan = plan_delta_batch(case.requests, 16, device)
     packed = pack_delta_factors(plan, zero, 2, 32, torch.float32, device)
@@ -134,8 +177,9 @@ def test_exact_delta_kernel_equals_recomputed_kv(device):
     req = DeltaRequest(req.kv_indices, req.num_queries, req.spans)
     plan = plan_delta_batch([req], 16, device)
     packed = pack_delta_factors(plan, [facs], kb.shape[1], kb.shape[2], torch.float32, device)
-    got = delta_extend_triton(q.to(device), kb.to(device), vb.to(device), plan, packed,
-                              inv.to(device))
+    got = delta_extend_triton(
+        q.to(device), kb.to(device), vb.to(device), plan, packed, inv.to(device)
+    )
     torch.testing.assert_close(got.cpu(), sdpa(q, k_true, v_true), atol=1e-4, rtol=1e-4)
 
 

@@ -62,7 +62,9 @@ class LowRankDelta:
 
     def __post_init__(self) -> None:
         if self.u.dim() != 3 or self.c.dim() != 3:
-            raise ValueError(f"u must be 3-D and c 3-D, got {tuple(self.u.shape)}, {tuple(self.c.shape)}")
+            raise ValueError(
+                f"u must be 3-D and c 3-D, got {tuple(self.u.shape)}, {tuple(self.c.shape)}"
+            )
         if self.u.shape[1] != self.c.shape[0] or self.u.shape[2] != self.c.shape[2]:
             raise ValueError(f"u {tuple(self.u.shape)} does not match c {tuple(self.c.shape)}")
 
@@ -127,8 +129,9 @@ class DeltaRequest:
         return self.seq_len - self.num_queries
 
 
-def check_factors(requests: tuple[DeltaRequest, ...] | list[DeltaRequest],
-                  factors: list[list[SpanFactors]] | None) -> None:
+def check_factors(
+    requests: tuple[DeltaRequest, ...] | list[DeltaRequest], factors: list[list[SpanFactors]] | None
+) -> None:
     """Raise unless ``factors[i][j]`` exists for every span j of request i, with matching length."""
     if factors is None:
         return

@@ -28,10 +28,17 @@ from sglang_kvcmas.attention.batch import DeltaRequest
 from sglang_kvcmas.attention.plan import DeltaPlan
 
 VARIANT_NAME = "KvcmasDeltaKeyAttention"
-VARIANT_SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "flashinfer" / "delta_variant.cuh"
+VARIANT_SOURCE = (
+    Path(__file__).resolve().parents[3] / "kernels" / "flashinfer" / "delta_variant.cuh"
+)
 TENSOR_NAMES = [
-    "kvcmas_token_offset", "kvcmas_token_span", "kvcmas_token_urow", "kvcmas_token_shift",
-    "kvcmas_k_u", "kvcmas_k_c", "kvcmas_inv_freq",
+    "kvcmas_token_offset",
+    "kvcmas_token_span",
+    "kvcmas_token_urow",
+    "kvcmas_token_shift",
+    "kvcmas_k_u",
+    "kvcmas_k_c",
+    "kvcmas_inv_freq",
 ]
 TENSOR_DTYPES = ["int32_t"] * 4 + ["float"] * 3
 SCALAR_NAMES = ["sm_scale", "kvcmas_block_r", "kvcmas_num_kv_heads"]
@@ -54,8 +61,19 @@ def jit_args(dtype: torch.dtype, head_dim: int) -> list:
     """
     tag = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     return [
-        f"kvcmas_delta_key_{tag}_d{head_dim}", dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-        TENSOR_NAMES, TENSOR_DTYPES, SCALAR_NAMES, SCALAR_DTYPES, VARIANT_NAME, variant_decl(),
+        f"kvcmas_delta_key_{tag}_d{head_dim}",
+        dtype,
+        dtype,
+        dtype,
+        torch.int32,
+        head_dim,
+        head_dim,
+        TENSOR_NAMES,
+        TENSOR_DTYPES,
+        SCALAR_NAMES,
+        SCALAR_DTYPES,
+        VARIANT_NAME,
+        variant_decl(),
     ]
 
 
@@ -81,12 +99,18 @@ def token_metadata(plan: DeltaPlan) -> TokenMetadata:
     lens = plan.tile_len.long().cpu()
     span = torch.repeat_interleave(plan.tile_span.cpu(), lens)
     shift = torch.repeat_interleave(plan.tile_shift.cpu(), lens)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(
+        torch.cumsum(lens, 0) - lens, lens
+    )
     urow = torch.repeat_interleave(plan.tile_urow.cpu(), lens) + within
     urow = torch.where(span >= 0, urow, torch.zeros_like(urow))
     dev = plan.kv_indptr.device
-    return TokenMetadata(plan.kv_indptr, span.to(dev, torch.int32), urow.to(dev, torch.int32),
-                         shift.to(dev, torch.int32))
+    return TokenMetadata(
+        plan.kv_indptr,
+        span.to(dev, torch.int32),
+        urow.to(dev, torch.int32),
+        shift.to(dev, torch.int32),
+    )
 
 
 class DeltaFlashInferWrapper:
@@ -126,10 +150,17 @@ class DeltaFlashInferWrapper:
         self._meta = token_metadata(plan)
         self._num_kv_heads = num_kv_heads
         self._inner.plan(
-            plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
             torch.ones(len(requests), dtype=torch.int32, device=dev),
-            num_qo_heads, num_kv_heads, self._head_dim, 1, causal=True,
-            q_data_type=self._dtype, kv_data_type=self._dtype,
+            num_qo_heads,
+            num_kv_heads,
+            self._head_dim,
+            1,
+            causal=True,
+            q_data_type=self._dtype,
+            kv_data_type=self._dtype,
         )
 
     def run(
@@ -159,7 +190,16 @@ class DeltaFlashInferWrapper:
         scale = sm_scale if sm_scale is not None else self._head_dim**-0.5
         paged = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # [pool, page_size=1, H_kv, d]
         return self._inner.run(
-            q, paged, m.offset, m.span, m.urow, m.shift,
-            k_u.float().contiguous(), k_c.float().contiguous(), inv_freq.float().contiguous(),
-            float(scale), int(k_u.shape[-1]), int(self._num_kv_heads),
+            q,
+            paged,
+            m.offset,
+            m.span,
+            m.urow,
+            m.shift,
+            k_u.float().contiguous(),
+            k_c.float().contiguous(),
+            inv_freq.float().contiguous(),
+            float(scale),
+            int(k_u.shape[-1]),
+            int(self._num_kv_heads),
         )

@@ -10,8 +10,9 @@ rotation by position ``p`` with frequencies ``inv_freq: [d/2]`` is
 
 Angles are computed in float32 as ``p · inv_freq`` exactly as SGLang builds its ``cos_sin_cache``
 (float32 positions times float32 frequencies), but directly from the position so that negative
-shifts work. Only full-width rotary (``rotary_dim == head_dim``), neox style, is supported; frequency
-rescalings that only change ``inv_freq`` (Llama-3 style) are supported by passing that ``inv_freq``.
+shifts work. Only full-width rotary (``rotary_dim == head_dim``), neox style, is supported;
+frequency rescalings that only change ``inv_freq`` (Llama-3 style) work by passing that
+``inv_freq``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
     return 1.0 / (base**exponent)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of ``positions · inv_freq``.
 
     Args:
