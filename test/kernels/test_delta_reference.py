@@ -76,8 +76,8 @@ def _owner_and_reader(rank: int | None, seed: int = 0):
     """A reader whose shared span was computed by an owner at other positions.
 
     Returns (q, k_buffer, v_buffer, request, factors, k_true, v_true, inv_freq): k_true/v_true are
-    the reader's own recomputed KV ([seq_len, H_kv, d], keys rotated at reader positions), which the delta read
-    must reproduce. rank=None: the deviation is full rank and factored exactly by SVD.
+    the reader's own recomputed KV ([seq_len, H_kv, d], keys rotated at reader positions), which
+    the delta read must reproduce. rank=None: the deviation is full rank, factored exactly by SVD.
     """
     g = torch.Generator().manual_seed(seed)
     h_kv, group, d, inv = 2, 3, 32, rope_inv_freq(32)
