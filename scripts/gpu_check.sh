@@ -35,7 +35,10 @@ step() {
   return $rc
 }
 
-nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed"
+# No GPU, no install: never touch the venv on a CPU machine.
+if ! nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1; then
+  log "nvidia-smi failed: no GPU here"; exit 2
+fi
 if ! "$PY" -c "import torch, flashinfer, triton; assert torch.cuda.is_available()" 2>/dev/null; then
   step install 900 env KVCMAS_GPU=1 VENV="$VENV" bash scripts/install.sh || exit 1
 fi
