@@ -1,11 +1,14 @@
 """CPU micro-benchmark of the torch reference: reading through deltas vs. plain attention.
 
 For each (mode, length, rank) it times, side by side in one run, attention of a batch of reader
-agents over the same pool (a) plain, exactly as stored, and (b) through shared spans with rank-r
-K/V deltas and position shifts. Reported: the median over repeats of the per-repeat ratio
-delta/plain (the two are timed back to back, alternating which goes first, each as the minimum of 3
-calls, so machine noise hits both and preemption is filtered), with absolute milliseconds as
-context. Writes one JSONL record per configuration and a PNG.
+agents over the same pool (a) plain, exactly as stored, (b) through shared spans with rank-r K/V
+deltas and position shifts by the reference (``reference.delta_attention``), and (c) the same by
+the planned torch path (``torch_delta``: rotations precomputed once per batch, LoRA-form values;
+its per-batch plan time is reported separately — it is shared by every layer). Reported: the
+median over repeats of the per-repeat ratio to plain (the three are timed back to back, rotating
+which goes first, each as the minimum of 3 calls, so machine noise hits all and preemption is
+filtered), with absolute milliseconds as context. Writes one JSONL record per configuration
+and a PNG.
 
     python benchmark/kernels/delta_attention_bench.py [--out DIR] [--repeats N]
 
@@ -27,6 +30,7 @@ import torch
 from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.reference import delta_attention, plain_attention
 from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.torch_delta import plan_torch_delta, run_torch_delta
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 NUM_AGENTS = 4
@@ -65,12 +69,14 @@ def measure(
 ) -> dict:
     q, kb, vb, reqs, facs = build(seq_len, num_queries, rank)
     inv = rope_inv_freq(HEAD_DIM, 1e5)
-
-    def plain():
-        plain_attention(q, kb, vb, reqs)
-
-    def delta():
-        delta_attention(q, kb, vb, reqs, facs, inv)
+    t0 = time.perf_counter()
+    plan = plan_torch_delta(reqs, inv)
+    plan_s = time.perf_counter() - t0
+    methods = {
+        "plain": lambda: plain_attention(q, kb, vb, reqs),
+        "reference": lambda: delta_attention(q, kb, vb, reqs, facs, inv),
+        "planned": lambda: run_torch_delta(q, kb, vb, plan, facs),
+    }
 
     def timed(fn) -> float:
         # Min over a few back-to-back calls: on a shared machine, preemption only adds time.
@@ -82,22 +88,30 @@ def measure(
         return best
 
     for _ in range(warmup):
-        plain(), delta()
-    t_plain, t_delta, ratios = [], [], []
+        for fn in methods.values():
+            fn()
+    names = list(methods)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     for i in range(repeats):
-        if i % 2:
-            d, p = timed(delta), timed(plain)
-        else:
-            p, d = timed(plain), timed(delta)
-        t_plain.append(p), t_delta.append(d), ratios.append(d / p)
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return {
-        "plain_ms": 1e3 * statistics.median(t_plain),
-        "delta_ms": 1e3 * statistics.median(t_delta),
-        "ratio_median": statistics.median(ratios),
-        "ratio_q1": q1,
-        "ratio_q3": q3,
-    }
+        order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
+        t = {n: timed(methods[n]) for n in order}
+        for n in names:
+            times[n].append(t[n])
+        for n in names[1:]:
+            ratios[n].append(t[n] / t["plain"])
+    out = {f"{n}_ms": 1e3 * statistics.median(times[n]) for n in names}
+    out["plan_ms"] = 1e3 * plan_s
+    for n in names[1:]:
+        q1, med, q3 = statistics.quantiles(ratios[n], n=4)
+        out.update(
+            {
+                f"ratio_{n}_median": statistics.median(ratios[n]),
+                f"ratio_{n}_q1": q1,
+                f"ratio_{n}_q3": q3,
+            }
+        )
+    return out
 
 
 def commit() -> str:
@@ -114,28 +128,34 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = sorted({r["config"]["mode"] for r in records})
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.8), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        for rank in sorted({r["config"]["rank"] for r in records}):
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for k, rank in enumerate(sorted({r["config"]["rank"] for r in records})):
             rs = [r for r in records if r["config"]["mode"] == mode and r["config"]["rank"] == rank]
             xs = [r["config"]["seq_len"] for r in rs]
-            ax.errorbar(
-                xs,
-                [r["metrics"]["ratio_median"] for r in rs],
-                yerr=[
-                    [r["metrics"]["ratio_median"] - r["metrics"]["ratio_q1"] for r in rs],
-                    [r["metrics"]["ratio_q3"] - r["metrics"]["ratio_median"] for r in rs],
-                ],
-                marker="o",
-                capsize=3,
-                label=f"rank {rank}",
-            )
+            for method, style in (("planned", "-"), ("reference", ":")):
+                m = [r["metrics"] for r in rs]
+                med = [x[f"ratio_{method}_median"] for x in m]
+                err = [
+                    [a - x[f"ratio_{method}_q1"] for a, x in zip(med, m, strict=True)],
+                    [x[f"ratio_{method}_q3"] - a for a, x in zip(med, m, strict=True)],
+                ]
+                ax.errorbar(
+                    xs,
+                    med,
+                    yerr=err,
+                    marker="o",
+                    ls=style,
+                    capsize=3,
+                    color=f"C{k}",
+                    label=f"{method}, rank {rank}",
+                )
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("time through deltas / plain attention")
-        ax.set_title(f"torch reference, CPU, {mode}, {NUM_AGENTS} agents")
-        ax.legend()
+        ax.set_title(f"torch on CPU, {mode}, {NUM_AGENTS} agents")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -157,7 +177,10 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     records = []
-    print(f"{'mode':>7} {'len':>5} {'rank':>4} {'plain ms':>9} {'delta ms':>9} {'ratio':>6} (IQR)")
+    print(
+        f"{'mode':>7} {'len':>5} {'rank':>4} {'plain ms':>9} {'ref ms':>8} {'plan+run ms':>11}"
+        f" {'ref/plain':>9} {'planned/plain (IQR)':>20}"
+    )
     for mode, num_queries in (("decode", 1), ("extend", 32)):
         for seq_len in args.lengths:
             for rank in args.ranks:
@@ -182,8 +205,10 @@ def main() -> None:
                 }
                 records.append(rec)
                 print(
-                    f"{mode:>7} {seq_len:>5} {rank:>4} {m['plain_ms']:>9.2f} {m['delta_ms']:>9.2f}"
-                    f" {m['ratio_median']:>6.2f} ({m['ratio_q1']:.2f}-{m['ratio_q3']:.2f})",
+                    f"{mode:>7} {seq_len:>5} {rank:>4} {m['plain_ms']:>9.2f}"
+                    f" {m['reference_ms']:>8.2f} {m['planned_ms']:>6.2f}+{m['plan_ms']:<4.2f}"
+                    f" {m['ratio_reference_median']:>9.2f} {m['ratio_planned_median']:>9.2f}"
+                    f" ({m['ratio_planned_q1']:.2f}-{m['ratio_planned_q3']:.2f})",
                     flush=True,
                 )
     jsonl = args.out / "delta_attention_cpu.jsonl"

@@ -159,3 +159,30 @@ def test_lora_value_read_matches_materialized():
     # The same read as a LowRankDelta: U = a, C = s·Bᵀ.
     dense = LowRankDelta(a, s * b.transpose(1, 2)).dense()
     torch.testing.assert_close(v0 + dense, v_agent, **TOL)
+
+
+def test_planned_torch_path_equals_reference():
+    from sglang_kvcmas.attention.torch_delta import plan_torch_delta, run_torch_delta
+
+    specs = [
+        ReqSpec(81, 17, ((3, 40, 6), (45, 19, -9)), (8, 0)),
+        ReqSpec(40, 1, ((0, 39, 2),), (16,)),
+        ReqSpec(17, 17),
+        ReqSpec(1, 1),
+    ]
+    case = make_case(specs, 3, 3, 64, page_size=16)
+    inv = rope_inv_freq(64, 1e5)
+    want = delta_attention(case.q, case.k_buffer, case.v_buffer, case.requests, case.factors, inv)
+    plan = plan_torch_delta(case.requests, inv)
+    got = run_torch_delta(case.q, case.k_buffer, case.v_buffer, plan, case.factors)
+    torch.testing.assert_close(got, want, **TOL)
+    plain = run_torch_delta(
+        case.q,
+        case.k_buffer,
+        case.v_buffer,
+        plan_torch_delta([DeltaRequest(r.kv_indices, r.num_queries) for r in case.requests], inv),
+        None,
+    )
+    torch.testing.assert_close(
+        plain, plain_attention(case.q, case.k_buffer, case.v_buffer, case.requests), **TOL
+    )

@@ -3,7 +3,8 @@
 Modules (one noun each):
   ``batch``            frozen descriptions of a batch: requests, shared spans, delta factors
   ``rope``             neox RoPE helpers (rotations compose: the re-positioning algebra)
-  ``reference``        the torch reference (oracle, CPU serving path); the algebra is its docstring
+  ``reference``        the torch reference (the oracle); the algebra is its docstring
+  ``torch_delta``      the same read planned once per batch: the CPU serving path
   ``plan``             host-side tiling and factor packing for the kernels
   ``triton_delta``     Triton extend/decode kernels (imports triton)
   ``flashinfer_delta`` FlashInfer variant wrapper (imports flashinfer lazily, GPU only)
@@ -27,6 +28,7 @@ from sglang_kvcmas.attention.reference import (
     reader_kv,
 )
 from sglang_kvcmas.attention.rope import apply_rope, rope_inv_freq
+from sglang_kvcmas.attention.torch_delta import TorchDeltaPlan, plan_torch_delta, run_torch_delta
 
 __all__ = [
     "DeltaPlan",
@@ -35,6 +37,7 @@ __all__ = [
     "PackedFactors",
     "SharedSpan",
     "SpanFactors",
+    "TorchDeltaPlan",
     "apply_rope",
     "causal_attention",
     "delta_attention",
@@ -43,6 +46,8 @@ __all__ = [
     "pack_delta_factors",
     "plain_attention",
     "plan_delta_batch",
+    "plan_torch_delta",
     "reader_kv",
     "rope_inv_freq",
+    "run_torch_delta",
 ]
