@@ -1,0 +1,397 @@
+"""KVCMAS lab: prompt-specialized agents share one cache, measured against every baseline.
+
+For each workload instance the transcript is generated once with no sharing (dense prefill and
+greedy decoding of every agent's turn); every method then replays the same turns:
+
+- a segment's first reader owns it: its cache of the segment (its base) is never modified; an
+  agent's answer is a new segment owned by it;
+- an agent holds its head and its own view of everything up to its last turn (prefix caching);
+- a non-owner turn reads the segments others own since: ``builder.build`` returns its cache and
+  first-token logits; that call, timed as a whole (median of repeats), is the turn's TTFT.
+
+Per (method, turn) it records teacher-forced top-1 / KL vs no sharing over the reference
+continuation, greedy exact match / first divergence, per-layer KV relative error on the read
+tokens, TTFT, recomputed tokens and bytes held (bases + leaves + correction state + heads).
+
+    python benchmark/lab/kvcmas_lab.py --quick          # < 10 min on 2 cores; prints HEADLINE
+    python benchmark/lab/kvcmas_lab.py --workload both --instances 3 --rounds 3 --agents 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    JsonlWriter,
+    Reference,
+    TurnMetrics,
+    fidelity_bundle,
+    format_table,
+    plot_methods,
+    summarize,
+)
+from kvcmas_workloads import END, SUFFIX, Workload, debate, reviewer_chain  # noqa: E402
+
+from sglang_kvcmas.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
+from sglang_kvcmas.correction.fidelity import kv_relative_error  # noqa: E402
+from sglang_kvcmas.models.reference_llama import KVCache, RefLlama  # noqa: E402
+from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
+
+# name -> (registry name, kwargs). Order = table order.
+METHODS: dict[str, tuple[str, dict]] = {
+    "no_sharing": ("no_sharing", {}),
+    "prefix_caching": ("prefix_caching", {}),
+    "naive": ("naive", {}),
+    "cacheblend_5": ("cacheblend", {"rho": 0.05}),
+    "cacheblend_15": ("cacheblend", {"rho": 0.15}),
+    "cacheblend_30": ("cacheblend", {"rho": 0.30}),
+    "kvcomm": ("kvcomm", {}),
+    **{f"oracle_r{r}": ("oracle", {"rank": r}) for r in (1, 2, 4, 8, 16)},
+    "kvcmas": ("kvcmas", {"estimator": "online", "rho": 0.05}),
+    "kvcmas_transfer": ("kvcmas", {"estimator": "transfer", "rho": 0.05}),
+    "kvcmas_sparse": ("kvcmas", {"estimator": "sparse", "rho": 0.05}),
+    "kvcmas_first16": ("kvcmas", {"estimator": "online", "rho": 0.0}),
+}
+
+
+# ---- transcript (method independent) ------------------------------------------------------
+@dataclass
+class Turn:
+    """One planned turn with its dense reference. seg_ids: ids of every shared segment in the
+    prompt (index 0 = the task); suffix_ids; answer segment ids (suffix + answer + end)."""
+
+    agent: str
+    round: int
+    seg_ids: list[torch.Tensor]
+    suffix_ids: torch.Tensor
+    answer_seg: torch.Tensor
+    ref: Reference
+
+
+@dataclass
+class Transcript:
+    workload: Workload
+    heads: dict[str, torch.Tensor]
+    turns: list[Turn] = field(default_factory=list)
+
+
+def ids_of(tok, text: str) -> torch.Tensor:
+    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def make_transcript(model: RefLlama, tok, wl: Workload, answer_tokens: int, cont_tokens: int,
+                    log) -> Transcript:
+    """Dense (no sharing) generation of every turn: prompts, references and answers."""
+    from common import make_reference
+
+    heads = {a: ids_of(tok, wl.head_text(a)) for a in wl.agents}
+    task = ids_of(tok, wl.task_segment_text())
+    suffix = ids_of(tok, SUFFIX)
+    end = ids_of(tok, END)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for a in wl.agents:  # tokenization must compose at our segment boundaries
+        full = ids_of(tok, wl.head_text(a) + wl.task_segment_text() + SUFFIX)
+        assert torch.equal(full, torch.cat([heads[a], task, suffix])), "boundary merge"
+    tr = Transcript(wl, heads)
+    segs = [task]
+    for i, plan in enumerate(wl.turns):
+        prompt = torch.cat([heads[plan.agent], *segs, suffix])
+        t0 = time.perf_counter()
+        ref = make_reference(model, prompt, max(cont_tokens, answer_tokens))
+        cont = ref.greedy_ids
+        ans = cont[:answer_tokens]
+        if im_end in ans:
+            ans = ans[: ans.index(im_end)]
+        ref = Reference(ref.cache, ref.last_logits, ref.cont_ids[:cont_tokens],
+                        ref.tf_logits[:cont_tokens], cont[:cont_tokens])
+        seg = torch.cat([suffix, torch.tensor(ans, dtype=torch.long), end])
+        tr.turns.append(Turn(plan.agent, plan.round, list(segs), suffix, seg, ref))
+        segs.append(seg)
+        log(f"  [{wl.name}#{wl.instance}] turn {i} {plan.agent}: prompt {prompt.numel()} tok, "
+            f"answer {len(ans)} tok ({time.perf_counter() - t0:.1f}s): "
+            f"{tok.decode(ans[:24])!r}...")
+    return tr
+
+
+# ---- replay one method over a transcript ------------------------------------------------
+@dataclass
+class SegState:
+    owner: str
+    base: KVCache  # owner's cache of the segment (owner positions); never modified
+    depth: int  # corrections the base's own context went through (0 = exact)
+
+
+@dataclass
+class AgentState:
+    views: list[KVCache] = field(default_factory=list)  # its view of segments 0..len-1
+    depths: list[int] = field(default_factory=list)
+
+
+def run_method(model: RefLlama, tr: Transcript, label: str, reg_name: str, kwargs: dict,
+               head_caches: dict[str, KVCache], repeats: int, greedy: bool, writer, config,
+               log) -> list[dict]:
+    builder = create_builder(reg_name, **kwargs)
+    wl = tr.workload
+    segs: list[SegState] = []
+    agents = {a: AgentState() for a in wl.agents}
+    leaves_bytes: dict[tuple[int, str], int] = {}
+    peak_working = 0
+    records = []
+    for ti, turn in enumerate(tr.turns):
+        ag = agents[turn.agent]
+        head = head_caches[turn.agent]
+        held = len(ag.views)
+        prefix = KVCache.concat([head, *ag.views]) if ag.views else head
+        prefix_ids = torch.cat([tr.heads[turn.agent], *turn.seg_ids[:held]])
+        pos = len(prefix)
+        reads, own_new = [], []
+        for j in range(held, len(turn.seg_ids)):
+            ids = turn.seg_ids[j]
+            p = torch.arange(pos, pos + ids.numel())
+            if j >= len(segs):  # nobody computed it yet: this reader owns it
+                own_new.append(j)
+            else:
+                slot = "task" if j == 0 else f"a{j}"
+                reads.append(SharedRead(j, segs[j].owner, ids, segs[j].base, p, slot))
+            pos += ids.numel()
+        is_owner = not reads
+        if is_owner:
+            # Owner turn (exact for every method): prefill its new segments + suffix on its own.
+            ids = torch.cat([*(turn.seg_ids[j] for j in own_new), turn.suffix_ids])
+            t0 = time.perf_counter()
+            out = model.forward(ids, past=prefix)
+            ttft, times = time.perf_counter() - t0, ()
+            cache = KVCache.concat([prefix, out.kv])
+            last = out.logits[-1]
+            start = len(prefix)
+            for j in own_new:
+                n = turn.seg_ids[j].numel()
+                v = cache.slice(start, start + n)
+                segs.append(SegState(turn.agent, v, 0))
+                ag.views.append(v)
+                ag.depths.append(0)
+                start += n
+            views, recomputed, info, read_depth = (), 0, {}, 0
+        else:
+            assert not own_new, "a reader only owns segments nobody read before it"
+            ref_views = None
+            if builder.needs_reference:
+                ref_views, s = [], len(prefix)
+                for r in reads:
+                    ref_views.append(turn.ref.cache.slice(s, s + r.ids.numel()))
+                    s += r.ids.numel()
+                ref_views = tuple(ref_views)
+            req = ReadRequest(turn.agent, prefix, prefix_ids, tuple(reads), turn.suffix_ids,
+                              ref_views)
+            # Each timed repeat runs on its own copy of the method's state (made beforehand).
+            copies = [copy.deepcopy(builder) for _ in range(max(1, repeats))]
+            times = []
+            for b in copies:
+                t0 = time.perf_counter()
+                res = b.build(model, req)
+                times.append(time.perf_counter() - t0)
+            builder = copies[-1]
+            ttft = sorted(times)[len(times) // 2]
+            times = tuple(times)
+            cache, last, views = res.cache, res.last_logits, res.views
+            recomputed, info = res.recomputed_tokens, res.info
+            for r, leaf in zip(reads, res.leaves):
+                leaves_bytes[(r.segment_id, turn.agent)] = leaf.nbytes()
+            read_depth = 1 + max(segs[r.segment_id].depth for r in reads)
+            ag.views.extend(views)
+            ag.depths.extend(segs[r.segment_id].depth + 1 for r in reads)
+        # The agent's answer: a new segment it owns, computed over its own cache.
+        ans = turn.answer_seg[turn.suffix_ids.numel():]
+        out = model.forward(ans, past=cache)
+        n_suf = turn.suffix_ids.numel()
+        base = KVCache.concat([cache.slice(len(cache) - n_suf, len(cache)), out.kv])
+        segs.append(SegState(turn.agent, base, 0 if is_owner else read_depth))
+        ag.views.append(base)
+        ag.depths.append(0 if is_owner else read_depth)
+        peak_working = max(peak_working, len(cache) + ans.numel())
+        # Metrics.
+        fid = fidelity_bundle(model, turn.ref, cache, last, greedy=greedy)
+        kerr = verr = []
+        if views:
+            s0 = len(prefix)
+            n = sum(v.positions.numel() for v in views)
+            ref_read = turn.ref.cache.slice(s0, s0 + n)
+            got = KVCache.concat(list(views))
+            kerr = kv_relative_error(ref_read.k, got.k)
+            verr = kv_relative_error(ref_read.v, got.v)
+        spec = model.spec
+        per_tok = spec.kv_bytes_per_token(model.dtype)
+        heads_b = sum(len(h) for h in head_caches.values()) * per_tok
+        if builder.persistent:
+            bytes_held = (heads_b + sum(len(s.base) for s in segs) * per_tok
+                          + sum(leaves_bytes.values()) + builder.state_nbytes())
+        else:
+            bytes_held = peak_working * per_tok
+        m = TurnMetrics(
+            method=label, workload=wl.name, instance=wl.instance, turn=ti, agent=turn.agent,
+            is_owner_turn=is_owner, prompt_tokens=int(turn.ref.cache.positions.numel()),
+            shared_tokens=int(sum(s.numel() for s in turn.seg_ids)),
+            new_shared_tokens=int(sum(r.ids.numel() for r in reads)),
+            chain_depth=int(read_depth), top1=fid["top1"], mean_kl=fid["mean_kl"],
+            max_kl=fid["max_kl"], greedy_exact=fid.get("greedy_exact", float("nan")),
+            first_divergence=fid.get("first_divergence", -1), ttft_s=ttft, ttft_times_s=times,
+            bytes_held=int(bytes_held), recomputed_tokens=int(recomputed), kv_rel_err_k=kerr,
+            kv_rel_err_v=verr, extra={**info, "num_reads": len(reads)})
+        rec = m.as_dict()
+        writer.write({**config, "method": label, "builder": builder.describe()}, rec)
+        records.append(rec)
+    return records
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def headline(summary: dict, method: str = "kvcmas") -> str:
+    k, nv, ns, kc = (summary[m] for m in (method, "naive", "no_sharing", "kvcomm"))
+    kl_rec = 1.0 - k["mean_kl"] / nv["mean_kl"] if nv["mean_kl"] > 0 else float("nan")
+    return (f"HEADLINE method={method} kl_recovered={kl_rec:.3f} "
+            f"ttft_speedup={ns['ttft_s'] / k['ttft_s']:.2f} "
+            f"bytes_ratio_vs_kvcomm={kc['bytes_held'] / k['bytes_held']:.2f} top1={k['top1']:.3f}")
+
+
+def add_derived(summary: dict) -> None:
+    nv, ns = summary.get("naive"), summary.get("no_sharing")
+    for row in summary.values():
+        if nv and nv["mean_kl"] > 0:
+            row["kl_recovered"] = 1.0 - row["mean_kl"] / nv["mean_kl"]
+        if ns:
+            row["ttft_speedup"] = ns["ttft_s"] / row["ttft_s"] if row["ttft_s"] else float("nan")
+        if "kvcomm" in summary:
+            row["bytes_vs_kvcomm"] = summary["kvcomm"]["bytes_held"] / max(1, row["bytes_held"])
+
+
+COLUMNS = ["n", "top1", "mean_kl", "kl_recovered", "greedy_exact", "first_divergence", "ttft_s",
+           "ttft_speedup", "recomputed_frac", "bytes_held", "bytes_vs_kvcomm", "kv_err_k",
+           "kv_err_v"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small run (< 10 min on 2 cores)")
+    ap.add_argument("--workload", choices=("debate", "chain", "both"), default="debate")
+    ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--first-instance", type=int, default=0)
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--answer-tokens", type=int, default=64)
+    ap.add_argument("--cont-tokens", type=int, default=32)
+    ap.add_argument("--essay-chars", type=int, default=4000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-greedy", action="store_true")
+    ap.add_argument("--methods", default="all", help="comma list of METHODS labels, or all")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="1 is faster than 2 on a shared 2-core machine")
+    ap.add_argument("--out", default="results/kvcmas_lab")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.instances, args.agents, args.rounds = 1, 4, 2
+        args.answer_tokens, args.repeats = 48, 3
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / f"kvcmas_lab{'_quick' if args.quick else ''}.jsonl"
+    jsonl.unlink(missing_ok=True)
+    writer = JsonlWriter(jsonl)
+    labels = list(METHODS) if args.methods == "all" else args.methods.split(",")
+    for must in ("no_sharing", "naive", "kvcomm", "kvcmas"):
+        if must not in labels:
+            labels.append(must)
+
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_path()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = RefLlama.from_pretrained(folder, torch.float32)
+    log(f"model {folder.name if hasattr(folder, 'name') else folder}: {model.spec}")
+
+    workloads = []
+    for i in range(args.first_instance, args.first_instance + args.instances):
+        if args.workload in ("debate", "both"):
+            workloads.append(debate(i, args.agents, args.rounds))
+        if args.workload in ("chain", "both"):
+            workloads.append(reviewer_chain(i, args.essay_chars))
+
+    records = []
+    # Stateful methods (KVCOMM anchors, KVCMAS online state) keep state across instances of the
+    # same workload, as a server would: run instances in order inside one builder per method.
+    for wl in workloads:
+        log(f"transcript {wl.name}#{wl.instance}: {len(wl.turns)} turns, agents {wl.agents}")
+        tr = make_transcript(model, tok, wl, args.answer_tokens, args.cont_tokens, log)
+        head_caches = {a: model.forward(h).kv for a, h in tr.heads.items()}
+        for label in labels:
+            reg, kw = METHODS[label]
+            config = {"workload": wl.name, "instance": wl.instance, "agents": len(wl.agents),
+                      "rounds": args.rounds, "answer_tokens": args.answer_tokens,
+                      "cont_tokens": args.cont_tokens, "repeats": args.repeats,
+                      "dtype": "float32", "threads": args.threads, "quick": args.quick}
+            t0 = time.perf_counter()
+            recs = run_method(model, tr, label, reg, kw, head_caches, args.repeats,
+                              not args.no_greedy, writer, config, log)
+            records.extend(recs)
+            nonown = [r for r in recs if not r["is_owner_turn"]]
+            kl = sum(r["mean_kl"] for r in nonown) / max(1, len(nonown))
+            log(f"  {label:16s} mean_kl {kl:.5f}  ttft {sum(r['ttft_s'] for r in nonown):.2f}s "
+                f"({time.perf_counter() - t0:.1f}s)")
+
+    nonowner = summarize(records, where=lambda r: not r["is_owner_turn"])
+    add_derived(nonowner)
+    table = format_table(nonowner, COLUMNS, order=labels)
+    print("\nNon-owner turns (all workloads):\n" + table)
+    for wname in sorted({w.name for w in workloads}):
+        s = summarize(records, where=lambda r, w=wname: not r["is_owner_turn"] and r["workload"] == w)
+        add_derived(s)
+        print(f"\n[{wname}] non-owner turns:\n" + format_table(s, COLUMNS, order=labels))
+    print_breakdowns(records, labels)
+    plot_methods(nonowner, out_dir / f"kvcmas_lab{'_quick' if args.quick else ''}.png",
+                 panels=[("ttft_speedup", "kl_recovered", "fidelity vs speed (non-owner turns)"),
+                         ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
+                 title="KVCMAS lab: SmolLM2-135M fp32, CPU")
+    main_wl = "debate" if args.workload in ("debate", "both") else "chain"
+    s = summarize(records, where=lambda r: not r["is_owner_turn"] and r["workload"] == main_wl)
+    add_derived(s)
+    log(f"done; records in {jsonl}")
+    print(headline(s))
+    return 0
+
+
+def print_breakdowns(records: list[dict], labels: list[str]) -> None:
+    """KL recovered vs chain depth and vs transcript length, for the correction methods."""
+    interesting = [m for m in labels if m.startswith(("kvcmas", "oracle_r8", "cacheblend_15",
+                                                       "naive"))]
+    for key, name in (("chain_depth", "chain depth"), ("shared_tokens", "shared tokens")):
+        print(f"\nmean KL by {name} (non-owner turns):")
+        def bucket(r):
+            if key == "shared_tokens":
+                return f"{(r[key] // 256) * 256:5d}+"
+            return f"{r[key]:6d}"
+        buckets = sorted({bucket(r) for r in records if not r["is_owner_turn"]})
+        print("method".ljust(18) + "".join(b.rjust(10) for b in buckets))
+        for m in interesting:
+            cells = []
+            for b in buckets:
+                rs = [r for r in records if r["method"] == m and not r["is_owner_turn"]
+                      and bucket(r) == b]
+                cells.append(f"{sum(r['mean_kl'] for r in rs) / len(rs):.5f}" if rs else "-")
+            print(m.ljust(18) + "".join(c.rjust(10) for c in cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

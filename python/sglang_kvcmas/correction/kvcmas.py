@@ -1,0 +1,142 @@
+"""KVCMAS: a reader sees the owner's base plus a sparse-exact + low-rank correction.
+
+For the shared block a non-owner reads (owner's base K/V, re-positioned; never modified):
+
+1. one layer-0 pass over the block gives every token's exact layer-1 K/V in the reader's
+   context (the base's layer 0 is exact: prefix-free);
+2. sparse exact tokens: the first ``num_first`` tokens of every segment (the boundary where the
+   deviation concentrates) + the top ``rho`` by layer-1 deviation are recomputed through every
+   layer, together with the suffix, in one pass;
+3. low-rank correction: at each layer >= 2 the deviation of the other tokens is predicted from
+   their layer-1 deviation features by a rank-(q+1) transfer operator fitted, in the same pass,
+   on the exact tokens of this layer (plus, optionally, the reader's history: ``TransferState``).
+
+Persisted per (segment, reader): layer-1 K/V and the exact tokens as overrides, plus factors
+u = z [T, q+1] (shared by every layer and head) and c_l = W_l [H_kv, q+1, d] per layer.
+No reference prefill anywhere. ``estimator`` selects the ablations:
+  "sparse"   - exact tokens only (no low-rank part);
+  "transfer" - + per-block transfer operator;
+  "online"   - + transfer operator with the reader's accumulated history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_kvcmas.correction.base import BuildResult, CacheBuilder, ReadRequest, register
+from sglang_kvcmas.correction.cacheblend import leaves_from_view, split_block
+from sglang_kvcmas.correction.kvcmas_state import TransferState, layer1_features
+from sglang_kvcmas.correction.selective import BlockContext, block_of, selective_prefill
+from sglang_kvcmas.delta.leaf import LowRankFactors
+from sglang_kvcmas.models.reference_llama import RefLlama
+
+__all__ = ["Kvcmas", "select_tokens"]
+
+ESTIMATORS = ("sparse", "transfer", "online")
+
+
+def select_tokens(ctx: BlockContext, rho: float, num_first: int, score: str) -> torch.Tensor:
+    """First ``num_first`` of each segment + top ``rho`` of the block by layer-1 deviation."""
+    T = ctx.dev1_v.shape[0]
+    first = torch.cat([torch.arange(s, min(int(s) + num_first, T)) for s in ctx.seg_starts])
+    if score == "v":
+        s = ctx.dev1_v.flatten(1).norm(dim=1)
+    else:  # relative deviation of K and V, summed
+        s = (ctx.dev1_v.flatten(1).norm(dim=1) / ctx.base.v[1].flatten(1).norm(dim=1)
+             + ctx.dev1_k.flatten(1).norm(dim=1) / ctx.base.k[1].flatten(1).norm(dim=1))
+    s = s.clone()
+    s[first] = -float("inf")
+    n = min(T - first.numel(), int(round(rho * T)))
+    top = torch.topk(s, n).indices if n > 0 else first[:0]
+    return torch.cat([first, top])
+
+
+@register("kvcmas")
+@dataclass
+class Kvcmas(CacheBuilder):
+    rho: float = 0.05
+    num_first: int = 16
+    estimator: str = "online"
+    feature_dim: int = 16
+    lam: float = 0.1
+    score: str = "v"
+    states: dict[str, TransferState] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}")
+
+    def state_nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.states.values())
+
+    def describe(self) -> dict:
+        return {**super().describe(), "rho": self.rho, "num_first": self.num_first,
+                "estimator": self.estimator, "feature_dim": self.feature_dim, "lam": self.lam,
+                "score": self.score}
+
+    def build(self, model: RefLlama, req: ReadRequest) -> BuildResult:
+        ids, base, starts = block_of(req.reads)
+        state = self.states.setdefault(req.agent, TransferState())
+        use_fit = self.estimator != "sparse"
+        history = self.estimator == "online"
+        fits: dict[int, torch.Tensor] = {}
+
+        def correct(ctx: BlockContext, layer: int, k_sel: torch.Tensor, v_sel: torch.Tensor):
+            k_b, v_b = ctx.base.k[layer], ctx.base.v[layer]
+            if not use_fit or ctx.sel.numel() < 2:
+                return k_b, v_b
+            sc = ctx.scratch
+            if "z" not in sc:
+                feat = layer1_features(ctx.dev1_k, ctx.dev1_v)
+                state.ensure_projection(feat, self.feature_dim)
+                sc["z"] = state.features(feat)
+                sc["z_sel"] = sc["z"][ctx.sel]
+            y = torch.cat([(k_sel - k_b[ctx.sel]).flatten(1), (v_sel - v_b[ctx.sel]).flatten(1)], 1)
+            w = state.solve(layer, sc["z_sel"], y, self.lam, history)
+            fits[layer] = w
+            sc.setdefault("y", {})[layer] = y
+            pred = sc["z"] @ w  # [T, 2 * H * d]
+            half = pred.shape[1] // 2
+            return k_b + pred[:, :half].view_as(k_b), v_b + pred[:, half:].view_as(v_b)
+
+        out = selective_prefill(model, req.prefix, ids, base, starts, req.suffix_ids,
+                                req.suffix_positions(),
+                                lambda c: select_tokens(c, self.rho, self.num_first, self.score),
+                                correct if use_fit else None)
+        factors = None
+        if fits:
+            factors = self._factors(out.ctx, fits, req, model.spec.num_layers)
+            if history:
+                sc = out.ctx.scratch
+                state.absorb_gram(sc["z_sel"])
+                for layer, y in sc["y"].items():
+                    state.absorb(layer, sc["z_sel"], y)
+        leaves = leaves_from_view(req.agent, req.reads, out.block_view, out.sel, factors)
+        return BuildResult(out.cache, out.last_logits, split_block(out.block_view, req.reads),
+                           leaves, int(out.sel.numel()),
+                           {"selected": int(out.sel.numel()), "estimator": self.estimator})
+
+    @staticmethod
+    def _factors(ctx: BlockContext, fits, req: ReadRequest, n_layers: int):
+        """Per-read (k_factors, v_factors): u = z rows of the read, c_l = W_l split per head."""
+        z = ctx.scratch["z"]
+        H, d = ctx.base.k[0].shape[1], ctx.base.k[0].shape[2]
+        out, start = [], 0
+        for r in req.reads:
+            T = r.ids.numel()
+            u = z[start:start + T][None].contiguous()  # [1, T, q+1], shared by layers and heads
+            fk, fv = [None, None], [None, None]
+            for layer in range(2, n_layers):
+                w = fits.get(layer)
+                if w is None:
+                    fk.append(None)
+                    fv.append(None)
+                    continue
+                half = w.shape[1] // 2
+                fk.append(LowRankFactors(u, w[:, :half].reshape(-1, H, d).transpose(0, 1)))
+                fv.append(LowRankFactors(u, w[:, half:].reshape(-1, H, d).transpose(0, 1)))
+            out.append((fk, fv))
+            start += T
+        return out
