@@ -42,6 +42,11 @@ struct KvcmasDeltaKeyAttention : AttentionVariantBase {
   }
 
   REGISTER_LOGITS_TRANSFORM(params, logits, batch_idx, qo_idx, kv_idx, qo_head_idx, kv_head_idx, {
+    // Padding rows of a query tile arrive with qo_idx >= qo_len; their logits are discarded, and
+    // their q row may lie past the end of q, so it must not be read.
+    if (qo_idx >= qo_len || kv_idx >= kv_len) {
+      return logits;
+    }
     const int32_t token = params.kvcmas_token_offset[batch_idx] + int32_t(kv_idx);
     const int32_t span = params.kvcmas_token_span[token];
     if (span < 0) {
