@@ -36,6 +36,7 @@ __all__ = [
     "Reference",
     "Timing",
     "TurnMetrics",
+    "fast_greedy",
     "fidelity_bundle",
     "format_table",
     "git_commit",
@@ -151,14 +152,46 @@ def teacher_forced_logits(model: RefLlama, cache: KVCache, last_logits: torch.Te
 def make_reference(model: RefLlama, prompt_ids: torch.Tensor, num_tokens: int) -> Reference:
     """Dense prefill of ``prompt_ids: [T]`` and a ``num_tokens`` greedy continuation."""
     out = model.forward(prompt_ids)
-    greedy = model.greedy(out.kv, out.logits[-1], num_tokens)
+    greedy = fast_greedy(model, out.kv, out.logits[-1], num_tokens)
     cont = torch.tensor(greedy, dtype=torch.long)
     tf = teacher_forced_logits(model, out.kv, out.logits[-1], cont)
     return Reference(out.kv, out.logits[-1], cont, tf, greedy)
 
 
+@torch.inference_mode()
+def fast_greedy(model: RefLlama, past: KVCache, first_logits: torch.Tensor, n: int) -> list[int]:
+    """``RefLlama.greedy`` with keys rotated once (not at every step): same tokens, ~5x faster.
+
+    Layer pieces are the model's own (qkv, finish_layer, logits); only the per-step re-rotation
+    of the whole cache is avoided. ``model.greedy`` is the naive reference (test/lab compares).
+    """
+    import torch.nn.functional as F
+
+    from sglang_kvcmas.models.reference_llama import rotate
+
+    s = model.spec
+    ks = [rotate(k, past.positions, s.rope_theta) for k in past.k]
+    vs = list(past.v)
+    pos = int(past.positions.max()) + 1
+    out = [int(first_logits.argmax())]
+    for _ in range(n - 1):
+        p = torch.tensor([pos])
+        h = model.embed(torch.tensor(out[-1:]))
+        for layer in range(s.num_layers):
+            q, k, v = model.qkv(layer, h)
+            ks[layer] = torch.cat([ks[layer], rotate(k, p, s.rope_theta)])
+            vs[layer] = torch.cat([vs[layer], v])
+            qr = rotate(q, p, s.rope_theta).transpose(0, 1)[None]
+            att = F.scaled_dot_product_attention(qr, ks[layer].transpose(0, 1)[None],
+                                                 vs[layer].transpose(0, 1)[None], enable_gqa=True)
+            h = model.finish_layer(layer, h, att[0].transpose(0, 1).reshape(1, -1))
+        out.append(int(model.logits(h)[-1].argmax()))
+        pos += 1
+    return out
+
+
 def fidelity_bundle(model: RefLlama, ref: Reference, cache: KVCache, last_logits: torch.Tensor,
-                    *, greedy: bool = True) -> dict[str, float]:
+                    *, greedy: bool = True, greedy_tokens: int | None = None) -> dict[str, float]:
     """A method's prompt cache + first-token logits [vocab] against the reference.
 
     Returns top1, mean_kl, max_kl (teacher-forced over ref.cont_ids), and when ``greedy``
@@ -169,9 +202,10 @@ def fidelity_bundle(model: RefLlama, ref: Reference, cache: KVCache, last_logits
     out = {"top1": tf.top1, "mean_kl": tf.mean_kl, "max_kl": tf.max_kl,
            "num_positions": tf.num_positions}
     if greedy:
-        ids = model.greedy(cache, last_logits, len(ref.greedy_ids))
-        div = first_divergence(ref.greedy_ids, ids)
-        out["greedy_exact"] = float(div == len(ref.greedy_ids))
+        target = ref.greedy_ids[: greedy_tokens or len(ref.greedy_ids)]
+        ids = fast_greedy(model, cache, last_logits, len(target))
+        div = first_divergence(target, ids)
+        out["greedy_exact"] = float(div == len(target))
         out["first_divergence"] = div
     return out
 

@@ -56,11 +56,15 @@ METHODS: dict[str, tuple[str, dict]] = {
     "cacheblend_30": ("cacheblend", {"rho": 0.30}),
     "kvcomm": ("kvcomm", {}),
     **{f"oracle_r{r}": ("oracle", {"rank": r}) for r in (1, 2, 4, 8, 16)},
-    "kvcmas": ("kvcmas", {"estimator": "online", "rho": 0.05}),
-    "kvcmas_transfer": ("kvcmas", {"estimator": "transfer", "rho": 0.05}),
-    "kvcmas_sparse": ("kvcmas", {"estimator": "sparse", "rho": 0.05}),
+    "kvcmas": ("kvcmas", {"estimator": "online", "rho": 0.05, "score": "impact"}),
+    "kvcmas_transfer": ("kvcmas", {"estimator": "transfer", "rho": 0.05, "score": "impact"}),
+    "kvcmas_sparse": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "impact"}),
+    "kvcmas_sparse_v": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "v"}),
     "kvcmas_first16": ("kvcmas", {"estimator": "online", "rho": 0.0}),
 }
+
+
+STATEFUL = ("kvcomm", "kvcmas")
 
 
 # ---- transcript (method independent) ------------------------------------------------------
@@ -136,10 +140,33 @@ class AgentState:
     depths: list[int] = field(default_factory=list)
 
 
-def run_method(model: RefLlama, tr: Transcript, label: str, reg_name: str, kwargs: dict,
-               head_caches: dict[str, KVCache], repeats: int, greedy: bool, writer, config,
-               log) -> list[dict]:
-    builder = create_builder(reg_name, **kwargs)
+def parse_method(spec: str) -> tuple[str, str, dict]:
+    """``label`` from METHODS, or ``label=registry:key=value,...`` for an ad-hoc variant."""
+    if "=" not in spec.split(":")[0]:
+        reg, kw = METHODS[spec]
+        return spec, reg, dict(kw)
+    label, rest = spec.split("=", 1)
+    reg, _, args = rest.partition(":")
+    kw = {}
+    for item in filter(None, args.split(",")):
+        k, v = item.split("=")
+        try:
+            kw[k] = int(v)
+        except ValueError:
+            try:
+                kw[k] = float(v)
+            except ValueError:
+                kw[k] = v
+    return label, reg, kw
+
+
+def run_method(model: RefLlama, tr: Transcript, label: str, builder, head_caches: dict,
+               repeats: int, greedy: bool, writer, config, log,
+               greedy_tokens: int | None = None, measure: bool = True):
+    """Replay ``tr`` with ``builder`` (whose online state carries over between calls).
+    Returns (records, builder after the run). ``measure=False``: history only (no metrics)."""
+    if not measure:
+        repeats, greedy = 1, False
     wl = tr.workload
     segs: list[SegState] = []
     agents = {a: AgentState() for a in wl.agents}
@@ -219,7 +246,13 @@ def run_method(model: RefLlama, tr: Transcript, label: str, reg_name: str, kwarg
         ag.depths.append(0 if is_owner else read_depth)
         peak_working = max(peak_working, len(cache) + ans.numel())
         # Metrics.
-        fid = fidelity_bundle(model, turn.ref, cache, last, greedy=greedy)
+        if not measure:
+            continue
+        if is_owner:  # exact by construction for every method (nothing read from others)
+            fid = {"top1": 1.0, "mean_kl": 0.0, "max_kl": 0.0}
+        else:
+            fid = fidelity_bundle(model, turn.ref, cache, last, greedy=greedy,
+                                  greedy_tokens=greedy_tokens)
         kerr = verr = []
         if views:
             s0 = len(prefix)
@@ -249,7 +282,7 @@ def run_method(model: RefLlama, tr: Transcript, label: str, reg_name: str, kwarg
         rec = m.as_dict()
         writer.write({**config, "method": label, "builder": builder.describe()}, rec)
         records.append(rec)
-    return records
+    return records, builder
 
 
 # ---- driver ----------------------------------------------------------------------------------
@@ -283,21 +316,26 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=("debate", "chain", "both"), default="debate")
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--first-instance", type=int, default=0)
+    ap.add_argument("--warmup-instances", type=int, default=2,
+                    help="earlier instances replayed first by stateful methods (KVCOMM anchors, "
+                         "KVCMAS online state) as a server's history; not measured")
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--cont-tokens", type=int, default=32)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--essay-chars", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-greedy", action="store_true")
-    ap.add_argument("--methods", default="all", help="comma list of METHODS labels, or all")
+    ap.add_argument("--methods", default="all",
+                    help="';'-separated METHODS labels or label=registry:k=v,k=v; or all")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is faster than 2 on a shared 2-core machine")
     ap.add_argument("--out", default="results/kvcmas_lab")
     args = ap.parse_args(argv)
     if args.quick:
-        args.instances, args.agents, args.rounds = 1, 4, 2
-        args.answer_tokens, args.repeats = 48, 3
+        args.instances, args.agents, args.rounds = 1, 3, 2
+        args.answer_tokens, args.repeats, args.greedy_tokens = 40, 3, 16
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t_start = time.perf_counter()
@@ -310,10 +348,12 @@ def main(argv=None) -> int:
     jsonl = out_dir / f"kvcmas_lab{'_quick' if args.quick else ''}.jsonl"
     jsonl.unlink(missing_ok=True)
     writer = JsonlWriter(jsonl)
-    labels = list(METHODS) if args.methods == "all" else args.methods.split(",")
+    specs = list(METHODS) if args.methods == "all" else args.methods.split(";")
     for must in ("no_sharing", "naive", "kvcomm", "kvcmas"):
-        if must not in labels:
-            labels.append(must)
+        if must not in [sp.split("=")[0] for sp in specs]:
+            specs.append(must)
+    methods = [parse_method(sp) for sp in specs]
+    labels = [m[0] for m in methods]
 
     from transformers import AutoTokenizer
 
@@ -322,30 +362,40 @@ def main(argv=None) -> int:
     model = RefLlama.from_pretrained(folder, torch.float32)
     log(f"model {folder.name if hasattr(folder, 'name') else folder}: {model.spec}")
 
-    workloads = []
-    for i in range(args.first_instance, args.first_instance + args.instances):
+    workloads = []  # (workload, measured?)
+    first = args.first_instance
+    for i in range(first, first + args.warmup_instances + args.instances):
+        measured = i >= first + args.warmup_instances
         if args.workload in ("debate", "both"):
-            workloads.append(debate(i, args.agents, args.rounds))
+            workloads.append((debate(i, args.agents, args.rounds), measured))
         if args.workload in ("chain", "both"):
-            workloads.append(reviewer_chain(i, args.essay_chars))
+            workloads.append((reviewer_chain(i, args.essay_chars), measured))
+    builders: dict[tuple[str, str], object] = {}
 
     records = []
     # Stateful methods (KVCOMM anchors, KVCMAS online state) keep state across instances of the
     # same workload, as a server would: run instances in order inside one builder per method.
-    for wl in workloads:
-        log(f"transcript {wl.name}#{wl.instance}: {len(wl.turns)} turns, agents {wl.agents}")
+    for wl, measured in workloads:
+        log(f"transcript {wl.name}#{wl.instance}: {len(wl.turns)} turns, agents {wl.agents}"
+            f"{'' if measured else ' (history for stateful methods, not measured)'}")
         tr = make_transcript(model, tok, wl, args.answer_tokens, args.cont_tokens, log)
         head_caches = {a: model.forward(h).kv for a, h in tr.heads.items()}
-        for label in labels:
-            reg, kw = METHODS[label]
+        for label, reg, kw in methods:
+            if not measured and reg not in STATEFUL:
+                continue
+            builder = builders.get((wl.name, label)) or create_builder(reg, **kw)
             config = {"workload": wl.name, "instance": wl.instance, "agents": len(wl.agents),
                       "rounds": args.rounds, "answer_tokens": args.answer_tokens,
-                      "cont_tokens": args.cont_tokens, "repeats": args.repeats,
+                      "cont_tokens": args.cont_tokens, "greedy_tokens": args.greedy_tokens, "repeats": args.repeats,
                       "dtype": "float32", "threads": args.threads, "quick": args.quick}
             t0 = time.perf_counter()
-            recs = run_method(model, tr, label, reg, kw, head_caches, args.repeats,
-                              not args.no_greedy, writer, config, log)
+            recs, builders[(wl.name, label)] = run_method(
+                model, tr, label, builder, head_caches, args.repeats, not args.no_greedy,
+                writer, config, log, args.greedy_tokens, measure=measured)
             records.extend(recs)
+            if not measured:
+                log(f"  {label:16s} history ({time.perf_counter() - t0:.1f}s)")
+                continue
             nonown = [r for r in recs if not r["is_owner_turn"]]
             kl = sum(r["mean_kl"] for r in nonown) / max(1, len(nonown))
             log(f"  {label:16s} mean_kl {kl:.5f}  ttft {sum(r['ttft_s'] for r in nonown):.2f}s "
@@ -355,7 +405,7 @@ def main(argv=None) -> int:
     add_derived(nonowner)
     table = format_table(nonowner, COLUMNS, order=labels)
     print("\nNon-owner turns (all workloads):\n" + table)
-    for wname in sorted({w.name for w in workloads}):
+    for wname in sorted({w.name for w, _ in workloads}):
         s = summarize(records, where=lambda r, w=wname: not r["is_owner_turn"] and r["workload"] == w)
         add_derived(s)
         print(f"\n[{wname}] non-owner turns:\n" + format_table(s, COLUMNS, order=labels))

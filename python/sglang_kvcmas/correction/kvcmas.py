@@ -28,29 +28,14 @@ import torch
 from sglang_kvcmas.correction.base import BuildResult, CacheBuilder, ReadRequest, register
 from sglang_kvcmas.correction.cacheblend import leaves_from_view, split_block
 from sglang_kvcmas.correction.kvcmas_state import TransferState, layer1_features
+from sglang_kvcmas.correction.selection import select_tokens
 from sglang_kvcmas.correction.selective import BlockContext, block_of, selective_prefill
 from sglang_kvcmas.delta.leaf import LowRankFactors
 from sglang_kvcmas.models.reference_llama import RefLlama
 
-__all__ = ["Kvcmas", "select_tokens"]
+__all__ = ["Kvcmas"]
 
 ESTIMATORS = ("sparse", "transfer", "online")
-
-
-def select_tokens(ctx: BlockContext, rho: float, num_first: int, score: str) -> torch.Tensor:
-    """First ``num_first`` of each segment + top ``rho`` of the block by layer-1 deviation."""
-    T = ctx.dev1_v.shape[0]
-    first = torch.cat([torch.arange(s, min(int(s) + num_first, T)) for s in ctx.seg_starts])
-    if score == "v":
-        s = ctx.dev1_v.flatten(1).norm(dim=1)
-    else:  # relative deviation of K and V, summed
-        s = (ctx.dev1_v.flatten(1).norm(dim=1) / ctx.base.v[1].flatten(1).norm(dim=1)
-             + ctx.dev1_k.flatten(1).norm(dim=1) / ctx.base.k[1].flatten(1).norm(dim=1))
-    s = s.clone()
-    s[first] = -float("inf")
-    n = min(T - first.numel(), int(round(rho * T)))
-    top = torch.topk(s, n).indices if n > 0 else first[:0]
-    return torch.cat([first, top])
 
 
 @register("kvcmas")
@@ -62,6 +47,9 @@ class Kvcmas(CacheBuilder):
     feature_dim: int = 16
     lam: float = 0.1
     score: str = "v"
+    num_last: int = 0
+    shrink: bool = True
+    fit_interior: bool = True
     states: dict[str, TransferState] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -74,7 +62,8 @@ class Kvcmas(CacheBuilder):
     def describe(self) -> dict:
         return {**super().describe(), "rho": self.rho, "num_first": self.num_first,
                 "estimator": self.estimator, "feature_dim": self.feature_dim, "lam": self.lam,
-                "score": self.score}
+                "score": self.score, "num_last": self.num_last, "shrink": self.shrink,
+                "fit_interior": self.fit_interior}
 
     def build(self, model: RefLlama, req: ReadRequest) -> BuildResult:
         ids, base, starts = block_of(req.reads)
@@ -93,8 +82,17 @@ class Kvcmas(CacheBuilder):
                 state.ensure_projection(feat, self.feature_dim)
                 sc["z"] = state.features(feat)
                 sc["z_sel"] = sc["z"][ctx.sel]
+                # Fit on the selected tokens outside the segment boundaries: boundary tokens
+                # deviate an order of magnitude more and are overridden exactly anyway.
+                first = torch.zeros(ctx.dev1_v.shape[0], dtype=torch.bool)
+                for st in ctx.seg_starts:
+                    first[int(st):int(st) + self.num_first] = True
+                fit = ~first[ctx.sel] if self.fit_interior else torch.ones_like(ctx.sel, dtype=torch.bool)
+                sc["fit"] = fit if int(fit.sum()) >= 4 else torch.ones_like(fit)
             y = torch.cat([(k_sel - k_b[ctx.sel]).flatten(1), (v_sel - v_b[ctx.sel]).flatten(1)], 1)
-            w = state.solve(layer, sc["z_sel"], y, self.lam, history)
+            w = state.solve(layer, sc["z_sel"][sc["fit"]], y[sc["fit"]], self.lam, history)
+            if self.shrink:
+                w = w * self._held_out_scale(state, layer, sc, y, history)
             fits[layer] = w
             sc.setdefault("y", {})[layer] = y
             pred = sc["z"] @ w  # [T, 2 * H * d]
@@ -103,7 +101,9 @@ class Kvcmas(CacheBuilder):
 
         out = selective_prefill(model, req.prefix, ids, base, starts, req.suffix_ids,
                                 req.suffix_positions(),
-                                lambda c: select_tokens(c, self.rho, self.num_first, self.score),
+                                lambda c: select_tokens(c, self.rho, self.num_first, self.score,
+                                                       num_last=self.num_last,
+                                                       theta=model.spec.rope_theta),
                                 correct if use_fit else None)
         factors = None
         if fits:
@@ -117,6 +117,22 @@ class Kvcmas(CacheBuilder):
         return BuildResult(out.cache, out.last_logits, split_block(out.block_view, req.reads),
                            leaves, int(out.sel.numel()),
                            {"selected": int(out.sel.numel()), "estimator": self.estimator})
+
+    def _held_out_scale(self, state, layer, sc, y, history) -> float:
+        """Shrink factor in [0, 1] for the prediction, chosen on held-out exact tokens (two
+        folds): the fitted operator is trusted only as far as it predicts tokens it was not
+        fitted on, so it cannot make a block worse than no correction on its own evidence."""
+        idx = torch.nonzero(sc["fit"]).flatten()
+        if idx.numel() < 8:
+            return 0.0
+        num = den = 0.0
+        for fold in (0, 1):
+            tr, te = idx[idx % 2 == fold], idx[idx % 2 != fold]
+            w = state.solve(layer, sc["z_sel"][tr], y[tr], self.lam, history)
+            pred = sc["z_sel"][te] @ w
+            num += float((pred * y[te]).sum())
+            den += float((pred * pred).sum())
+        return min(1.0, max(0.0, num / den)) if den > 0 else 0.0
 
     @staticmethod
     def _factors(ctx: BlockContext, fits, req: ReadRequest, n_layers: int):

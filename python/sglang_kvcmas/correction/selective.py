@@ -98,14 +98,17 @@ def selective_prefill(
 
     # Layer 1: exact K/V for every block token; select from their deviation.
     q, k, v = model.qkv(1, h)
+    kk1, vv1, kp1 = keys(1, k[:T], v[:T], k[T:], v[T:])
+    # Layer-1 queries of the suffix and every layer-1 key: lets a selector weigh a token's
+    # deviation by the attention the suffix pays it (no extra forward work).
     ctx = BlockContext(block_base, k[:T] - block_base.k[1], v[:T] - block_base.v[1], seg_starts,
-                       scratch={})
+                       scratch={"q1_suffix": q[T:], "suffix_pos": suffix_pos, "k1": kk1,
+                                "k1_pos": kp1, "block_offset": len(prefix)})
     sel = torch.unique(select(ctx))  # sorted
     ctx.sel = sel
     act = torch.cat([sel, torch.arange(T, T + suffix_ids.numel())])
     k_blk, v_blk = k[:T], v[:T]
-    kk, vv, kp = keys(1, k_blk, v_blk, k[T:], v[T:])
-    h = model.finish_layer(1, h[act], model.attend(q[act], pos[act], kk, vv, kp))
+    h = model.finish_layer(1, h[act], model.attend(q[act], pos[act], kk1, vv1, kp1))
     out_k.append(k_blk)
     out_v.append(v_blk)
     suf_k.append(k[T:])
