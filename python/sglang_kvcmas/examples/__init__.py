@@ -1,0 +1,1 @@
+"""Runnable multi-agent workflows, written as SGLang frontend programs (``sgl.function``)."""

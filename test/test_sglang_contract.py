@@ -1,0 +1,144 @@
+"""Every SGLang symbol sglang-kvcmas relies on, with the signature we rely on.
+
+An SGLang upgrade that moves, renames or re-signs one of them fails HERE, in one obvious place,
+rather than deep inside a server boot. ``test_contract_lists_every_import`` keeps the list
+complete: it scans python/sglang_kvcmas/ for ``from sglang... import`` statements.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+import sglang_kvcmas
+
+PACKAGE_DIR = Path(sglang_kvcmas.__file__).parent
+
+# (module, name) -> parameter names we call it with (leading ones, in order), or None for a
+# class / value whose presence is what we rely on (further checks below).
+CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
+    ("sglang.srt.mem_cache.registry", "register_radix_cache_backend"): ("name", "factory"),
+    ("sglang.srt.mem_cache.registry", "get_radix_cache_factory"): ("name",),
+    ("sglang.srt.mem_cache.registry", "TreeCacheBuildContext"): None,
+    ("sglang.srt.plugins.hook_registry", "HookRegistry"): None,
+    ("sglang.srt.plugins.hook_registry", "HookType"): None,
+    ("sglang.srt.mem_cache.cache_init_params", "CacheInitParams"): (
+        "disable", "req_to_token_pool", "token_to_kv_pool_allocator", "page_size"),
+    ("sglang.srt.mem_cache.radix_cache", "RadixCache"): ("params",),
+    ("sglang.launch_server", "run_server"): ("server_args",),
+    ("sglang.srt.plugins", "load_plugins"): (),
+    ("sglang.srt.server_args", "ServerArgs"): None,
+    ("sglang.srt.server_args", "prepare_server_args"): ("argv",),
+    ("sglang.srt.utils", "kill_process_tree"): ("parent_pid", "include_parent"),
+}
+
+
+def _resolve(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def _params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(CONTRACT))
+def test_symbol_and_signature(module, name):
+    obj = _resolve(module, name)
+    expected = CONTRACT[(module, name)]
+    if expected is not None:
+        params = _params(obj)
+        assert params[: len(expected)] == list(expected), f"{module}.{name}{params}"
+
+
+def _sglang_imports_by_file() -> dict[str, set[tuple[str, str]]]:
+    found: dict[str, set[tuple[str, str]]] = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        rel = path.relative_to(PACKAGE_DIR).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module == "sglang" or node.module.startswith("sglang.")
+            ):
+                found.setdefault(rel, set()).update((node.module, a.name) for a in node.names)
+            elif isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if a.name.startswith("sglang.")]
+                assert not bad, f"{rel}: use `from ... import` so the contract can check {bad}"
+    return found
+
+
+def test_contract_lists_every_import():
+    used = set().union(*_sglang_imports_by_file().values())
+    missing = used - set(CONTRACT)
+    assert not missing, f"add these SGLang symbols to CONTRACT: {sorted(missing)}"
+
+
+def test_only_integration_imports_sglang_srt():
+    """DESIGN.md §3: integration/ is the one adapter layer (examples use the frontend only)."""
+    offenders = {
+        rel: sorted(m for m, _ in imports if m.startswith("sglang.srt"))
+        for rel, imports in _sglang_imports_by_file().items()
+        if not rel.startswith("integration/")
+    }
+    offenders = {rel: mods for rel, mods in offenders.items() if mods}
+    assert not offenders, offenders
+
+
+# ---- deeper parts of the contract: fields, methods and flags we use by name ----------------
+
+
+def test_tree_cache_build_context_fields():
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    fields = {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
+    assert {"params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
+            "disable_radix_cache", "tp_rank", "is_dsa"} <= fields
+
+
+def test_radix_cache_api_used_by_backend_and_tests():
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    assert _params(RadixCache.create_simulated)[:3] == ["disable", "mock_allocator", "page_size"]
+    assert _params(RadixCache.match_prefix) == ["params"]
+    assert _params(RadixCache.insert) == ["params"]
+    assert {"key"} <= {f.name for f in dataclasses.fields(MatchPrefixParams)}
+    assert {"key", "value"} <= {f.name for f in dataclasses.fields(InsertParams)}
+
+
+def test_hook_registry_api():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert _params(HookRegistry.register)[:3] == ["target", "hook", "hook_type"]
+    assert isinstance(HookRegistry._hooks, dict)  # registration reads it to stay idempotent
+    assert HookType.AFTER.value == "after"
+
+
+def test_internal_state_hook_target():
+    from sglang_kvcmas.integration.server_state import INTERNAL_STATE_TARGET
+
+    module, cls_name, method = INTERNAL_STATE_TARGET.rsplit(".", 2)
+    cls = _resolve(module, cls_name)
+    assert _params(getattr(cls, method)) == ["recv_req"]
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+    assert "internal_state" in GetInternalStateReqOutput.__struct_fields__
+
+
+def test_server_flags_our_launcher_sets():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvcmas.server.options import default_flags, parse_launcher_args
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    options = {s: a.dest for a in parser._actions for s in a.option_strings}
+    for flag in default_flags(parse_launcher_args([])):
+        assert options.get(flag.tokens[0]) == flag.dest, flag
+    assert options["--model-path"] == options["--model"] == "model_path"
+    assert "--radix-cache-backend" in options
