@@ -5,7 +5,7 @@ the base model's own modules (``RefLlama``'s pieces), so one loaded model serves
 the adapter-free ("neutral") forward is the same code with ``agent=None``. The dense forward with
 ``agent=i`` is the no-sharing reference; it matches peft's own forward (see the tests).
 
-``AgentModel`` binds an agent and exposes RefLlama's ``forward`` / ``greedy`` so the shared lab
+``AgentModel`` binds an agent and exposes RefLlama's pieces, ``forward`` and ``greedy`` so the shared lab
 harness (``benchmark/lab/common.py``) can drive it unchanged.
 """
 
@@ -92,6 +92,22 @@ class AgentModel:
         self.lora = lora
         self.agent = agent
         self.spec = lora.spec
+
+    # RefLlama's layer pieces, with this agent's adapter (for harness code driving layers).
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lora.ref.embed(ids)
+
+    def qkv(self, layer: int, h: torch.Tensor):
+        return self.lora.qkv(layer, h, self.agent)[1:]
+
+    def attend(self, q, q_pos, k_pre, v, k_pos) -> torch.Tensor:
+        return self.lora.ref.attend(q, q_pos, k_pre, v, k_pos)
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return self.lora.finish_layer(layer, h, attn, self.agent)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lora.ref.logits(h)
 
     def forward(self, ids, positions=None, past=None, *, return_hidden=False) -> ForwardOut:
         return self.lora.forward(ids, positions, past, agent=self.agent,

@@ -1,0 +1,317 @@
+"""PReCache lab: LoRA-specialized agents (planner, solver, critic) share one transcript cache.
+
+A plan -> solve -> critique workflow over GSM8K questions (items 0..; the adapters trained on
+200..) builds one ChatML transcript; the agents differ only by LoRA adapter (same system prompt,
+same turn opener). The transcript is generated once with no sharing (dense, adapter on, greedy).
+Every method then replays it segment by segment (``LoraSharingMethod.append``) and after every
+segment each agent reads it as the next speaker would:
+
+- fidelity: the reader's view + its turn opener, 32 continuation tokens of the no-sharing greedy
+  output teacher-forced: top-1 agreement and mean KL (``common`` / ``correction.fidelity``);
+  greedy exact match and first divergence are read off teacher forcing (greedy decoding agrees
+  with the reference exactly until the first teacher-forced top-1 miss; tested in
+  test/correction/test_precache.py);
+- time to first token: the method's whole critical path (catch-up prefill, input encoding,
+  rebuilds, recompute, split reads, the opener), all methods timed side by side per reader,
+  median of repeats; ``rebase_alongside``'s rebuild is reported separately as background work;
+- bytes held for the 3 agents; batched-decode throughput of the 3 agents (see ``throughput``).
+
+HEADLINE and the summary cover readers that did not compute the shared context themselves.
+
+    python benchmark/lab/precache_lab.py --quick        # < 10 min on 2 cores, prints HEADLINE
+    python benchmark/lab/precache_lab.py --questions 5 --config attn_mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    JsonlWriter,
+    TurnMetrics,
+    format_table,
+    make_reference,
+    plot_methods,
+    summarize,
+    teacher_forced_logits,
+)
+from precache_throughput import batched_decode_throughput  # noqa: E402
+
+import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401  (registration)
+import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401  (registration)
+from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
+from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
+from sglang_kvcmas.correction.fidelity import kv_relative_error, teacher_forced  # noqa: E402
+from sglang_kvcmas.correction.lora_baselines import FIRST_READER  # noqa: E402
+from sglang_kvcmas.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
+from sglang_kvcmas.correction.lora_weights import AdapterSet  # noqa: E402
+from sglang_kvcmas.correction.precache_base import Segment, create_lora_method  # noqa: E402
+from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas.models.reference_llama import KVCache, RefLlama  # noqa: E402
+from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
+
+# label -> (registry name, kwargs); table order.
+METHODS: dict[str, tuple[str, dict]] = {
+    "no_sharing": ("no_sharing", {}),
+    "sglang": ("sglang", {}),
+    "naive": ("naive", {}),
+    "first_agent": ("first_agent", {}),
+    "droidspeak": ("droidspeak", {}),
+    "prelr_shared": ("prelr_shared", {}),
+    "prelr_shared[keys=base]": ("prelr_shared", {"keys": "base"}),
+    "prelr_shared[read=materialize]": ("prelr_shared", {"read": "materialize"}),
+    "rebase_after_turn": ("rebase_after_turn", {}),
+    "rebase_alongside": ("rebase_alongside", {}),
+    "rebase_after_turn[keys=base]": ("rebase_after_turn", {"keys": "base"}),
+}
+REFERENCE, NAIVE = "no_sharing", "naive"
+NON_SHARING = ("no_sharing", "sglang")
+
+
+def log(msg: str) -> None:
+    print(f"[precache_lab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- setup ---------------------------------------------------------------------------------
+def load(config: str) -> tuple[LoraForward, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_path()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ref = RefLlama(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32))
+    adapters = AdapterSet.from_peft_dirs({r: role_adapter_dir(config, r) for r in ROLES},
+                                         ref.spec.num_layers)
+    return LoraForward(ref, adapters), tok
+
+
+def encode(tok, text: str) -> torch.Tensor:
+    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def build_transcript(lora: LoraForward, tok, questions: list[str], max_message: int,
+                     max_tokens: int) -> list[Segment]:
+    """System + question, then each role's greedy message (no sharing), per question."""
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    opener, closer = encode(tok, TURN_OPENER), encode(tok, "\n")
+    segs: list[Segment] = []
+    for qi, q in enumerate(questions):
+        head = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n" if qi == 0 else "")
+        user = encode(tok, head + f"<|im_start|>user\n{q}<|im_end|>\n")
+        if sum(s.ids.numel() for s in segs) + user.numel() + 3 * max_message > max_tokens:
+            break
+        segs.append(Segment(user, None))
+        for agent, role in enumerate(ROLES):
+            ids = torch.cat([*(s.ids for s in segs), opener])
+            model = AgentModel(lora, agent)
+            out = model.forward(ids)
+            gen = model.greedy(out.kv, out.logits[-1], max_message, stop=end_id)
+            if gen[-1] != end_id:
+                gen.append(end_id)
+            segs.append(Segment(torch.cat([opener, torch.tensor(gen), closer]), agent))
+            log(f"q{qi} {role}: {tok.decode(gen[:-1])!r}"[:300])
+    return segs
+
+
+def cached_transcript(out_dir: Path, args, build) -> list[Segment]:
+    """The no-sharing transcript depends only on the adapters and these arguments: keep it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for role in ROLES:
+        h.update((role_adapter_dir(args.config, role) / "adapter_model.safetensors").read_bytes())
+    h.update(repr((args.config, args.questions, args.first_question, args.max_message,
+                   args.max_tokens)).encode())
+    path = out_dir / f"transcript_{h.hexdigest()[:16]}.json"
+    if path.exists():
+        log(f"transcript from {path}")
+        return [Segment(torch.tensor(s["ids"]), s["writer"]) for s in json.loads(path.read_text())]
+    segs = build()
+    path.write_text(json.dumps([{"ids": s.ids.tolist(), "writer": s.writer} for s in segs]))
+    return segs
+
+
+@torch.inference_mode()
+def adapter_sanity(lora: LoraForward, ids: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per agent: KL(adapter on || base) and top-1 agreement over the transcript."""
+    base = lora.forward(ids, agent=None).logits
+    out = {}
+    for agent, role in enumerate(ROLES):
+        tf = teacher_forced(lora.forward(ids, agent=agent).logits, base)
+        out[role] = {"kl_on_vs_base": tf.mean_kl, "top1_on_vs_base": tf.top1}
+    return out
+
+
+# ---- measuring -----------------------------------------------------------------------------
+def fidelity(lora: LoraForward, view: KVCache, reader: int, suffix: torch.Tensor, ref) -> dict:
+    model = AgentModel(lora, reader)
+    out = model.forward(suffix, past=view)
+    cache = KVCache.concat([view, out.kv])
+    tf_logits = teacher_forced_logits(model, cache, out.logits[-1], ref.cont_ids)
+    tf = teacher_forced(ref.tf_logits, tf_logits)
+    misses = (tf_logits.argmax(-1) != ref.cont_ids).nonzero()
+    first = int(misses[0]) if misses.numel() else ref.cont_ids.numel()
+    n = len(view)
+    return {"top1": tf.top1, "mean_kl": tf.mean_kl, "max_kl": tf.max_kl,
+            "greedy_exact": float(first == ref.cont_ids.numel()), "first_divergence": first,
+            "kv_rel_err_k": kv_relative_error([k[:n] for k in ref.cache.k], view.k),
+            "kv_rel_err_v": kv_relative_error([v[:n] for v in ref.cache.v], view.v)}
+
+
+def profile_droidspeak(lora, method, segs_upto, refs, suffix, width: int) -> int:
+    """Pick the block start (multiples of width) with the lowest mean KL on the first point."""
+    best, best_kl = 0, float("inf")
+    for start in range(0, lora.spec.num_layers - width + 1, width):
+        method.start, method.width = start, width
+        kls = [fidelity(lora, method.view(r), r, suffix, refs[r])["mean_kl"] for r in refs]
+        log(f"droidspeak profile: layers [{start}, {start + width}) mean KL {statistics.mean(kls):.4f}")
+        if statistics.mean(kls) < best_kl:
+            best, best_kl = start, statistics.mean(kls)
+    method.start = best
+    return best
+
+
+def time_side_by_side(closures: dict[str, object], repeats: int) -> dict[str, list[float]]:
+    """Interleave methods within each repeat so that machine noise hits all of them alike."""
+    times: dict[str, list[float]] = {k: [] for k in closures}
+    for _ in range(repeats):
+        for name, fn in closures.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def headline_numbers(summary: dict, bytes_final: dict) -> dict[str, dict[str, float]]:
+    ref, naive = summary[REFERENCE], summary[NAIVE]
+    out = {}
+    for name, row in summary.items():
+        kl_rec = 1.0 - row["mean_kl"] / naive["mean_kl"] if naive["mean_kl"] > 0 else float("nan")
+        out[name] = {**row, "kl_recovered": kl_rec,
+                     "ttft_speedup": ref["ttft_s"] / row["ttft_s"],
+                     "bytes_ratio": bytes_final[REFERENCE] / bytes_final[name]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 questions, short messages (< 10 min)")
+    ap.add_argument("--config", default="attn_mlp", choices=["attn", "attn_mlp"])
+    ap.add_argument("--questions", type=int, default=5)
+    ap.add_argument("--first-question", type=int, default=0)
+    ap.add_argument("--max-message", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--cont-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--droidspeak-width", type=int, default=6)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/precache_lab")
+    args = ap.parse_args()
+    if args.quick:
+        args.questions, args.max_message = min(args.questions, 2), min(args.max_message, 48)
+        args.methods = [m for m in args.methods if m != "rebase_after_turn[keys=base]"]
+    for must in (REFERENCE, NAIVE):
+        if must not in args.methods:
+            args.methods.insert(0, must)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = JsonlWriter(out_dir / f"precache_lab_{args.config}{'_quick' if args.quick else ''}.jsonl")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+
+    lora, tok = load(args.config)
+    items = gsm8k()[args.first_question : args.first_question + args.questions]
+    segs = cached_transcript(out_dir, args, lambda: build_transcript(
+        lora, tok, [it.question for it in items], args.max_message, args.max_tokens))
+    all_ids = torch.cat([s.ids for s in segs])
+    log(f"transcript: {len(segs)} segments, {all_ids.numel()} tokens")
+    sanity = adapter_sanity(lora, all_ids)
+    log(f"adapter on vs base over the transcript: {json.dumps(sanity)}")
+    writer.write({**config, "kind": "adapter_sanity"}, sanity)
+
+    suffix = encode(tok, TURN_OPENER)
+    methods = {label: create_lora_method(METHODS[label][0], name=label, **METHODS[label][1])
+               for label in args.methods}
+    for m in methods.values():
+        m.reset(lora)
+    records, bytes_final = [], {}
+    first_reader_of = []
+    for t, seg in enumerate(segs):
+        first_reader_of.append(FIRST_READER if seg.writer is None else seg.writer)
+        for m in methods.values():
+            m.append(seg)
+        ctx = torch.cat([s.ids for s in segs[: t + 1]])
+        refs = {r: make_reference(AgentModel(lora, r), torch.cat([ctx, suffix]), args.cont_tokens)
+                for r in range(len(ROLES))}
+        if t == 1 and "droidspeak" in methods:
+            profile_droidspeak(lora, methods["droidspeak"], t, {r: refs[r] for r in refs
+                               if r != seg.writer}, suffix, args.droidspeak_width)
+        for reader, role in enumerate(ROLES):
+            closures = {k: m.first_token(reader, suffix) for k, m in methods.items()}
+            if t == 0 and reader == 0:
+                time_side_by_side(closures, 1)  # warm-up
+            times = time_side_by_side(closures, args.repeats)
+            owner = set(first_reader_of) == {reader}
+            for label, m in methods.items():
+                fid = fidelity(lora, m.view(reader), reader, suffix, refs[reader])
+                extra = {"writer": seg.writer, "describe": m.describe()}
+                bg = getattr(m, "background_work", lambda: None)()
+                if bg is not None:
+                    extra["background_s"] = statistics.median(
+                        time_side_by_side({"bg": bg}, 1)["bg"])
+                recomputed = 0
+                if label == "droidspeak":
+                    recomputed = ctx.numel() * m.width // lora.spec.num_layers
+                tm = TurnMetrics(
+                    method=label, workload="gsm8k_plan_solve_critique", instance=0, turn=t,
+                    agent=role, is_owner_turn=owner, prompt_tokens=ctx.numel() + suffix.numel(),
+                    shared_tokens=ctx.numel(), new_shared_tokens=seg.ids.numel(), chain_depth=t,
+                    ttft_s=statistics.median(times[label]), ttft_times_s=tuple(times[label]),
+                    bytes_held=m.bytes_held(len(ROLES)), recomputed_tokens=recomputed,
+                    extra=extra, **fid)
+                records.append(tm.as_dict())
+                writer.write({**config, "kind": "turn"}, tm.as_dict())
+                bytes_final[label] = tm.bytes_held
+        row = {k: round(r["mean_kl"], 4) for k, r in
+               ((r["method"], r) for r in records[-len(methods):])}
+        log(f"point {t + 1}/{len(segs)} ({ctx.numel()} tokens, writer {seg.writer}) done; "
+            f"critic KL {row}")
+
+    shared = [r for r in records if not r["is_owner_turn"]]
+    summary = headline_numbers(summarize(shared), bytes_final)
+    thr = batched_decode_throughput(lora, segs, methods, suffix, num_tokens=8 if args.quick else 16)
+    for name, row in summary.items():
+        row.update(thr.get(name, {}))
+        writer.write({**config, "kind": "summary", "method": name}, row)
+    cols = ["n", "top1", "mean_kl", "kl_recovered", "greedy_exact", "first_divergence",
+            "ttft_median_s", "ttft_speedup", "bytes_ratio", "kv_err_v", "decode_tok_s"]
+    table = format_table(summary, cols, order=list(methods))
+    print(table)
+    (out_dir / f"summary_{args.config}{'_quick' if args.quick else ''}.txt").write_text(table + "\n")
+    plot_methods(summary, out_dir / f"precache_lab_{args.config}{'_quick' if args.quick else ''}.png",
+                 panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
+                         ("bytes_ratio", "top1", "top-1 vs bytes saved")],
+                 title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)")
+    sharing = {k: v for k, v in summary.items() if k not in NON_SHARING and v["bytes_ratio"] >= 2}
+    best = max(sharing, key=lambda k: (round(sharing[k]["kl_recovered"], 3),
+                                       sharing[k]["ttft_speedup"]))
+    b = summary[best]
+    log(f"run time {time.perf_counter() - t_start:.0f} s")
+    print(f"HEADLINE method={best} top1={b['top1']:.3f} kl_recovered={b['kl_recovered']:.3f} "
+          f"ttft_speedup={b['ttft_speedup']:.2f} bytes_ratio={b['bytes_ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

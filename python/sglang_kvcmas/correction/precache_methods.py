@@ -1,0 +1,135 @@
+"""PReCache and LRAgent sharing for LoRA agents: one base cache + every agent's low-rank cache.
+
+All four keep a ``LowRankKVCache`` of the transcript and differ in whose hidden states x each
+segment's base K0 = x W and low-rank a = x [A_1 .. A_N] come from:
+
+| method | input text | an agent's message |
+|---|---|---|
+| ``first_agent`` (LRAgent BaseShared) | first reader's pass, adapter on | the writer's pass |
+| ``prelr_shared`` (PReCache PreLRShared) | neutral pass, adapters off | the writer's pass |
+| ``rebase_after_turn`` (ReBaseShared) | neutral pass | neutral rebuild before the next read |
+| ``rebase_alongside`` (ReBaseShared) | neutral pass | neutral rebuild while the writer decodes |
+
+The writer's pass stores base and all agents' low-rank caches as a by-product of its own decode
+(one stacked matmul per layer); the neutral rebuild re-encodes the message with adapters off over
+the neutral base, so no adapter leaks into another agent's view. ``rebase_alongside`` has the same
+cache as ``rebase_after_turn``; its rebuild runs batched with the writer's decode steps (off the
+next reader's critical path) and the lab reports that work as ``background_s``.
+
+Reads: ``keys`` ("lowrank" | "base") and ``read`` ("split": P V0 + s (P a) B, or "materialize").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_kvcmas.correction.lora_baselines import FIRST_READER
+from sglang_kvcmas.correction.precache_base import (
+    LoraSharingMethod,
+    Segment,
+    register_lora_method,
+)
+from sglang_kvcmas.correction.precache_pass import store_pass
+from sglang_kvcmas.correction.precache_read import split_read_forward
+from sglang_kvcmas.correction.precache_store import KEY_MODES, LowRankKVCache
+from sglang_kvcmas.models.reference_llama import KVCache
+
+__all__ = ["LowRankShared"]
+
+
+@dataclass
+class LowRankShared(LoraSharingMethod):
+    input_pass: str = "neutral"  # "neutral" | "first"
+    messages: str = "writer"  # "writer" | "rebuild"
+    schedule: str = "after_turn"  # "after_turn" | "alongside" (rebuild only)
+    keys: str = "lowrank"
+    read: str = "split"  # "split" | "materialize"
+    store: LowRankKVCache | None = field(default=None, repr=False)
+    pending: list[tuple] = field(default_factory=list, repr=False)
+    background: list[tuple] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if (self.input_pass not in ("neutral", "first") or self.messages not in ("writer", "rebuild")
+                or self.schedule not in ("after_turn", "alongside") or self.keys not in KEY_MODES
+                or self.read not in ("split", "materialize")):
+            raise ValueError(f"bad configuration {self}")
+
+    def _reset(self) -> None:
+        self.store, self.pending, self.background = None, [], []
+
+    def _view_of(self, writer: int | None) -> KVCache | None:
+        if self.store is None:
+            return None
+        return self.store.view(self.lora.adapters, writer, keys=self.keys)
+
+    def _pass(self, ids, pos, writer):
+        """(the store pass's arguments, its output store) for ``writer`` over the current store."""
+        args = (ids, pos, self._view_of(writer), writer)
+        return args, store_pass(self.lora, ids, pos, args[2], writer=writer).store
+
+    def _append(self, seg: Segment, start: int) -> None:
+        pos = self.positions(start, start + seg.ids.numel())
+        self.pending, self.background = [], []
+        if seg.writer is None:
+            writer = None if self.input_pass == "neutral" else FIRST_READER
+            args, new = self._pass(seg.ids, pos, writer)
+            self.pending = [args]
+        elif self.messages == "writer":
+            _, new = self._pass(seg.ids, pos, seg.writer)
+        else:
+            args, new = self._pass(seg.ids, pos, None)
+            (self.pending if self.schedule == "after_turn" else self.background).append(args)
+        self.store = new if self.store is None else LowRankKVCache.concat([self.store, new])
+
+    @staticmethod
+    def _redo(lora, work: list[tuple]) -> None:
+        for ids, pos, past, writer in work:
+            store_pass(lora, ids, pos, past, writer=writer)
+
+    def background_work(self):
+        """Closure redoing the off-critical-path rebuild of the newest segment (or None)."""
+        if not self.background:
+            return None
+        work = list(self.background)
+        return lambda: self._redo(self.lora, work)
+
+    def view(self, reader: int) -> KVCache:
+        return self._view_of(reader)
+
+    def _first_token(self, reader, suffix_ids):
+        pos = self.positions(self.num_tokens, self.num_tokens + suffix_ids.numel())
+        work, lora, store = list(self.pending), self.lora, self.store
+
+        @torch.inference_mode()
+        def run():
+            self._redo(lora, work)
+            if self.read == "split":
+                return split_read_forward(lora, store, reader, suffix_ids, pos,
+                                          keys=self.keys).logits[-1]
+            view = store.view(lora.adapters, reader, keys=self.keys)
+            return lora.forward(suffix_ids, pos, view, agent=reader).logits[-1]
+
+        return run
+
+    def bytes_held(self, num_agents: int) -> int:
+        return self.store.nbytes()
+
+    def describe(self):
+        return {**super().describe(), "input_pass": self.input_pass, "messages": self.messages,
+                "schedule": self.schedule, "keys": self.keys, "read": self.read}
+
+
+def _variant(name: str, **fixed):
+    @register_lora_method(name)
+    def make(**kw):
+        return LowRankShared(name=kw.pop("name", name), **{**fixed, **kw})
+
+    return make
+
+
+_variant("first_agent", input_pass="first", messages="writer")
+_variant("prelr_shared", input_pass="neutral", messages="writer")
+_variant("rebase_after_turn", input_pass="neutral", messages="rebuild", schedule="after_turn")
+_variant("rebase_alongside", input_pass="neutral", messages="rebuild", schedule="alongside")
