@@ -41,3 +41,48 @@ KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
 )
 
 ALL = (KVCMAS_CACHE_DIR, KVCMAS_ALLOW_SGL_KERNEL_STANDIN, KVCMAS_SGL_KERNEL_STANDIN_LOG)
+
+# ----- shared-context serving (issue 6) -----
+KVCMAS_SHARE_CONTEXT = EnvVar(
+    "KVCMAS_SHARE_CONTEXT",
+    "0",
+    "Opt-in, per deployment: let agents read each other's KV for their common transcript "
+    "(shared-context tree). Off: the kvcmas tree cache behaves exactly like SGLang's RadixCache.",
+)
+KVCMAS_TURN_ORDER = EnvVar(
+    "KVCMAS_TURN_ORDER",
+    "leader",
+    "Agent-turn ordering policy when several agents' requests over one new shared segment wait "
+    "together: 'leader' (one computes it, the others wait and reuse it) or 'fifo' (no waiting).",
+)
+KVCMAS_TURN_MAX_WAIT_S = EnvVar(
+    "KVCMAS_TURN_MAX_WAIT_S",
+    "20",
+    "Longest a request is held back waiting for another agent to compute its shared segment.",
+)
+KVCMAS_TURN_MIN_GAIN = EnvVar(
+    "KVCMAS_TURN_MIN_GAIN",
+    "32",
+    "Fewest shared tokens a waiting request must gain from a leader for it to wait.",
+)
+KVCMAS_CACHE_AGENT_OUTPUTS = EnvVar(
+    "KVCMAS_CACHE_AGENT_OUTPUTS",
+    "0",
+    "With sharing on, keep an agent request's generated tokens in the tree cache after it "
+    "finishes (off: only its prompt; outputs re-enter through the shared transcript).",
+)
+KVCMAS_SERVING_EXTENSIONS = EnvVar(
+    "KVCMAS_SERVING_EXTENSIONS",
+    "0",
+    "Set by sglang_kvcmas.integration.shared_launch for its server processes: register the "
+    "shared-context tree cache, the delta attention backend and the serving hooks.",
+)
+
+ALL = ALL + (
+    KVCMAS_SHARE_CONTEXT,
+    KVCMAS_TURN_ORDER,
+    KVCMAS_TURN_MAX_WAIT_S,
+    KVCMAS_TURN_MIN_GAIN,
+    KVCMAS_CACHE_AGENT_OUTPUTS,
+    KVCMAS_SERVING_EXTENSIONS,
+)

@@ -1,0 +1,180 @@
+"""``kvcmas_delta`` attention backend: torch_native attention that reads shared spans re-positioned
+(and corrected, when a delta is present) — registered with SGLang's attention registry.
+
+SGLang's torch_native backend gathers, per request and layer, ``k_cache[req_to_token[row, :n]]``
+(a transient copy) and runs SDPA on it. This backend does the same and, for a row that
+``span_registry.SPANS`` lists, transforms the gathered keys and values of each shared span before
+SDPA, following ``attention/reference.py``::
+
+    key read   = R(δ)·k_base + R(p_reader)·(U_k·C_kᵀ)      (pool holds post-RoPE owner keys)
+    value read = v_base + U_v·C_vᵀ
+
+Nothing is written back to the pool: the owner's KV stays exact and shared. Rows without spans
+(every exact request, every request when sharing is off) take the parent's code path unchanged.
+
+GPU: the same span metadata drives the Triton kernels in ``attention/triton_delta.py``; wiring
+them into a FlashInfer/Triton wrapper is not done here (CPU serving only).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_kvcmas.attention.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from sglang_kvcmas.integration.span_registry import SPANS, RowSpans
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+BACKEND_NAME = "kvcmas_delta"
+
+
+def transform_spans(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row: RowSpans,
+    layer_id: int,
+    inv_freq: torch.Tensor,
+    cos_sin_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply one row's span reads to its gathered keys and values, in place.
+
+    Args:
+        k: [seq_len, H_kv, d] keys gathered from the pool in row order (a copy, not the pool)
+        v: [seq_len, H_kv, d] values
+        row: the row's shared spans; positions are row indices
+        layer_id: layer whose delta factors to apply
+        inv_freq: [d // 2] float32 RoPE frequencies
+        cos_sin_cache: optional memo ``shift -> (cos, sin)`` each [d // 2]
+    Returns:
+        (k, v), the same tensors.
+    """
+    half = k.shape[-1] // 2
+    for read in row.reads:
+        span = read.span
+        if span.start >= k.shape[0]:
+            continue
+        sl = slice(span.start, min(span.end, k.shape[0]))
+        if span.shift:
+            cs = None if cos_sin_cache is None else cos_sin_cache.get(span.shift)
+            if cs is None:
+                cos, sin = rope_cos_sin(torch.tensor([span.shift]), inv_freq)
+                cs = (cos[0].to(k.device), sin[0].to(k.device))
+                if cos_sin_cache is not None:
+                    cos_sin_cache[span.shift] = cs
+            cos, sin = cs
+            ks = k[sl].to(torch.float32)
+            lo, hi = ks[..., :half], ks[..., half:]
+            k[sl] = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1).to(k.dtype)
+        if read.factors is not None:
+            f = read.factors(layer_id)
+            n = sl.stop - sl.start
+            if f.k is not None:
+                pos = torch.arange(sl.start, sl.stop)
+                k[sl] += apply_rope(f.k.dense()[:n].to(k.device), pos, inv_freq).to(k.dtype)
+            if f.v is not None:
+                v[sl] += f.v.dense()[:n].to(v.device, v.dtype)
+    return k, v
+
+
+def _rope_params(model_runner: ModelRunner) -> tuple[int, float]:
+    cfg = model_runner.model_config.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        params = getattr(cfg, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return int(head_dim), float(theta)
+
+
+class DeltaAttnBackend(TorchNativeAttnBackend):
+    """torch_native + shared-span re-positioning and deltas (see module docstring)."""
+
+    def __init__(self, model_runner: ModelRunner):
+        super().__init__(model_runner)
+        head_dim, theta = _rope_params(model_runner)
+        self.inv_freq = rope_inv_freq(head_dim, theta)
+        self._layer_id = 0
+        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self._layer_id = layer.layer_id
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self._layer_id = layer.layer_id
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _rows(self, req_pool_indices: torch.Tensor) -> list[RowSpans | None]:
+        rows = [SPANS.get(int(i)) for i in req_pool_indices.tolist()]
+        return [r if r is not None and r.needs_transform else None for r in rows]
+
+    def _run_sdpa_forward_extend(
+        self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+        causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
+    ):
+        rows = self._rows(req_pool_indices)
+        if encoder_lens is not None or sliding_window_size is not None or not any(rows):
+            return super()._run_sdpa_forward_extend(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                is_cross_attn, sliding_window_size,
+            )
+        q_all = query.movedim(0, query.dim() - 2)  # [H, tokens, d]
+        start_q = 0
+        for i in range(seq_lens.shape[0]):
+            n_q, n_prefix, n_kv = (
+                int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+            )
+            q = q_all[:, start_q : start_q + n_q, :]
+            q_full = torch.empty((q.shape[0], n_kv, q.shape[2]), dtype=q.dtype, device=q.device)
+            q_full[:, n_prefix:, :] = q
+            k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
+            out = scaled_dot_product_attention(
+                q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+            ).squeeze(0).movedim(query.dim() - 2, 0)
+            output[start_q : start_q + n_q] = out[n_prefix:]
+            start_q += n_q
+        return output
+
+    def _run_sdpa_forward_decode(
+        self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+        sliding_window_size: Optional[int] = None,
+    ):
+        rows = self._rows(req_pool_indices)
+        if encoder_lens is not None or sliding_window_size is not None or not any(rows):
+            return super()._run_sdpa_forward_decode(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )
+        q_all = query.movedim(0, query.dim() - 2)
+        for i in range(seq_lens.shape[0]):
+            n_kv = int(seq_lens[i])
+            q = q_all[:, i : i + 1, :]
+            k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
+            out = scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+            ).squeeze(0).movedim(query.dim() - 2, 0)
+            output[i : i + 1] = out
+        return output
+
+    def _gather(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row):
+        """[H_kv, n_kv, d] keys and values of one row, spans transformed (transient copies)."""
+        tokens = req_to_token[req_pool_idx, :n_kv]
+        k, v = k_cache[tokens], v_cache[tokens]  # advanced indexing: copies, never the pool
+        if row is not None:
+            k, v = transform_spans(k, v, row, self._layer_id, self.inv_freq, self._cos_sin)
+        return k.movedim(0, 1), v.movedim(0, 1)
+
+
+def create_delta_backend(runner: ModelRunner) -> DeltaAttnBackend:
+    """Factory registered as attention backend ``kvcmas_delta``."""
+    return DeltaAttnBackend(runner)

@@ -1,0 +1,450 @@
+"""``KvcmasSharedTreeCache``: SGLang's radix cache plus the agent-aware shared-context tree.
+
+A request is split (``agent_split``) into agent head + shared context + suffix. Its prefix is the
+exact radix match of its own tokens (head, and any of the transcript it computed itself),
+continued by the shared tree's match of the rest of the shared context by tokens alone::
+
+    reader row (req_to_token[req_pool_idx])
+    index  0 ........ h ........ m_r ................... h+L ............ n
+           | own head | own exact | borrowed shared span | own new tokens |
+           |<-- radix path slots ->|<- shared path slots ->|<- allocated ->|
+           |       reused exact    |  reused corrected    |  recomputed    |
+                                    owner position = reader position - shift
+    prefix_len = h + L                     (SGLang extends from here)
+    cache_protected_len = h + L            (release never frees borrowed slots)
+
+``req.last_node`` is then a :class:`SharedPrefixHandle` (radix node + deepest shared node);
+``lock``/``unlock``/``prefix_device_indices``/``resolve_node_handle`` understand it. When the row
+is allocated (``maybe_hand_to_session``) the shifts of the borrowed spans are published to the
+attention backend through ``span_registry.SPANS[req_pool_idx]``; SGLang gives the reader's tokens
+their own positions, and the backend rotates the owner's keys by each span's shift.
+
+Writing (``checkpoint``): an exact request (no borrowed span) is inserted into the radix tree as
+SGLang does, and its not-yet-shared transcript tokens are registered in the shared tree *anchored*
+on its radix path (one copy: the shared node points at the owner's slots). A reader registers the
+transcript tokens it computed after its borrowed span as an *owned* shared node and moves
+``cache_protected_len`` past them, so release frees only its suffix and output.
+
+Locks and eviction: a reader locks its radix head path, its shared path (``lock_ref``) and every
+radix anchor on that path, so nothing it reads can be evicted or dropped. Evicting a radix node
+drops the shared nodes anchored on it; unlocked owned shared leaves are evicted when the radix
+tree alone cannot free enough. ``evictable_size``/``protected_size`` include owned shared slots,
+so SGLang's pool invariant (available + evictable + protected + uncached == total) holds.
+
+With ``KVCMAS_SHARE_CONTEXT`` off every method is the parent's: identical to ``RadixCache``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    MatchPrefixParams,
+    MatchResult,
+    TreeLock,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sglang_kvcmas import envs
+from sglang_kvcmas.attention.batch import SharedSpan
+from sglang_kvcmas.integration import reuse_accounting
+from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
+from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
+from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
+from sglang_kvcmas.integration.span_registry import SPANS, RowSpans, SpanRead
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+logger = logging.getLogger(__name__)
+
+SHARED_BACKEND_NAME = "kvcmas-shared"
+"""Name under which :func:`build_shared_tree_cache` is registered until ``kvcmas`` builds it."""
+
+
+@dataclass(eq=False)
+class SharedPrefixHandle:
+    """``req.last_node`` of a request whose prefix continues into borrowed shared KV.
+
+    Attributes:
+        radix_node: last node of the request's own exact radix match.
+        radix_len: tokens of that match (>= the head length).
+        shared_node: deepest shared-tree node of the borrowed part.
+        shared_begin: shared offset where borrowing starts (= radix_len − head_len).
+        shared_end: shared offset where it ends (path length of ``shared_node``).
+        split: the request's head / shared / suffix split.
+        namespace: ``(extra_key, cache_salt)``.
+    """
+
+    radix_node: Any
+    radix_len: int
+    shared_node: SharedNode
+    shared_begin: int
+    shared_end: int
+    split: AgentSplit
+    namespace: tuple
+
+    @property
+    def prefix_len(self) -> int:
+        return self.split.head_len + self.shared_end
+
+    @property
+    def borrowed_len(self) -> int:
+        return self.shared_end - self.shared_begin
+
+
+@dataclass
+class _SharedReceipt:
+    radix_lock: TreeLock | None
+    anchor_locks: list[TreeLock]
+
+
+@dataclass(frozen=True)
+class PendingOwner:
+    """An admitted agent request that will register new shared tokens at its checkpoint."""
+
+    rid: str
+    namespace: tuple
+    shared: tuple[int, ...]
+    since: float
+
+
+def _namespace(extra_key: Any, cache_salt: Any) -> tuple:
+    return (extra_key, cache_salt or None)
+
+
+class KvcmasSharedTreeCache(KvcmasRadixCache):
+    """Radix cache + shared-context tree (see module docstring)."""
+
+    def __init__(
+        self,
+        params: CacheInitParams,
+        chat_ids: ChatTemplateIds | None = None,
+        share_context: bool | None = None,
+    ):
+        self.shared = SharedTree(self._free_slots)
+        self._chat_ids = chat_ids
+        self.share_context = (
+            envs.KVCMAS_SHARE_CONTEXT.get_bool() if share_context is None else share_context
+        )
+        self.cache_agent_outputs = envs.KVCMAS_CACHE_AGENT_OUTPUTS.get_bool()
+        self._splits: dict[str, AgentSplit | None] = {}
+        self.pending_owners: dict[str, PendingOwner] = {}
+        self._extra_freed = 0
+        super().__init__(params)
+
+    # ----- helpers -----
+
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        if self.token_to_kv_pool_allocator is not None and slots.numel():
+            self.token_to_kv_pool_allocator.free(slots.to(self.device))
+
+    @property
+    def chat_ids(self) -> ChatTemplateIds | None:
+        """ChatML delimiter ids, read from the served tokenizer on first use."""
+        if self._chat_ids is None:
+            try:
+                from sglang.srt.runtime_context import get_server_args
+
+                args = get_server_args()
+                path = getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None)
+            except Exception:  # no server context (unit tests): no ChatML detection
+                path = None
+            self._chat_ids = chat_ids_for(path) or False
+        return self._chat_ids or None
+
+    def split_of(self, req: Req) -> AgentSplit | None:
+        """The request's agent split (memoized per rid); None: not an agent request."""
+        if req.rid not in self._splits:
+            custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+            try:
+                self._splits[req.rid] = split_request(req.origin_input_ids, custom, self.chat_ids)
+            except ValueError as e:
+                logger.warning("sglang-kvcmas: request %s: %s; served without sharing", req.rid, e)
+                self._splits[req.rid] = None
+        return self._splits[req.rid]
+
+    def head_cached(self, req: Req, split: AgentSplit) -> bool:
+        """Whether the radix tree holds the request's agent head (a peek: nothing is split)."""
+        key = RadixKey(req.origin_input_ids[: split.head_len], req.extra_key,
+                       cache_salt=req.cache_salt)
+        node, pos = self.root_node, 0
+        while pos < len(key):
+            child = node.children.get(key.child_key_at(pos))
+            if child is None or child.evicted:
+                return False
+            n = child.key.match_at(key, pos)
+            if n < len(child.key):
+                return pos + n >= len(key)
+            pos, node = pos + n, child
+        return True
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "shared"):
+            self.shared.reset()
+            self.pending_owners.clear()
+            SPANS.reset()
+
+    # ----- match -----
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        req = params.req
+        if not self.share_context or self.disable or req is None or self.page_size != 1:
+            return base
+        split = self.split_of(req)
+        if split is None or base.device_prefix_len < split.head_len:
+            return base  # unknown agent head: compute it (and be an exact owner)
+        key = params.key
+        limit = min(len(key), split.shared_end)
+        shared_tokens = key.token_ids[split.head_len : limit]
+        ns = _namespace(key.extra_key, key.cache_salt)
+        matched, node = self.shared.match(ns, shared_tokens, split=True)
+        begin = base.device_prefix_len - split.head_len
+        if node is None or matched <= begin:
+            return base
+        handle = SharedPrefixHandle(
+            base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
+        )
+        return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
+
+    def prefix_device_indices(self, req: Req) -> torch.Tensor:
+        handle = req.last_node
+        if not isinstance(handle, SharedPrefixHandle):
+            return super().prefix_device_indices(req)
+        own = self.path_device_indices(handle.radix_node)[: handle.radix_len]
+        borrowed = SharedTree.path_slots(handle.shared_node)[handle.shared_begin : handle.shared_end]
+        out = torch.cat([own.to(torch.int64), borrowed.to(own.device)])
+        return out[: req.prefix_len]
+
+    def resolve_node_handle(self, node_handle: Any) -> Any:
+        if isinstance(node_handle, SharedPrefixHandle):
+            return node_handle.radix_node
+        return super().resolve_node_handle(node_handle)
+
+    # ----- locks -----
+
+    def lock(self, node: Any) -> TreeLock | None:
+        if not isinstance(node, SharedPrefixHandle):
+            return super().lock(node)
+        radix_lock = super().lock(node.radix_node)
+        anchors = self.shared.lock(node.shared_node)
+        now = time.monotonic()
+        anchor_locks = []
+        for anchor in anchors:
+            anchor.last_access_time = now  # readers keep the owner's path warm
+            anchor_locks.append(super().lock(anchor))
+        return TreeLock(node, _SharedReceipt(radix_lock, anchor_locks))
+
+    def unlock(self, lock: TreeLock | None) -> None:
+        if lock is None or not isinstance(lock.node, SharedPrefixHandle):
+            return super().unlock(lock)
+        receipt: _SharedReceipt = lock.receipt
+        self.shared.unlock(lock.node.shared_node)
+        for anchor_lock in receipt.anchor_locks:
+            super().unlock(anchor_lock)
+        super().unlock(receipt.radix_lock)
+
+    # ----- allocation hand-off: spans for the attention backend, accounting -----
+
+    def maybe_hand_to_session(self, req: Req) -> None:
+        super().maybe_hand_to_session(req)
+        if not self.share_context:
+            return
+        split = self.split_of(req)
+        handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
+        prompt = len(req.origin_input_ids)
+        if handle is not None:
+            reads, corrected = self._span_reads(handle)
+            SPANS.set(req.kv.req_pool_idx, RowSpans(req.rid, reads))
+            exact = req.prefix_len - corrected
+        else:
+            exact, corrected = req.prefix_len, 0
+        if getattr(req, "_kvcmas_accounted", False) is False:
+            reuse_accounting.attach(
+                req,
+                reuse_accounting.ReuseRecord(
+                    split.agent if split else None, prompt, exact, corrected,
+                    prompt - exact - corrected,
+                ),
+            )
+            req._kvcmas_accounted = True
+        if split is not None and req.prefix_len < split.shared_end:
+            ns = _namespace(req.extra_key, req.cache_salt)
+            shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
+            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
+
+    def _span_reads(self, handle: SharedPrefixHandle) -> tuple[tuple[SpanRead, ...], int]:
+        """The borrowed spans of a handle, merged where shifts agree; and tokens read from
+        another agent (what the accounting calls corrected reuse)."""
+        spans: list[list[int]] = []
+        foreign = 0
+        head = handle.split.head_len
+        for piece in SharedTree.path(handle.shared_node):
+            lo = max(piece.offset, handle.shared_begin)
+            hi = piece.offset + len(piece.node)
+            if hi <= lo:
+                continue
+            start = head + lo
+            shift = start - (piece.node.owner_start + lo - piece.offset)
+            if piece.node.owner != handle.split.agent or shift != 0:
+                foreign += hi - lo
+            if spans and spans[-1][0] + spans[-1][1] == start and spans[-1][2] == shift:
+                spans[-1][1] += hi - lo
+            else:
+                spans.append([start, hi - lo, shift])
+        reads = tuple(SpanRead(SharedSpan(s, n, d)) for s, n, d in spans)
+        return reads, foreign
+
+    # ----- checkpoint / release -----
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
+        if not self.share_context or self.disable:
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        split = self.split_of(req)
+        if isinstance(req.last_node, SharedPrefixHandle):
+            self._register_borrowed(req, req.last_node, up_to)
+        else:
+            if split is not None and req.finished() and not self.cache_agent_outputs:
+                # Outputs re-enter through the shared transcript; keep only the prompt.
+                up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
+            super().checkpoint(req, up_to=up_to, **kwargs)
+            if split is not None:
+                self._register_exact(req, split, up_to)
+        self.pending_owners.pop(req.rid, None)
+
+    def _register_exact(self, req: Req, split: AgentSplit, up_to: int) -> None:
+        """Share the transcript tokens an exact request computed, anchored on its radix path."""
+        end = min(split.shared_end, up_to)
+        if end <= split.head_len:
+            return
+        ids = req.full_untruncated_fill_ids
+        tokens = ids[split.head_len : end]
+        ns = _namespace(req.extra_key, req.cache_salt)
+        known, _ = self.shared.match(ns, tokens, split=False)
+        if known >= len(tokens):
+            return
+        found = super().match_prefix(
+            MatchPrefixParams(RadixKey(ids[:end], req.extra_key, cache_salt=req.cache_salt))
+        )
+        if found.device_prefix_len != end:
+            return  # the radix path is shorter than the transcript (e.g. evicted): skip
+        anchor = found.last_device_node
+        slots = self.path_device_indices(anchor)[split.head_len + known : end]
+        self.shared.insert(
+            ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor
+        )
+
+    def _register_borrowed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
+        """Share the transcript tokens a reader computed after its borrowed span (owned)."""
+        split = handle.split
+        end = min(split.shared_end, up_to)
+        start = split.head_len + handle.shared_end
+        if end <= start or req.kv.cache_protected_len != start:
+            return
+        tokens = req.full_untruncated_fill_ids[split.head_len : end]
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        slots = row[start:end].to(torch.int64).cpu()
+        _, node = self.shared.insert(
+            handle.namespace, tokens, handle.shared_end, slots, split.agent, start, anchor=None
+        )
+        if node is None:
+            return  # another request registered these tokens first: ours are freed at release
+        new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len)
+        new_lock = self.lock(new_handle)
+        self.unlock(req.lock)
+        req.lock, req.last_node = new_lock, new_handle
+        req.kv.cache_protected_len = end
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        SPANS.clear(getattr(req.kv, "req_pool_idx", None))
+        self.pending_owners.pop(req.rid, None)
+        self._splits.pop(req.rid, None)
+
+    # ----- eviction and sizes -----
+
+    def _delete_leaf(self, node: Any) -> None:
+        super()._delete_leaf(node)
+        if hasattr(self, "shared"):
+            self._extra_freed += self.shared.drop_anchor(node)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        self._extra_freed = 0
+        result = super().evict(params)
+        freed = result.num_tokens_evicted + self._extra_freed
+        if freed < params.num_tokens and not self.disable:
+            freed += self.shared.evict(params.num_tokens - freed)
+        self._extra_freed = 0
+        return EvictResult(num_tokens_evicted=freed)
+
+    def evictable_size(self) -> int:
+        return super().evictable_size() + self.shared.evictable_owned_size()
+
+    def protected_size(self) -> int:
+        return super().protected_size() + self.shared.owned_locked_size
+
+    def total_size(self) -> int:
+        return super().total_size() + self.shared.owned_size
+
+    def shared_stats(self) -> dict[str, int]:
+        """Sizes for ``/server_info`` and tests."""
+        nodes = list(self.shared.nodes())
+        return {
+            "shared_nodes": len(nodes),
+            "shared_tokens": sum(len(n) for n in nodes),
+            "shared_owned_tokens": self.shared.owned_size,
+            "delta_bytes": self.shared.delta_nbytes(),
+        }
+
+
+def chat_ids_for(tokenizer_path: str | None) -> ChatTemplateIds | None:
+    """ChatML delimiter ids of a tokenizer, or None when it has no ChatML tokens."""
+    if not tokenizer_path:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    system = tok.encode("system", add_special_tokens=False)
+    if any(i is None or i == tok.unk_token_id for i in ids) or len(system) != 1:
+        return None
+    return ChatTemplateIds(ids[0], ids[1], system[0])
+
+
+def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache:
+    """Radix cache factory for :class:`KvcmasSharedTreeCache`.
+
+    Raises:
+        ValueError: for features the Python radix tree does not implement, or page size > 1.
+    """
+    unsupported = [
+        name
+        for name, on in (
+            ("hybrid sliding-window attention", ctx.is_hybrid_swa),
+            ("hybrid state-space layers", ctx.is_hybrid_ssm),
+            ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
+            ("DSA sparse attention", ctx.is_dsa),
+            ("--page-size > 1", ctx.params.page_size != 1),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ValueError(f"the kvcmas shared-context tree does not support {', '.join(unsupported)}")
+    args = ctx.server_args
+    chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
+    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat)
+    logger.info(
+        "sglang-kvcmas: shared-context tree cache in use (share_context=%s, chatml=%s)",
+        cache.share_context, chat is not None,
+    )
+    return cache

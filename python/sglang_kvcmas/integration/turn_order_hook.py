@@ -1,0 +1,72 @@
+"""Apply the agent-turn ordering policy (``policy/turn_order.py``) inside SGLang's scheduler.
+
+An AROUND hook on ``Scheduler._get_new_batch_prefill_raw``: before SGLang builds a prefill batch,
+the requests the policy defers are taken out of ``waiting_queue``; after, they are put back at
+its front, unchanged. Nothing else in the scheduler changes. Active only when the tree cache is
+:class:`KvcmasSharedTreeCache` with sharing on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sglang_kvcmas import envs
+from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnConfig, TurnLeader, plan_turns
+
+logger = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
+
+_first_seen: dict[str, float] = {}
+
+
+def turn_config() -> TurnConfig:
+    return TurnConfig(
+        policy=envs.KVCMAS_TURN_ORDER.get(),
+        min_gain=int(envs.KVCMAS_TURN_MIN_GAIN.get()),
+        max_wait_s=float(envs.KVCMAS_TURN_MAX_WAIT_S.get()),
+    )
+
+
+def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
+    out = []
+    for req in waiting:
+        split = cache.split_of(req)
+        if split is None or not cache.head_cached(req, split):
+            continue  # cannot borrow anyway: never held back
+        ns = (req.extra_key, req.cache_salt or None)
+        shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
+        available, _ = cache.shared.match(ns, shared, split=False)
+        out.append(
+            TurnCandidate(req.rid, ns, split.agent, shared, available,
+                          now - _first_seen.setdefault(req.rid, now))
+        )
+    return out
+
+
+def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: hold back deferred requests for one prefill-batch decision."""
+    from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
+
+    cache = getattr(scheduler, "tree_cache", None)
+    waiting = scheduler.waiting_queue
+    if not isinstance(cache, KvcmasSharedTreeCache) or not cache.share_context or not waiting:
+        return original(scheduler, *args, **kwargs)
+    config = turn_config()
+    now = time.monotonic()
+    live = {r.rid for r in waiting}
+    for rid in [r for r in _first_seen if r not in live]:
+        del _first_seen[rid]
+    in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
+    plan = plan_turns(_candidates(cache, waiting, now), in_flight, config)
+    if not plan.deferred:
+        return original(scheduler, *args, **kwargs)
+    held = [r for r in waiting if r.rid in plan.deferred]
+    scheduler.waiting_queue = [r for r in waiting if r.rid not in plan.deferred]
+    logger.debug("sglang-kvcmas: turn order holds back %s", dict(plan.leader_of))
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.waiting_queue = held + list(scheduler.waiting_queue)

@@ -1,0 +1,115 @@
+"""Agent-turn ordering: which waiting requests should wait for another agent's shared segment.
+
+When several agents' requests over the same *new* shared transcript arrive together, prefilling
+them in one batch computes that transcript once per agent. The ``leader`` policy lets one request
+(the leader) compute it exactly; the others wait until the leader has published it in the shared
+tree, then reuse it. Pure functions over plain values: the scheduler hook
+(``integration/turn_order_hook.py``) builds the inputs and applies the decision.
+
+``fifo`` is the naive baseline: nobody waits (SGLang's own order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TurnCandidate:
+    """A waiting request as the policy sees it.
+
+    Attributes:
+        rid: request id.
+        namespace: sharing namespace ``(extra_key, cache_salt)``; never shared across.
+        agent: agent id.
+        shared: the request's shared-context token ids.
+        available: how many of ``shared`` the shared tree already holds (a reader reuses these).
+        waited_s: seconds since the request arrived.
+    """
+
+    rid: str
+    namespace: Hashable
+    agent: str
+    shared: tuple[int, ...]
+    available: int
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class TurnLeader:
+    """A request that is computing (or will compute first) shared tokens: in flight or admitted."""
+
+    rid: str
+    namespace: Hashable
+    shared: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TurnConfig:
+    """Policy knobs.
+
+    Attributes:
+        policy: ``"leader"`` or ``"fifo"``.
+        min_gain: fewest extra shared tokens a wait must buy.
+        max_wait_s: a request that has waited this long is never held back again.
+    """
+
+    policy: str = "leader"
+    min_gain: int = 32
+    max_wait_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("leader", "fifo"):
+            raise ValueError(f"unknown turn-order policy {self.policy!r}")
+        if self.min_gain < 1 or self.max_wait_s < 0:
+            raise ValueError(f"bad turn-order config {self}")
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """The decision for one scheduling pass: ``deferred`` rids stay in the queue this pass;
+    ``leader_of`` names, for each deferred rid, the request it waits for."""
+
+    deferred: frozenset[str]
+    leader_of: dict[str, str]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_turns(
+    waiting: Sequence[TurnCandidate],
+    in_flight: Sequence[TurnLeader],
+    config: TurnConfig,
+) -> TurnPlan:
+    """Decide who waits, in queue order.
+
+    A candidate waits when an in-flight request, or an earlier candidate that does not wait,
+    shares at least ``config.min_gain`` more of its shared context than the tree already holds
+    for it — and it has not waited ``config.max_wait_s`` yet. Candidates that do not wait become
+    leaders for the ones after them.
+    """
+    if config.policy == "fifo":
+        return TurnPlan(frozenset(), {})
+    leaders = list(in_flight)
+    deferred: dict[str, str] = {}
+    for cand in waiting:
+        best, best_rid = 0, None
+        if cand.waited_s < config.max_wait_s:
+            for lead in leaders:
+                if lead.namespace != cand.namespace or lead.rid == cand.rid:
+                    continue
+                gain = common_prefix_len(lead.shared, cand.shared) - cand.available
+                if gain > best:
+                    best, best_rid = gain, lead.rid
+        if best_rid is not None and best >= config.min_gain:
+            deferred[cand.rid] = best_rid
+        else:
+            leaders.append(TurnLeader(cand.rid, cand.namespace, cand.shared))
+    return TurnPlan(frozenset(deferred), deferred)
