@@ -1,0 +1,387 @@
+"""Serving head-to-head: our shared-context backend vs SGLang's radix cache vs no cache.
+
+Same server binary (SGLang 0.5.23 + our launcher), three arms (``server_arms.ARMS``), the same
+workload over HTTP (``/generate`` with token ids, streaming for TTFT): N concurrent 3-agent GSM8K
+debates (3 rounds) plus M concurrent reviewer chains, each step's agents sent together.
+
+Reports, per arm (``bench_serving`` style): TTFT mean / median / P99 over all agent turns and over
+non-owner turns (turns whose agent did not compute the step's new transcript: in the kvcmas arm
+the turns that read another agent's KV; the same (workflow, step, agent) turns in every arm),
+workflow makespan, token throughput, peak KV bytes (pool slots held: ``max_total_tokens −
+sglang:kv_available_tokens``, x bytes per token; + delta bytes), greedy output agreement with the
+radix arm. Then fidelity of the kvcmas arm against the radix arm: the radix arm's prompts and
+greedy continuations are replayed on the kvcmas server step by step (so non-owners read shared
+KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
+
+Output: a summary on stdout, ``results/serving/head_to_head.jsonl`` (one record per arm + one
+fidelity record), a plot, and with ``--quick`` a final ``HEADLINE ...`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.workflows import Workflow, debate, reviewer_chain  # noqa: E402
+
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # layers x kv heads x head_dim x (K, V) x fp32
+MAX_TOTAL_TOKENS = 16384
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
+    """One streamed /generate; returns ttft, latency, output ids/text and meta_info."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[5:])
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": last["text"],
+            "output_ids": last.get("output_ids"), "meta": last["meta_info"]}
+
+
+class KvSampler(threading.Thread):
+    """Polls /metrics and keeps the peak of pool slots held."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.peak, self._stop = url, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                    for line in r.read().decode().splitlines():
+                        if line.startswith("sglang:kv_available_tokens"):
+                            held = MAX_TOTAL_TOKENS - int(float(line.rsplit(" ", 1)[1]))
+                            self.peak = max(self.peak, held)
+            except OSError:
+                pass
+            self._stop.wait(0.5)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self.join()
+        return self.peak
+
+
+def build_workflows(n_debates: int, n_chains: int) -> list[Workflow]:
+    from sglang_kvcmas.datasets import gsm8k
+
+    items = gsm8k()
+    flows = [debate(i, items[i].question) for i in range(n_debates)]
+    flows += [reviewer_chain(100 + i, items[50 + i].question) for i in range(n_chains)]
+    return flows
+
+
+def run_workload(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[list[dict], float]:
+    """Run every workflow concurrently; returns one record per agent turn and the makespan."""
+    turns: list[dict] = []
+    lock = threading.Lock()
+
+    def one_flow(flow: Workflow) -> float:
+        t0 = time.perf_counter()
+        for step, agents in enumerate(flow.steps):
+            prompts = {a: tok.apply_chat_template(flow.messages(step, a), add_generation_prompt=True,
+                                                  tokenize=True) for a in agents}
+            prompts = {a: list(p["input_ids"] if isinstance(p, dict) else p) for a, p in prompts.items()}
+            with ThreadPoolExecutor(len(agents)) as pool:
+                outs = dict(zip(agents, pool.map(
+                    lambda a: stream_generate(url, prompts[a], max_new), agents)))
+            for a in agents:
+                rec = {"kind": flow.kind, "wid": flow.wid, "step": step, "agent": a,
+                       "prompt_ids": prompts[a], **outs[a]}
+                with lock:
+                    turns.append(rec)
+            flow.record(step, {a: outs[a]["text"] for a in agents})
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(len(flows)) as pool:
+        spans = list(pool.map(one_flow, flows))
+    return turns, max(spans)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def owners_of(turns: list[dict]) -> set[tuple]:
+    """(kind, wid, step, agent) of owner turns in the kvcmas arm: no corrected reuse."""
+    out = set()
+    for t in turns:
+        rec = (t["meta"].get("kvcmas_reuse") or [{}])[0]
+        if rec.get("reused_corrected", 0) == 0:
+            out.add((t["kind"], t["wid"], t["step"], t["agent"]))
+    return out
+
+
+def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
+    from sglang_kvcmas.datasets import last_number
+
+    last = max(t["step"] for t in turns if t["wid"] == wid)
+    answers = [last_number(t["text"]) for t in sorted(turns, key=lambda t: t["agent"])
+               if t["wid"] == wid and t["step"] == last]
+    answers = [a for a in answers if a is not None]
+    return max(set(answers), key=answers.count) if answers else None
+
+
+def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
+    """Replay the reference arm's prompts + continuations step by step (agents of a step
+    together, workflows concurrently); top-1 agreement per turn from input logprobs."""
+    by_flow: dict[tuple, list[dict]] = {}
+    for t in ref_turns:
+        by_flow.setdefault((t["kind"], t["wid"]), []).append(t)
+    out: list[dict] = []
+    lock = threading.Lock()
+
+    def one(t: dict) -> dict:
+        cont = list(t["output_ids"] or [])
+        if not cont:
+            raise RuntimeError("the reference arm returned no output_ids")
+        body = {"input_ids": t["prompt_ids"] + cont, "return_logprob": True,
+                "logprob_start_len": len(t["prompt_ids"]), "top_logprobs_num": 1,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+        res = post(url + "/generate", body)
+        tops = res["meta_info"]["input_top_logprobs"]
+        agree = [bool(top) and top[0][1] == tok for top, tok in zip(tops, cont) if top]
+        rec = (res["meta_info"].get("kvcmas_reuse") or [{}])[0]
+        first_div = next((i for i, a in enumerate(agree) if not a), None)
+        return {"kind": t["kind"], "wid": t["wid"], "step": t["step"], "agent": t["agent"],
+                "top1": sum(agree) / max(1, len(agree)), "n": len(agree),
+                "first_divergence": first_div, "non_owner": rec.get("reused_corrected", 0) > 0}
+
+    def flow(ts: list[dict]) -> None:
+        for step in sorted({t["step"] for t in ts}):
+            group = [t for t in ts if t["step"] == step]
+            with ThreadPoolExecutor(len(group)) as pool:
+                res = list(pool.map(one, group))
+            with lock:
+                out.extend(res)
+
+    with ThreadPoolExecutor(len(by_flow)) as pool:
+        list(pool.map(flow, by_flow.values()))
+    return out
+
+
+def summarize(arm: str, turns: list[dict], makespan: float, peak: int, non_owner: set) -> dict:
+    ttft = [t["ttft"] for t in turns]
+    no = [t["ttft"] for t in turns if (t["kind"], t["wid"], t["step"], t["agent"]) in non_owner]
+    out_tok = sum(t["meta"].get("completion_tokens", 0) for t in turns)
+    in_tok = sum(t["meta"].get("prompt_tokens", 0) for t in turns)
+    cached = sum(t["meta"].get("cached_tokens", 0) for t in turns)
+    return {
+        "arm": arm, "turns": len(turns), "makespan_s": makespan,
+        "ttft_mean_s": statistics.mean(ttft), "ttft_median_s": statistics.median(ttft),
+        "ttft_p99_s": pct(ttft, 0.99),
+        "nonowner_turns": len(no),
+        "nonowner_ttft_mean_s": statistics.mean(no) if no else None,
+        "nonowner_ttft_median_s": statistics.median(no) if no else None,
+        "nonowner_ttft_p99_s": pct(no, 0.99) if no else None,
+        "input_tokens": in_tok, "output_tokens": out_tok, "cached_tokens": cached,
+        "output_throughput_tok_s": out_tok / makespan,
+        "total_throughput_tok_s": (in_tok + out_tok) / makespan,
+        "peak_kv_tokens": peak, "peak_kv_bytes": peak * KV_BYTES_PER_TOKEN,
+    }
+
+
+def print_arm(s: dict) -> None:
+    print(f"{'=' * 18} Serving Benchmark Result ({s['arm']}) {'=' * 18}")
+    rows = [("Agent turns:", s["turns"]), ("Workflow makespan (s):", f"{s['makespan_s']:.2f}"),
+            ("Total input tokens:", s["input_tokens"]), ("Cached input tokens:", s["cached_tokens"]),
+            ("Total generated tokens:", s["output_tokens"]),
+            ("Output token throughput (tok/s):", f"{s['output_throughput_tok_s']:.2f}"),
+            ("Total token throughput (tok/s):", f"{s['total_throughput_tok_s']:.2f}"),
+            ("Peak KV tokens held:", s["peak_kv_tokens"]),
+            ("Peak KV bytes (base + deltas):", s["peak_kv_bytes"])]
+    for k, v in rows:
+        print(f"{k:<40}{v:>12}")
+    print(f"{'-' * 15}Time to First Token (all turns){'-' * 15}")
+    for k in ("mean", "median", "p99"):
+        print(f"{k.capitalize() + ' TTFT (ms):':<40}{s['ttft_' + k + '_s'] * 1000:>12.2f}")
+    print(f"{'-' * 15}Time to First Token (non-owner turns, n={s['nonowner_turns']}){'-' * 3}")
+    for k in ("mean", "median", "p99"):
+        v = s["nonowner_ttft_" + k + "_s"]
+        print(f"{k.capitalize() + ' TTFT (ms):':<40}{(v or float('nan')) * 1000:>12.2f}")
+
+
+def one_copy_ideal(turns: list[dict]) -> int:
+    """Tokens if each shared transcript were held once, plus agent heads, plus the live suffix
+    and output of the largest concurrent step of each workflow."""
+    from sglang_kvcmas.integration.agent_split import ChatTemplateIds, detect_chatml_split
+
+    chat = ChatTemplateIds(1, 2, 9690)
+    heads: dict[str, int] = {}
+    shared: dict[tuple, int] = {}
+    live: dict[tuple, int] = {}
+    for t in turns:
+        sp = detect_chatml_split(t["prompt_ids"], chat)
+        heads[t["agent"]] = sp.head_len
+        key = (t["kind"], t["wid"])
+        shared[key] = max(shared.get(key, 0), sp.shared_len)
+        step_live = sum(len(u["prompt_ids"]) - sp.shared_end + u["meta"]["completion_tokens"]
+                        for u in turns if (u["kind"], u["wid"], u["step"]) == (*key, t["step"]))
+        live[key] = max(live.get(key, 0), step_live)
+    return sum(heads.values()) + sum(shared.values()) + sum(live.values())
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [s["arm"] for s in summaries]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    axes[0].bar(arms, [s["nonowner_ttft_median_s"] or 0 for s in summaries], color="C0",
+                label="median")
+    axes[0].bar(arms, [s["nonowner_ttft_p99_s"] or 0 for s in summaries], color="C0", alpha=0.3,
+                label="P99")
+    axes[0].set_title("non-owner TTFT (s)")
+    axes[0].legend()
+    axes[1].bar(arms, [s["peak_kv_bytes"] / 2**20 for s in summaries], color="C1")
+    axes[1].set_title("peak KV (MiB)")
+    axes[2].bar(arms, [s["makespan_s"] for s in summaries], color="C2")
+    axes[2].set_title("workflow makespan (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 debates + 2 chains, 64 tokens")
+    ap.add_argument("--debates", type=int, default=8)
+    ap.add_argument("--chains", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--arms", default="radix,no_cache,kvcmas")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+    args = ap.parse_args()
+    if args.quick:
+        args.debates, args.chains, args.max_new_tokens = 4, 2, 64
+    args.out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    arms = args.arms.split(",")
+    assert arms[0] == "radix" and "kvcmas" in arms, "radix first (the reference), kvcmas included"
+    results: dict[str, tuple] = {}
+    fidelity = None
+    t_start = time.perf_counter()
+    for arm in arms:
+        flows = build_workflows(args.debates, args.chains)
+        with ArmServer(arm, args.out / f"server_{arm}.log") as server:
+            stream_generate(server.url, tok.encode("Warm up."), 4)  # first-request overheads
+            sampler = KvSampler(server.url)
+            sampler.start()
+            turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
+            peak = sampler.stop()
+            results[arm] = (turns, makespan, peak)
+            if arm == "kvcmas":
+                urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache",
+                                                              method="POST"), timeout=60).read()
+                fidelity = teacher_forced(server.url, results["radix"][0])
+        print(f"[head_to_head] arm {arm} done at {time.perf_counter() - t_start:.0f} s",
+              file=sys.stderr, flush=True)
+
+    non_owner = {(t["kind"], t["wid"], t["step"], t["agent"]) for t in results["kvcmas"][0]}
+    non_owner -= owners_of(results["kvcmas"][0])
+    summaries = [summarize(a, *results[a], non_owner) for a in arms]
+    ref_turns = results["radix"][0]
+    ref = {(t["kind"], t["wid"], t["step"], t["agent"]): t for t in ref_turns}
+    for s, arm in zip(summaries, arms):
+        same_prompt = [(t, ref[k]) for t in results[arm][0]
+                       if (k := (t["kind"], t["wid"], t["step"], t["agent"])) in ref
+                       and ref[k]["prompt_ids"] == t["prompt_ids"]]
+        s["greedy_agreement"] = (sum(t["text"] == r["text"] for t, r in same_prompt)
+                                 / max(1, len(same_prompt)))
+        s["greedy_compared_turns"] = len(same_prompt)
+        print_arm(s)
+        print(f"{'Greedy output agreement vs radix:':<40}{s['greedy_agreement']:>12.3f}"
+              f"  (n={len(same_prompt)} turns with identical prompts)")
+    ideal = one_copy_ideal(results["kvcmas"][0])
+    ours = next(s for s in summaries if s["arm"] == "kvcmas")
+    radix = summaries[0]
+    deb = [w for w in range(args.debates)]
+    same = {w: final_answer(results["kvcmas"][0], "debate", w) ==
+            final_answer(ref_turns, "debate", w) for w in deb}
+    tf_no = [f for f in fidelity if f["non_owner"]]
+    tf_owner = [f for f in fidelity if not f["non_owner"]]
+    fid = {
+        "arm": "fidelity_kvcmas_vs_radix",
+        "tf_top1_nonowner": sum(f["top1"] * f["n"] for f in tf_no) / max(1, sum(f["n"] for f in tf_no)),
+        "tf_top1_owner": sum(f["top1"] * f["n"] for f in tf_owner) / max(1, sum(f["n"] for f in tf_owner)),
+        "nonowner_turns": len(tf_no), "owner_turns": len(tf_owner),
+        "answer_consistency": sum(same.values()) / max(1, len(same)),
+        "inconsistent_debates": [
+            {"wid": w, "kvcmas": final_answer(results["kvcmas"][0], "debate", w),
+             "radix": final_answer(ref_turns, "debate", w),
+             "first_divergent_turn": next(
+                 ((t["step"], t["agent"]) for t in sorted(results["kvcmas"][0],
+                  key=lambda t: (t["step"], t["agent"])) if t["wid"] == w and
+                  t["text"] != ref[(t["kind"], w, t["step"], t["agent"])]["text"]), None)}
+            for w, ok in same.items() if not ok],
+        "one_copy_ideal_tokens": ideal,
+        "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
+        "turns": fidelity,
+    }
+    ttft_speedup = radix["nonowner_ttft_median_s"] / ours["nonowner_ttft_median_s"]
+    kv_ratio = radix["peak_kv_bytes"] / max(1, ours["peak_kv_bytes"])
+    print(f"{'=' * 18} Fidelity (kvcmas vs radix) {'=' * 18}")
+    print(f"teacher-forced top-1, non-owner turns: {fid['tf_top1_nonowner']:.4f} "
+          f"(n={len(tf_no)}); owner turns: {fid['tf_top1_owner']:.4f} (n={len(tf_owner)})")
+    print(f"debates with the same final answer: {fid['answer_consistency']:.3f}; "
+          f"others: {fid['inconsistent_debates']}")
+    print(f"peak KV: kvcmas/radix {1 / kv_ratio:.3f}; kvcmas / one-copy ideal "
+          f"({ideal} tokens) {fid['kv_ratio_to_ideal']:.3f}")
+    meta = {"commit": commit, "machine": machine, "debates": args.debates, "chains": args.chains,
+            "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains}
+    with open(args.out / "head_to_head.jsonl", "a") as f:
+        for s in summaries:
+            f.write(json.dumps({**meta, **s}) + "\n")
+        f.write(json.dumps({**meta, **fid}) + "\n")
+    plot(summaries, args.out / "head_to_head.png")
+    print(f"[head_to_head] {machine}; {meta['concurrent_workflows']} concurrent workflows; "
+          f"total {time.perf_counter() - t_start:.0f} s; results in {args.out}")
+    if args.quick:
+        print(f"HEADLINE ttft_speedup_vs_radix={ttft_speedup:.2f} kv_bytes_ratio_vs_radix="
+              f"{kv_ratio:.2f} tf_top1={fid['tf_top1_nonowner']:.4f} "
+              f"answer_consistency={fid['answer_consistency']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

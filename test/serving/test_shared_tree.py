@@ -1,0 +1,100 @@
+"""Property test of the shared-context tree: random insert / match / lock / evict / drop sequences
+keep its invariants (no slot freed twice, nothing freed while locked, sizes add up, matches return
+exactly the slots inserted for those tokens)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_kvcmas.integration.shared_tree import SharedTree
+
+NS = ("ns", None)
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=12),
+                  st.booleans()),
+        st.tuples(st.just("lock"), st.lists(st.integers(0, 3), min_size=1, max_size=12)),
+        st.tuples(st.just("unlock"), st.integers(0, 20)),
+        st.tuples(st.just("evict"), st.integers(1, 30)),
+        st.tuples(st.just("drop"), st.integers(0, 5)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_shared_tree_invariants(sequence):
+    freed: list[int] = []
+    tree = SharedTree(lambda s: freed.extend(int(x) for x in s))
+    next_slot = [0]
+    truth: dict[tuple[int, ...], int] = {}  # token path -> slot, for every live token
+    anchors = [object() for _ in range(6)]
+    locks = []
+
+    def fresh(n):
+        s = torch.arange(next_slot[0], next_slot[0] + n)
+        next_slot[0] += n
+        return s
+
+    for op in sequence:
+        if op[0] == "insert":
+            tokens, owned = op[1], op[2]
+            known, _ = tree.match(NS, tokens, split=False)
+            if known >= len(tokens):
+                continue
+            slots = fresh(len(tokens) - known)
+            anchor = None if owned else anchors[len(tokens) % len(anchors)]
+            matched, node = tree.insert(NS, tokens, known, slots, "a", 10 + known, anchor)
+            assert matched == known and node is not None
+            for i in range(known, len(tokens)):
+                truth[tuple(tokens[: i + 1])] = int(slots[i - known])
+        elif op[0] == "lock":
+            n, node = tree.match(NS, op[1], split=True)
+            if node is not None:
+                tree.lock(node)
+                locks.append((node, tuple(op[1][:n])))
+        elif op[0] == "unlock" and locks:
+            node, _ = locks.pop(op[1] % len(locks))
+            tree.unlock(node)
+        elif op[0] == "evict":
+            tree.evict(op[1])
+        elif op[0] == "drop":
+            # an anchor may be dropped only when no lock reads through it (the radix tree's rule)
+            a = anchors[op[1]]
+            if not any(id(a) in {id(x) for x in _path_anchors(n)} for n, _ in locks):
+                tree.drop_anchor(a)
+
+        # invariants
+        assert len(freed) == len(set(freed)), "a slot was freed twice"
+        for node, key in locks:
+            assert node.alive
+            got = SharedTree.path_slots(node).tolist()
+            assert got == [truth[key[: i + 1]] for i in range(len(key))]
+            assert not set(got) & set(freed), "a locked slot was freed"
+        live = list(tree.nodes())
+        assert tree.owned_size == sum(len(n) for n in live if n.owns_slots)
+        assert 0 <= tree.owned_locked_size <= tree.owned_size
+        assert all(n.lock_ref >= 0 for n in live)
+        for n in live:  # every live token's slot is what was inserted for its token path
+            path = [t for p in SharedTree.path(n) for t in p.node.key]
+            slots = SharedTree.path_slots(n).tolist()
+            assert slots == [truth[tuple(path[: i + 1])] for i in range(len(path))]
+            assert not set(n.slots.tolist()) & set(freed)
+
+
+def _path_anchors(node):
+    return [p.node.anchor for p in SharedTree.path(node) if p.node.anchor is not None]
+
+
+def test_match_is_by_tokens_and_namespaced():
+    tree = SharedTree(lambda s: None)
+    tree.insert(("x", None), [5, 6, 7], 0, torch.tensor([1, 2, 3]), "a", 40, None)
+    assert tree.match(("x", None), [5, 6, 9], split=False)[0] == 2
+    assert tree.match(("x", "salt"), [5, 6, 7], split=False)[0] == 0
+    n, node = tree.match(("x", None), [5, 6], split=True)
+    assert n == 2 and node.owner_start == 40 and node.slots.tolist() == [1, 2]
+    assert node.children[7].owner_start == 42
