@@ -3,8 +3,9 @@
 
 Data: GSM8K items from index 200 on (the labs use items 0-199), turned into role examples by
 ``sglang_kvcmas.adapters.role_data``; loss on the role's message only; sequences <= 224 tokens.
-Batch of one (this is a 2-core CPU). Each adapter: rank 8, alpha 16, no dropout, AdamW, cosine schedule, fp32 training, saved in peft
-format with fp16 weights under python/sglang_kvcmas/adapters/roles/<config>/<role>/.
+Batch of one (this is a 2-core CPU). Each adapter: rank 8, alpha 16, no dropout, AdamW, cosine
+schedule, fp32 training, saved in peft format with fp16 weights under
+python/sglang_kvcmas/adapters/roles/<config>/<role>/.
 
     OMP_NUM_THREADS=1 python scripts/train_role_adapters.py --config attn --threads 1
     OMP_NUM_THREADS=1 python scripts/train_role_adapters.py --config attn_mlp --threads 1

@@ -72,7 +72,12 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_after_turn": ("rebase_after_turn", {}),
     "rebase_alongside": ("rebase_alongside", {}),
     "rebase_after_turn[keys=base]": ("rebase_after_turn", {"keys": "base"}),
+    "rebase_fixup15": ("rebase_fixup", {"fixup_rho": 0.15}),
+    "rebase_fixup30": ("rebase_fixup", {"fixup_rho": 0.30}),
 }
+QUICK_METHODS = ("no_sharing", "sglang", "naive", "first_agent", "droidspeak", "prelr_shared",
+                 "prelr_shared[keys=base]", "rebase_after_turn", "rebase_alongside",
+                 "rebase_fixup15")
 REFERENCE, NAIVE = "no_sharing", "naive"
 NON_SHARING = ("no_sharing", "sglang")
 
@@ -172,7 +177,8 @@ def profile_droidspeak(lora, method, segs_upto, refs, suffix, width: int) -> int
     for start in range(0, lora.spec.num_layers - width + 1, width):
         method.start, method.width = start, width
         kls = [fidelity(lora, method.view(r), r, suffix, refs[r])["mean_kl"] for r in refs]
-        log(f"droidspeak profile: layers [{start}, {start + width}) mean KL {statistics.mean(kls):.4f}")
+        log(f"droidspeak profile: layers [{start}, {start + width}) "
+            f"mean KL {statistics.mean(kls):.4f}")
         if statistics.mean(kls) < best_kl:
             best, best_kl = start, statistics.mean(kls)
     method.start = best
@@ -203,7 +209,7 @@ def headline_numbers(summary: dict, bytes_final: dict) -> dict[str, dict[str, fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 questions, short messages (< 10 min)")
+    ap.add_argument("--quick", action="store_true", help="1 question, short messages (< 10 min)")
     ap.add_argument("--config", default="attn_mlp", choices=["attn", "attn_mlp"])
     ap.add_argument("--questions", type=int, default=5)
     ap.add_argument("--first-question", type=int, default=0)
@@ -217,9 +223,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/precache_lab")
     args = ap.parse_args()
-    if args.quick:
-        args.questions, args.max_message = min(args.questions, 2), min(args.max_message, 48)
-        args.methods = [m for m in args.methods if m != "rebase_after_turn[keys=base]"]
+    if args.quick:  # one question, and the variants that only answer design questions dropped
+        args.questions, args.max_message = 1, min(args.max_message, 64)
+        args.methods = [m for m in args.methods if m in QUICK_METHODS]
     for must in (REFERENCE, NAIVE):
         if must not in args.methods:
             args.methods.insert(0, must)
@@ -228,7 +234,8 @@ def main() -> None:
     t_start = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = JsonlWriter(out_dir / f"precache_lab_{args.config}{'_quick' if args.quick else ''}.jsonl")
+    tag = f"{args.config}{'_quick' if args.quick else ''}"
+    writer = JsonlWriter(out_dir / f"precache_lab_{tag}.jsonl")
     config = {k: v for k, v in vars(args).items() if k != "out"}
 
     lora, tok = load(args.config)
@@ -299,8 +306,8 @@ def main() -> None:
             "ttft_median_s", "ttft_speedup", "bytes_ratio", "kv_err_v", "decode_tok_s"]
     table = format_table(summary, cols, order=list(methods))
     print(table)
-    (out_dir / f"summary_{args.config}{'_quick' if args.quick else ''}.txt").write_text(table + "\n")
-    plot_methods(summary, out_dir / f"precache_lab_{args.config}{'_quick' if args.quick else ''}.png",
+    (out_dir / f"summary_{tag}.txt").write_text(table + "\n")
+    plot_methods(summary, out_dir / f"precache_lab_{tag}.png",
                  panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
                          ("bytes_ratio", "top1", "top-1 vs bytes saved")],
                  title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)")

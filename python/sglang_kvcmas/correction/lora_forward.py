@@ -5,8 +5,8 @@ the base model's own modules (``RefLlama``'s pieces), so one loaded model serves
 the adapter-free ("neutral") forward is the same code with ``agent=None``. The dense forward with
 ``agent=i`` is the no-sharing reference; it matches peft's own forward (see the tests).
 
-``AgentModel`` binds an agent and exposes RefLlama's pieces, ``forward`` and ``greedy`` so the shared lab
-harness (``benchmark/lab/common.py``) can drive it unchanged.
+``AgentModel`` binds an agent and exposes RefLlama's pieces, ``forward`` and ``greedy`` so the
+shared lab harness (``benchmark/lab/common.py``) can drive it unchanged.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class AdapterSet:
         fs = self.factors[layer].get(target)
         return None if fs is None else fs[agent]
 
-    def delta(self, layer: int, target: str, x: torch.Tensor, agent: int | None) -> torch.Tensor | None:
+    def delta(self, layer: int, target: str, x: torch.Tensor,
+              agent: int | None) -> torch.Tensor | None:
         """scale * x a b for ``agent`` (None when the agent is None or the target is not adapted).
         x: [T, d_in] -> [T, d_out]."""
         f = None if agent is None else self.get(layer, target, agent)

@@ -17,6 +17,12 @@ cache as ``rebase_after_turn``; its rebuild runs batched with the writer's decod
 next reader's critical path) and the lab reports that work as ``background_s``.
 
 Reads: ``keys`` ("lowrank" | "base") and ``read`` ("split": P V0 + s (P a) B, or "materialize").
+
+``fixup_rho > 0`` adds a selective fix-up on the reader's critical path (RESEARCH.md §4): the
+reader's view is exact at layer 0 (embeddings carry no adapter), its layers 0-1 run for every
+shared token with the reader's adapter, the ``fixup_rho`` fraction of tokens with the largest
+layer-1 value deviation is recomputed through all layers and the rest keep the store's view
+(``correction.selective.selective_prefill``, shared with the KVCMAS lab's CacheBlend).
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ class LowRankShared(LoraSharingMethod):
     schedule: str = "after_turn"  # "after_turn" | "alongside" (rebuild only)
     keys: str = "lowrank"
     read: str = "split"  # "split" | "materialize"
+    fixup_rho: float = 0.0
     store: LowRankKVCache | None = field(default=None, repr=False)
     pending: list[tuple] = field(default_factory=list, repr=False)
     background: list[tuple] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        if (self.input_pass not in ("neutral", "first") or self.messages not in ("writer", "rebuild")
+        if (self.input_pass not in ("neutral", "first")
+                or self.messages not in ("writer", "rebuild")
                 or self.schedule not in ("after_turn", "alongside") or self.keys not in KEY_MODES
                 or self.read not in ("split", "materialize")):
             raise ValueError(f"bad configuration {self}")
@@ -95,7 +103,25 @@ class LowRankShared(LoraSharingMethod):
         work = list(self.background)
         return lambda: self._redo(self.lora, work)
 
+    def _fixup(self, reader: int, suffix_ids: torch.Tensor):
+        from sglang_kvcmas.correction.cacheblend import top_value_deviation
+        from sglang_kvcmas.correction.lora_forward import AgentModel
+        from sglang_kvcmas.correction.selective import selective_prefill
+
+        lora, n = self.lora, self.num_tokens
+        starts, off = [], 0
+        for seg in self.segments:
+            starts.append(off)
+            off += seg.ids.numel()
+        return selective_prefill(
+            AgentModel(lora, reader), KVCache.empty(lora.spec, lora.ref.dtype), self.all_ids(),
+            self._view_of(reader), torch.tensor(starts), suffix_ids,
+            self.positions(n, n + suffix_ids.numel()),
+            lambda ctx: top_value_deviation(ctx, self.fixup_rho))
+
     def view(self, reader: int) -> KVCache:
+        if self.fixup_rho > 0:
+            return self._fixup(reader, torch.empty(0, dtype=torch.long)).block_view
         return self._view_of(reader)
 
     def _first_token(self, reader, suffix_ids):
@@ -105,6 +131,8 @@ class LowRankShared(LoraSharingMethod):
         @torch.inference_mode()
         def run():
             self._redo(lora, work)
+            if self.fixup_rho > 0:
+                return self._fixup(reader, suffix_ids).last_logits
             if self.read == "split":
                 return split_read_forward(lora, store, reader, suffix_ids, pos,
                                           keys=self.keys).logits[-1]
@@ -118,7 +146,8 @@ class LowRankShared(LoraSharingMethod):
 
     def describe(self):
         return {**super().describe(), "input_pass": self.input_pass, "messages": self.messages,
-                "schedule": self.schedule, "keys": self.keys, "read": self.read}
+                "schedule": self.schedule, "keys": self.keys, "read": self.read,
+                "fixup_rho": self.fixup_rho}
 
 
 def _variant(name: str, **fixed):
@@ -133,3 +162,5 @@ _variant("first_agent", input_pass="first", messages="writer")
 _variant("prelr_shared", input_pass="neutral", messages="writer")
 _variant("rebase_after_turn", input_pass="neutral", messages="rebuild", schedule="after_turn")
 _variant("rebase_alongside", input_pass="neutral", messages="rebuild", schedule="alongside")
+_variant("rebase_fixup", input_pass="neutral", messages="rebuild", schedule="after_turn",
+         fixup_rho=0.15)
