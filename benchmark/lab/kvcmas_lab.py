@@ -56,15 +56,21 @@ METHODS: dict[str, tuple[str, dict]] = {
     "cacheblend_30": ("cacheblend", {"rho": 0.30}),
     "kvcomm": ("kvcomm", {}),
     **{f"oracle_r{r}": ("oracle", {"rank": r}) for r in (1, 2, 4, 8, 16)},
-    "kvcmas": ("kvcmas", {"estimator": "online", "rho": 0.05, "score": "impact"}),
+    # The chosen estimator (by the ablations below): exact sparse tokens picked by impact.
+    "kvcmas": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "impact"}),
+    # Ablations: selector, boundary width, and the low-rank predictors (no reference prefill).
+    "kvcmas_v": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "v"}),
+    "kvcmas_first8": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "impact",
+                                 "num_first": 8}),
     "kvcmas_transfer": ("kvcmas", {"estimator": "transfer", "rho": 0.05, "score": "impact"}),
-    "kvcmas_sparse": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "impact"}),
-    "kvcmas_sparse_v": ("kvcmas", {"estimator": "sparse", "rho": 0.05, "score": "v"}),
-    "kvcmas_first16": ("kvcmas", {"estimator": "online", "rho": 0.0}),
+    "kvcmas_online": ("kvcmas", {"estimator": "online", "rho": 0.05, "score": "impact"}),
+    "kvcmas_interp": ("kvcmas", {"estimator": "interp", "rho": 0.05, "score": "impact"}),
 }
 
 
-STATEFUL = ("kvcomm", "kvcmas")
+def is_stateful(reg: str, kw: dict) -> bool:
+    """Methods whose state carries across workflow instances (replayed on history instances)."""
+    return reg == "kvcomm" or (reg == "kvcmas" and kw.get("estimator") == "online")
 
 
 # ---- transcript (method independent) ------------------------------------------------------
@@ -381,7 +387,7 @@ def main(argv=None) -> int:
         tr = make_transcript(model, tok, wl, args.answer_tokens, args.cont_tokens, log)
         head_caches = {a: model.forward(h).kv for a, h in tr.heads.items()}
         for label, reg, kw in methods:
-            if not measured and reg not in STATEFUL:
+            if not measured and not is_stateful(reg, kw):
                 continue
             builder = builders.get((wl.name, label)) or create_builder(reg, **kw)
             config = {"workload": wl.name, "instance": wl.instance, "agents": len(wl.agents),
@@ -423,24 +429,29 @@ def main(argv=None) -> int:
 
 
 def print_breakdowns(records: list[dict], labels: list[str]) -> None:
-    """KL recovered vs chain depth and vs transcript length, for the correction methods."""
-    interesting = [m for m in labels if m.startswith(("kvcmas", "oracle_r8", "cacheblend_15",
-                                                       "naive"))]
+    """KL recovered (vs naive in the same bucket) by chain depth and by transcript length, for
+    the correction methods: how fidelity and the oracle rank it needs change with both."""
+    interesting = [m for m in labels if m.startswith(("kvcmas", "oracle", "cacheblend"))]
+    nonown = [r for r in records if not r["is_owner_turn"]]
     for key, name in (("chain_depth", "chain depth"), ("shared_tokens", "shared tokens")):
-        print(f"\nmean KL by {name} (non-owner turns):")
-        def bucket(r):
-            if key == "shared_tokens":
-                return f"{(r[key] // 256) * 256:5d}+"
-            return f"{r[key]:6d}"
-        buckets = sorted({bucket(r) for r in records if not r["is_owner_turn"]})
-        print("method".ljust(18) + "".join(b.rjust(10) for b in buckets))
+        def bucket(r, key=key):
+            return f"{(r[key] // 256) * 256}+" if key == "shared_tokens" else str(r[key])
+
+        buckets = sorted({bucket(r) for r in nonown}, key=lambda b: int(b.rstrip("+")))
+
+        def kl(m, b):
+            rs = [r["mean_kl"] for r in nonown if r["method"] == m and bucket(r) == b]
+            return sum(rs) / len(rs) if rs else float("nan")
+
+        print(f"\nKL recovered vs naive by {name} (non-owner turns; naive mean KL, n in header):")
+        ns = {b: sum(1 for r in nonown if r["method"] == "naive" and bucket(r) == b)
+              for b in buckets}
+        print("method".ljust(18) + "".join(f"{b}(n={ns[b]})".rjust(14) for b in buckets))
+        print("naive KL".ljust(18) + "".join(f"{kl('naive', b):.5f}".rjust(14) for b in buckets))
         for m in interesting:
-            cells = []
-            for b in buckets:
-                rs = [r for r in records if r["method"] == m and not r["is_owner_turn"]
-                      and bucket(r) == b]
-                cells.append(f"{sum(r['mean_kl'] for r in rs) / len(rs):.5f}" if rs else "-")
-            print(m.ljust(18) + "".join(c.rjust(10) for c in cells))
+            cells = [1 - kl(m, b) / kl("naive", b) if kl("naive", b) > 0 else float("nan")
+                     for b in buckets]
+            print(m.ljust(18) + "".join(f"{c:.3f}".rjust(14) for c in cells))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ def test_selective_with_nothing_selected_matches_exact_layer1_then_naive(tiny):
 @pytest.mark.parametrize("name,kw", [("cacheblend", {"rho": 0.3}), ("oracle", {"rank": 2}),
                                      ("kvcmas", {"rho": 0.2, "num_first": 4}),
                                      ("kvcmas", {"rho": 0.2, "estimator": "transfer"}),
+                                     ("kvcmas", {"rho": 0.3, "num_first": 2, "estimator": "interp"}),
                                      ("naive", {}), ("prefix_caching", {})])
 def test_leaf_reconstructs_the_view(tiny, name, kw):
     """What a method persists (leaf over the untouched base) is exactly the view it used."""

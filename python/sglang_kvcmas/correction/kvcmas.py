@@ -16,7 +16,9 @@ u = z [T, q+1] (shared by every layer and head) and c_l = W_l [H_kv, q+1, d] per
 No reference prefill anywhere. ``estimator`` selects the ablations:
   "sparse"   - exact tokens only (no low-rank part);
   "transfer" - + per-block transfer operator;
-  "online"   - + transfer operator with the reader's accumulated history.
+  "online"   - + transfer operator with the reader's accumulated history;
+  "interp"   - deviations of exact tokens spread to neighbours (kernel in position, same
+               segment), shrunk by leave-one-out: u = kernel weights [T, n], c_l = exact devs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from sglang_kvcmas.models.reference_llama import RefLlama
 
 __all__ = ["Kvcmas"]
 
-ESTIMATORS = ("sparse", "transfer", "online")
+ESTIMATORS = ("sparse", "transfer", "online", "interp")
 
 
 @register("kvcmas")
@@ -43,12 +45,13 @@ ESTIMATORS = ("sparse", "transfer", "online")
 class Kvcmas(CacheBuilder):
     rho: float = 0.05
     num_first: int = 16
-    estimator: str = "online"
+    estimator: str = "sparse"
     feature_dim: int = 16
     lam: float = 0.1
-    score: str = "v"
+    score: str = "impact"
     num_last: int = 0
     shrink: bool = True
+    tau: float = 8.0
     fit_interior: bool = True
     states: dict[str, TransferState] = field(default_factory=dict)
 
@@ -89,7 +92,21 @@ class Kvcmas(CacheBuilder):
                     first[int(st):int(st) + self.num_first] = True
                 fit = ~first[ctx.sel] if self.fit_interior else torch.ones_like(ctx.sel, dtype=torch.bool)
                 sc["fit"] = fit if int(fit.sum()) >= 4 else torch.ones_like(fit)
+                src = ctx.sel[sc["fit"]]
+                seg = torch.bucketize(src, ctx.seg_starts, right=True)
+                sc["fit_pos"], sc["fit_same"] = src, seg[:, None] == seg[None, :]
             y = torch.cat([(k_sel - k_b[ctx.sel]).flatten(1), (v_sel - v_b[ctx.sel]).flatten(1)], 1)
+            if self.estimator == "interp":
+                z = self._interp_weights(ctx, sc)  # [T, n_fit]: rows sum to <= 1
+                w = y[sc["fit"]]
+                if self.shrink:
+                    w = w * self._interp_scale(sc, y)
+                fits[layer] = w
+                sc.setdefault("y", {})[layer] = y
+                sc["z"] = z
+                pred = z @ w
+                half = pred.shape[1] // 2
+                return k_b + pred[:, :half].view_as(k_b), v_b + pred[:, half:].view_as(v_b)
             w = state.solve(layer, sc["z_sel"][sc["fit"]], y[sc["fit"]], self.lam, history)
             if self.shrink:
                 w = w * self._held_out_scale(state, layer, sc, y, history)
@@ -117,6 +134,33 @@ class Kvcmas(CacheBuilder):
         return BuildResult(out.cache, out.last_logits, split_block(out.block_view, req.reads),
                            leaves, int(out.sel.numel()),
                            {"selected": int(out.sel.numel()), "estimator": self.estimator})
+
+    def _interp_weights(self, ctx: BlockContext, sc) -> torch.Tensor:
+        """[T, n_fit] kernel weights exp(-|t - s| / tau) over interior exact tokens s of the same
+        segment, normalized per row with a unit prior mass (far tokens fall back to the base)."""
+        if "kern" not in sc:
+            T = ctx.dev1_v.shape[0]
+            src = ctx.sel[sc["fit"]]
+            seg = torch.bucketize(torch.arange(T), ctx.seg_starts, right=True)
+            same = seg[:, None] == seg[src][None, :]
+            k = torch.exp(-(torch.arange(T)[:, None] - src[None, :]).abs() / self.tau) * same
+            sc["kern"] = (k / (k.sum(1, keepdim=True) + 1.0)).to(ctx.dev1_v.dtype)
+        return sc["kern"]
+
+    def _interp_scale(self, sc, y) -> float:
+        """Held-out shrink for interpolation: predict each exact token from the others."""
+        src_y = y[sc["fit"]]
+        n = src_y.shape[0]
+        if n < 4:
+            return 0.0
+        # leave-one-out over the exact tokens themselves, with the same kernel
+        pos = sc["fit_pos"]
+        k = torch.exp(-(pos[:, None] - pos[None, :]).abs() / self.tau) * sc["fit_same"]
+        k.fill_diagonal_(0.0)
+        k = k / (k.sum(1, keepdim=True) + 1.0)
+        pred = k.to(src_y.dtype) @ src_y
+        den = float((pred * pred).sum())
+        return min(1.0, max(0.0, float((pred * src_y).sum()) / den)) if den > 0 else 0.0
 
     def _held_out_scale(self, state, layer, sc, y, history) -> float:
         """Shrink factor in [0, 1] for the prediction, chosen on held-out exact tokens (two
