@@ -1,7 +1,8 @@
 """Kernel tests run the Triton kernels on CUDA when there is a GPU, else in Triton's interpreter.
 
-``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here, before
-any test module imports ``sglang_kvcmas.attention.triton_delta``.
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined (and again lazily while the
+interpreter runs), so this conftest imports ``sglang_kvcmas.attention.triton_delta`` with it set and
+sets it around each test of this folder, leaving the rest of the session untouched.
 """
 
 from __future__ import annotations
@@ -12,10 +13,27 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # NOTE: set while our kernels are defined and while these tests run (the interpreter imports more
+    # of triton lazily and checks the flag again), never process-wide: that would also turn later
+    # @triton.jit code of other tests into interpreted functions and leak into servers they start.
+    _previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import sglang_kvcmas.attention.triton_delta  # noqa: F401
+    finally:
+        if _previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _previous
 
 # The extended grid (every size × rank × GQA ratio × page size) is opt-in; CI runs the default grid.
 FULL_GRID = os.environ.get("KVCMAS_KERNEL_TESTS_FULL", "0").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
