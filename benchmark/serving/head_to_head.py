@@ -113,7 +113,7 @@ def run_workload(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[li
         for step, agents in enumerate(flow.steps):
             prompts = {a: tok.apply_chat_template(flow.messages(step, a), add_generation_prompt=True,
                                                   tokenize=True) for a in agents}
-            prompts = {a: list(p["input_ids"] if isinstance(p, dict) else p) for a, p in prompts.items()}
+            prompts = {a: list(p if isinstance(p, list) else p["input_ids"]) for a, p in prompts.items()}
             with ThreadPoolExecutor(len(agents)) as pool:
                 outs = dict(zip(agents, pool.map(
                     lambda a: stream_generate(url, prompts[a], max_new), agents)))

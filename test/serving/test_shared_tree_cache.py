@@ -1,0 +1,173 @@
+"""KvcmasSharedTreeCache without a server: composite matches, span metadata, cache_salt
+isolation, slot conservation, and parity with RadixCache when sharing is off."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from sglang_kvcmas.integration.agent_split import ChatTemplateIds  # noqa: E402
+from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
+    KvcmasSharedTreeCache,
+    SharedPrefixHandle,
+)
+from sglang_kvcmas.integration.span_registry import SPANS  # noqa: E402
+
+CHAT = ChatTemplateIds(1, 2, 9)
+NL = 5
+
+
+def head(agent_tok: int, n: int) -> list[int]:
+    return [1, 9, NL] + [agent_tok] * n + [2, NL]
+
+
+T1 = [1, 7, NL] + list(range(100, 140))
+T2 = list(range(200, 230))
+SUFFIX = [2, NL, 1, 8, NL]
+END = 2  # the user turn's <|im_end|>\n is shared context too; the opener <|im_start|>... is not
+
+
+class Allocator:
+    device = "cpu"
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free(self, idx):
+        self.freed.extend(int(i) for i in idx)
+
+    def free_segment(self, idx, *, start_pos):
+        self.free(idx)
+
+
+class Pool:
+    def __init__(self):
+        self.req_to_token = torch.zeros(8, 512, dtype=torch.int64)
+
+    def write(self, where, values):
+        self.req_to_token[where] = values
+
+
+class Req:
+    def __init__(self, rid, ids, salt=None):
+        self.rid, self.cache_salt, self.extra_key = rid, salt, None
+        self.origin_input_ids = array("q", ids)
+        self.full_untruncated_fill_ids = array("q", ids)
+        self.sampling_params = SimpleNamespace(custom_params=None)
+        self.kv = SimpleNamespace(req_pool_idx=None, cache_protected_len=0, cache_inserted_len=0,
+                                  swa_evict_floor=0)
+        self.lock = self.last_node = self.customized_info = None
+        self.prefix_len, self.priority, self.done = 0, None, False
+
+    def finished(self):
+        return self.done
+
+
+class Harness:
+    def __init__(self, share=True):
+        self.alloc, self.pool = Allocator(), Pool()
+        self.cache = KvcmasSharedTreeCache(
+            CacheInitParams(disable=False, req_to_token_pool=self.pool,
+                            token_to_kv_pool_allocator=self.alloc, page_size=1),
+            chat_ids=CHAT, share_context=share)
+        self.next_slot, self.allocated = 1000, []
+
+    def serve(self, req, row):
+        """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler."""
+        n = len(req.origin_input_ids)
+        res = self.cache.match_prefix(MatchPrefixParams(
+            key=RadixKey(req.origin_input_ids, None, cache_salt=req.cache_salt, limit=n - 1),
+            req=req))
+        req.prefix_len, req.last_node = res.device_prefix_len, res.last_device_node
+        req.kv.cache_protected_len = req.prefix_len
+        req.lock = self.cache.lock(req.last_node)
+        prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
+                  else torch.empty(0, dtype=torch.int64))
+        new = torch.arange(self.next_slot, self.next_slot + n - req.prefix_len)
+        self.next_slot += len(new)
+        self.allocated += new.tolist()
+        self.pool.req_to_token[row, :n] = torch.cat([prefix, new])
+        req.kv.req_pool_idx = row
+        self.cache.maybe_hand_to_session(req)
+        spans = SPANS.get(row)
+        prefix_slots = self.pool.req_to_token[row, : req.prefix_len].tolist()
+        self.cache.checkpoint(req, up_to=n)
+        req.done = True
+        self.cache.checkpoint(req, up_to=n)
+        self.alloc.free(self.pool.req_to_token[row, req.kv.cache_protected_len : n])
+        self.cache.unlock(req.lock)
+        self.cache.on_release(req, checkpointed=True)
+        return spans, prefix_slots
+
+    def held(self) -> set[int]:
+        radix = set(self.cache.all_values_flatten().tolist()) if self.cache.root_node.children else set()
+        owned = {int(s) for n in self.cache.shared.nodes() if n.owns_slots for s in n.slots}
+        return radix | owned
+
+
+def test_reader_borrows_owner_span_with_shift():
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)  # b's head is not cached yet: exact
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)  # a owns T2
+    a2_slots = h.pool.req_to_token[2, len(a) + len(T1) : len(a) + len(T1) + len(T2) + END].tolist()
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, prefix = h.serve(b2, 3)
+    assert b2.prefix_len == len(b) + len(T1) + len(T2) + END
+    assert prefix[len(b) + len(T1):] == a2_slots  # a's KV, one copy
+    (read,) = spans.reads
+    assert (read.span.start, read.span.length, read.span.shift) == (
+        len(b) + len(T1), len(T2) + END, len(b) - len(a))
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert rec["reused_corrected"] == len(T2) + END and rec["reused_exact"] == len(b) + len(T1)
+    # conservation: every allocated slot is freed exactly once or still held by a tree
+    assert len(h.alloc.freed) == len(set(h.alloc.freed))
+    assert set(h.alloc.freed) | h.held() == set(h.allocated)
+    assert not set(h.alloc.freed) & h.held()
+
+
+def test_cache_salt_isolation():
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX, salt="tenant1"), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX, salt="tenant2"), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX, salt="tenant1"), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX, salt="tenant2")
+    spans, _ = h.serve(b2, 3)
+    assert spans is None and not isinstance(b2.last_node, SharedPrefixHandle)
+    assert b2.prefix_len == len(b) + len(T1)  # only its own (exact) prefix
+
+
+def test_reader_publishes_its_new_tokens_for_the_next_reader():
+    h = Harness()
+    a, b, c = head(50, 20), head(60, 8), head(70, 12)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1), ("c1", c, 2)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + SUFFIX[:0] + T2[:10] + SUFFIX), 3)
+    h.serve(Req("b2", b + T1 + T2 + SUFFIX), 4)  # borrows T2[:10] from a, owns T2[10:]
+    spans, _ = h.serve(Req("c2", c + T1 + T2 + SUFFIX), 5)
+    owners = [r.span.shift for r in spans.reads]
+    assert owners == [len(c) - len(a), len(c) - len(b)]
+    assert len(h.alloc.freed) == len(set(h.alloc.freed))
+    assert set(h.alloc.freed) | h.held() == set(h.allocated)
+
+
+def test_sharing_off_is_radix_cache():
+    on, off = Harness(share=True), Harness(share=False)
+    for hrn in (on, off):
+        hrn.serve(Req("a1", head(50, 20) + T1 + SUFFIX), 0)
+        hrn.serve(Req("b1", head(60, 8) + T1 + SUFFIX), 1)
+    b2 = Req("b2", head(60, 8) + T1 + T2 + SUFFIX)
+    spans, _ = off.serve(b2, 2)
+    assert spans is None and b2.prefix_len == len(head(60, 8)) + len(T1)
+    assert len(list(off.cache.shared.nodes())) == 0
