@@ -86,3 +86,23 @@ ALL = ALL + (
     KVCMAS_CACHE_AGENT_OUTPUTS,
     KVCMAS_SERVING_EXTENSIONS,
 )
+
+# ----- tests and scripts (read where they are used; declared here so they are listed once) -----
+KVCMAS_KERNEL_TESTS_FULL = EnvVar(
+    "KVCMAS_KERNEL_TESTS_FULL",
+    "0",
+    "Kernel tests: run the full cross product of sizes x ranks x GQA x page sizes (slow in the "
+    "Triton interpreter; scripts/gpu_check.sh turns it on).",
+)
+KVCMAS_GPU = EnvVar(
+    "KVCMAS_GPU",
+    "0",
+    "scripts/install.sh: also install the CUDA extras (sglang-kernel, FlashInfer).",
+)
+KVCMAS_GPU_CHECK_QUICK = EnvVar(
+    "KVCMAS_GPU_CHECK_QUICK",
+    "1",
+    "scripts/gpu_check.sh: the quick benchmark grid (0 for the full one).",
+)
+
+ALL = ALL + (KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK)

@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from sglang_kvcmas import envs
+
 if not torch.cuda.is_available():
     # NOTE: set while our kernels are defined and while these tests run (the interpreter imports more
     # of triton lazily and checks the flag again), never process-wide: that would also turn later
@@ -27,7 +29,7 @@ if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = _previous
 
 # The extended grid (every size × rank × GQA ratio × page size) is opt-in; CI runs the default grid.
-FULL_GRID = os.environ.get("KVCMAS_KERNEL_TESTS_FULL", "0").strip().lower() in ("1", "true", "yes")
+FULL_GRID = envs.KVCMAS_KERNEL_TESTS_FULL.get_bool()
 
 
 @pytest.fixture(autouse=True)
