@@ -11,6 +11,8 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,24 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.server_args", "ServerArgs"): None,
     ("sglang.srt.server_args", "prepare_server_args"): ("argv",),
     ("sglang.srt.utils", "kill_process_tree"): ("parent_pid", "include_parent"),
+    # shared-context serving path (shared_*.py, delta_attention_backend.py, reuse_accounting.py)
+    ("sglang.srt.entrypoints.openai.protocol", "PromptTokensDetails"): ("cached_tokens",),
+    ("sglang.srt.layers.attention.attention_registry", "ATTENTION_BACKENDS"): None,
+    ("sglang.srt.layers.attention.attention_registry", "register_attention_backend"): ("name",),
+    ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
+        "model_runner",),
+    ("sglang.srt.managers.schedule_batch", "Req"): None,
+    ("sglang.srt.mem_cache.base_prefix_cache", "EvictParams"): ("num_tokens",),
+    ("sglang.srt.mem_cache.base_prefix_cache", "EvictResult"): ("num_tokens_evicted",),
+    ("sglang.srt.mem_cache.base_prefix_cache", "MatchPrefixParams"): ("key",),
+    ("sglang.srt.mem_cache.base_prefix_cache", "MatchResult"): (
+        "device_prefix_len", "last_device_node", "last_host_node", "best_match_node"),
+    ("sglang.srt.mem_cache.base_prefix_cache", "TreeLock"): ("node",),
+    ("sglang.srt.mem_cache.radix_cache", "RadixKey"): ("token_ids", "extra_key"),
+    ("sglang.srt.model_executor.model_runner", "ModelRunner"): None,
+    ("sglang.srt.runtime_context", "get_server_args"): (),
+    ("sglang.srt.server_args", "ATTENTION_BACKEND_CHOICES"): None,
+    ("sglang.srt.server_args", "add_attention_backend_choices"): ("iterable",),
 }
 
 
@@ -90,6 +110,32 @@ def test_only_integration_imports_sglang_srt():
 # ---- deeper parts of the contract: fields, methods and flags we use by name ----------------
 
 
+def _dotted_sglang_targets() -> set[str]:
+    """String constants in our code that name an SGLang object (hook targets and the like)."""
+    pattern = re.compile(r"^sglang\.srt(\.\w+)+$")
+    return {
+        node.value
+        for path in PACKAGE_DIR.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and pattern.match(node.value)
+    }
+
+
+def test_dotted_targets_resolve():
+    """Every HookRegistry target (any dotted ``sglang.srt...`` string we hold) still exists."""
+    targets = _dotted_sglang_targets()
+    assert "sglang.srt.managers.scheduler_components.internal_state." \
+           "SchedulerInternalStateController.get_internal_state" in targets
+    unresolved = []
+    for target in sorted(targets):
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError, ValueError) as e:
+            unresolved.append(f"{target}: {e}")
+    assert not unresolved, unresolved
+
+
 def test_tree_cache_build_context_fields():
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
@@ -107,6 +153,9 @@ def test_radix_cache_api_used_by_backend_and_tests():
     assert _params(RadixCache.insert) == ["params"]
     assert {"key"} <= {f.name for f in dataclasses.fields(MatchPrefixParams)}
     assert {"key", "value"} <= {f.name for f in dataclasses.fields(InsertParams)}
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    assert "cache_salt" in _params(RadixKey)
 
 
 def test_hook_registry_api():

@@ -25,7 +25,11 @@ def hf_model():
     path = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return tokenizer, model
+    # One thread, like the server: two OpenMP threads crawl on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tokenizer, model
+    torch.set_num_threads(threads)
 
 
 @torch.inference_mode()
