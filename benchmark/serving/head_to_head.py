@@ -74,10 +74,10 @@ class KvSampler(threading.Thread):
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
-        self.url, self.peak, self._stop = url, 0, threading.Event()
+        self.url, self.peak, self._halt = url, 0, threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
                     for line in r.read().decode().splitlines():
@@ -86,10 +86,10 @@ class KvSampler(threading.Thread):
                             self.peak = max(self.peak, held)
             except OSError:
                 pass
-            self._stop.wait(0.5)
+            self._halt.wait(0.5)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak
 

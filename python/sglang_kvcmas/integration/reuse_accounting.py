@@ -142,3 +142,20 @@ def usage_hook(result: Any, *args: Any, **kwargs: Any) -> Any:
     except Exception:  # accounting must never fail a response
         logger.exception("sglang-kvcmas: could not add reuse accounting to usage")
         return result
+
+
+JSON_RESPONSE_TARGET = "sglang.srt.entrypoints.http_server.model_json_response"
+
+
+def json_response_around(original: Any, content: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook for the HTTP server's ``model_json_response``: pydantic serializes a field by
+    its declared type, which would drop our ``prompt_tokens_details`` fields; responses that carry
+    them are serialized with ``serialize_as_any``. Every other response is left to SGLang."""
+    usage = getattr(content, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None)
+    if _DETAILS_CLS is None or not isinstance(details, _DETAILS_CLS):
+        return original(content, *args, **kwargs)
+    from starlette.responses import Response
+
+    return Response(content=content.model_dump_json(by_alias=True, serialize_as_any=True),
+                    media_type="application/json")

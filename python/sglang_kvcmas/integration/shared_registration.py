@@ -6,7 +6,7 @@
 - attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning / deltas), also
   added to ``--attention-backend``'s choices;
 - scheduler hook: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``);
-- OpenAI usage hook: reuse accounting in ``usage.prompt_tokens_details``.
+- OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details`` (and its JSON).
 
 Registration only: no model load, no device init. Hooks take effect when SGLang's
 ``load_plugins()`` applies them, so call this before it (``shared_launch`` does, in every process).
@@ -58,3 +58,5 @@ def register() -> None:
         add_attention_backend_choices([ATTN_NAME])
     _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
     _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
+    _register_hook(reuse_accounting.JSON_RESPONSE_TARGET, reuse_accounting.json_response_around,
+                   HookType.AROUND)
