@@ -37,6 +37,9 @@ EXIT_BAD_MODEL = 2
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns (or exits with) a non-zero status on a bad model path."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        # Our additions first; SGLang's parser then prints every SGLang flag and exits.
+        print(__doc__, "\nSGLang's own flags follow.\n", flush=True)
     options = parse_launcher_args(argv)
     try:
         model_path = resolve_model_path(options.model)
