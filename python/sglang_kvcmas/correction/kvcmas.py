@@ -1,24 +1,25 @@
-"""KVCMAS: a reader sees the owner's base plus a sparse-exact + low-rank correction.
+"""KVCMAS: a reader sees the owner's base plus a sparse-exact (+ optional low-rank) correction.
 
 For the shared block a non-owner reads (owner's base K/V, re-positioned; never modified):
 
 1. one layer-0 pass over the block gives every token's exact layer-1 K/V in the reader's
-   context (the base's layer 0 is exact: prefix-free);
+   context (the base's layer 0 is exact: prefix-free) and the suffix's layer-1 queries;
 2. sparse exact tokens: the first ``num_first`` tokens of every segment (the boundary where the
-   deviation concentrates) + the top ``rho`` by layer-1 deviation are recomputed through every
-   layer, together with the suffix, in one pass;
-3. low-rank correction: at each layer >= 2 the deviation of the other tokens is predicted from
-   their layer-1 deviation features by a rank-(q+1) transfer operator fitted, in the same pass,
-   on the exact tokens of this layer (plus, optionally, the reader's history: ``TransferState``).
+   deviation concentrates) + the top ``rho`` by ``score`` ("impact" = suffix attention x layer-1
+   value deviation, see ``selection.py``) are recomputed through every layer, with the suffix,
+   in one pass;
+3. optional low-rank correction of the other tokens at each layer >= 2, predicted without any
+   reference prefill from the exact tokens of the same pass (``estimator``):
+     "sparse"   - none (rank 0): the measured winner on SmolLM2-135M (benchmark/lab);
+     "transfer" - rank-(q+1) transfer operator from layer-1 deviation features, fitted per block
+                  by ridge on the interior exact tokens, shrunk by a two-fold held-out scale;
+     "online"   - the same with the reader's sufficient statistics accumulated over the run
+                  (``TransferState``: explicit, byte-counted, updated after every read);
+     "interp"   - deviations of exact tokens spread to neighbours (kernel in position, same
+                  segment), shrunk by leave-one-out: u = kernel weights [T, n], c_l = exact devs.
 
-Persisted per (segment, reader): layer-1 K/V and the exact tokens as overrides, plus factors
-u = z [T, q+1] (shared by every layer and head) and c_l = W_l [H_kv, q+1, d] per layer.
-No reference prefill anywhere. ``estimator`` selects the ablations:
-  "sparse"   - exact tokens only (no low-rank part);
-  "transfer" - + per-block transfer operator;
-  "online"   - + transfer operator with the reader's accumulated history;
-  "interp"   - deviations of exact tokens spread to neighbours (kernel in position, same
-               segment), shrunk by leave-one-out: u = kernel weights [T, n], c_l = exact devs.
+Persisted per (segment, reader): layer-1 K/V and the exact tokens as overrides, plus the factors
+(u [T, r] shared by every layer and head, c_l [H_kv, r, d] per layer) when an estimator fits.
 """
 
 from __future__ import annotations
