@@ -198,3 +198,27 @@ def test_greedy_first_divergence_is_first_teacher_forced_miss(lora):
     first_tf = miss[0] if miss else 12
     first_greedy = next((i for i in range(12) if ref_ids[i] != test_ids[i]), 12)
     assert first_tf == first_greedy
+
+
+def test_mean_agent_delta_is_the_mean_of_the_agents_deltas(lora):
+    from sglang_kvcmas.correction.lora_weights import MEAN_AGENT
+
+    x = torch.randn(5, 48, dtype=torch.float64)
+    want = sum(lora.adapters.delta(2, "o_proj", x, i) for i in range(N_AGENTS)) / N_AGENTS
+    torch.testing.assert_close(lora.adapters.delta(2, "o_proj", x, MEAN_AGENT), want, **TOL)
+
+
+def test_mean_base_exact_when_agents_share_one_adapter(hf):
+    """Centroid scheme: if every agent has the same adapter, the mean pass is each one's pass."""
+    from sglang_kvcmas.correction.lora_weights import MEAN_AGENT
+
+    one = random_adapters(hf)
+    same = AdapterSet(one.names, [{t: (fs[0],) * N_AGENTS for t, fs in layer.items()}
+                                  for layer in one.factors])
+    lora = LoraForward(RefLlama(hf), same)
+    ids = _ids(26, 9)
+    store = store_pass(lora, ids[:19], torch.arange(19), None, writer=MEAN_AGENT).store
+    for agent in range(N_AGENTS):
+        dense = lora.forward(ids, agent=agent)
+        read = split_read_forward(lora, store, agent, ids[19:], torch.arange(19, 26))
+        torch.testing.assert_close(read.logits, dense.logits[19:], **TOL)

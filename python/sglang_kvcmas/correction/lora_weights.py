@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AdapterSet", "LoraFactors", "TARGETS", "load_peft_adapter"]
+__all__ = ["MEAN_AGENT", "AdapterSet", "LoraFactors", "TARGETS", "load_peft_adapter"]
+
+# Pseudo-agent whose delta is the mean of every agent's: s/N * sum_i (x A_i) B_i. A pass run as
+# it puts the shared base at the agents' centroid instead of at the bare base weights.
+MEAN_AGENT = -1
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -73,6 +77,8 @@ class AdapterSet:
         return target in self.factors[layer]
 
     def get(self, layer: int, target: str, agent: int) -> LoraFactors | None:
+        if agent < 0:
+            raise ValueError("the mean agent has no factors of its own; use delta / mean_b")
         fs = self.factors[layer].get(target)
         return None if fs is None else fs[agent]
 
@@ -80,8 +86,21 @@ class AdapterSet:
               agent: int | None) -> torch.Tensor | None:
         """scale * x a b for ``agent`` (None when the agent is None or the target is not adapted).
         x: [T, d_in] -> [T, d_out]."""
+        if agent == MEAN_AGENT:
+            if not self.has(layer, target):
+                return None
+            return (x @ self.stacked_a(layer, target)) @ self.mean_b(layer, target)
         f = None if agent is None else self.get(layer, target, agent)
         return None if f is None else f.scale * ((x @ f.a) @ f.b)
+
+    def mean_b(self, layer: int, target: str) -> torch.Tensor:
+        """[num_agents * r, d_out]: every agent's B stacked, times scale / num_agents, so that
+        ``(x @ stacked_a) @ mean_b`` is the mean of the agents' deltas."""
+        key = (layer, target + "#mean_b")
+        if key not in self._stacked:
+            fs = self.factors[layer][target]
+            self._stacked[key] = torch.cat([f.b for f in fs]) * (fs[0].scale / len(fs))
+        return self._stacked[key]
 
     def stacked_a(self, layer: int, target: str) -> torch.Tensor:
         """[d_in, num_agents * r]: every agent's A side by side (agent i owns columns i*r..)."""

@@ -9,6 +9,7 @@ segment's base K0 = x W and low-rank a = x [A_1 .. A_N] come from:
 | ``prelr_shared`` (PReCache PreLRShared) | neutral pass, adapters off | the writer's pass |
 | ``rebase_after_turn`` (ReBaseShared) | neutral pass | neutral rebuild before the next read |
 | ``rebase_alongside`` (ReBaseShared) | neutral pass | neutral rebuild while the writer decodes |
+| ``rebase_mean`` (ours) | mean-adapter pass | mean-adapter rebuild before the next read |
 
 The writer's pass stores base and all agents' low-rank caches as a by-product of its own decode
 (one stacked matmul per layer); the neutral rebuild re-encodes the message with adapters off over
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_kvcmas.correction.lora_baselines import FIRST_READER
+from sglang_kvcmas.correction.lora_weights import MEAN_AGENT
 from sglang_kvcmas.correction.precache_base import (
     LoraSharingMethod,
     Segment,
@@ -47,8 +49,8 @@ __all__ = ["LowRankShared"]
 
 @dataclass
 class LowRankShared(LoraSharingMethod):
-    input_pass: str = "neutral"  # "neutral" | "first"
-    messages: str = "writer"  # "writer" | "rebuild"
+    input_pass: str = "neutral"  # "neutral" | "first" | "mean"
+    messages: str = "writer"  # "writer" | "rebuild" (neutral) | "rebuild_mean"
     schedule: str = "after_turn"  # "after_turn" | "alongside" (rebuild only)
     keys: str = "lowrank"
     read: str = "split"  # "split" | "materialize"
@@ -58,8 +60,8 @@ class LowRankShared(LoraSharingMethod):
     background: list[tuple] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        if (self.input_pass not in ("neutral", "first")
-                or self.messages not in ("writer", "rebuild")
+        if (self.input_pass not in ("neutral", "first", "mean")
+                or self.messages not in ("writer", "rebuild", "rebuild_mean")
                 or self.schedule not in ("after_turn", "alongside") or self.keys not in KEY_MODES
                 or self.read not in ("split", "materialize")):
             raise ValueError(f"bad configuration {self}")
@@ -81,13 +83,14 @@ class LowRankShared(LoraSharingMethod):
         pos = self.positions(start, start + seg.ids.numel())
         self.pending, self.background = [], []
         if seg.writer is None:
-            writer = None if self.input_pass == "neutral" else FIRST_READER
+            writer = {"neutral": None, "first": FIRST_READER, "mean": MEAN_AGENT}[self.input_pass]
             args, new = self._pass(seg.ids, pos, writer)
             self.pending = [args]
         elif self.messages == "writer":
             _, new = self._pass(seg.ids, pos, seg.writer)
         else:
-            args, new = self._pass(seg.ids, pos, None)
+            args, new = self._pass(seg.ids, pos,
+                                   MEAN_AGENT if self.messages == "rebuild_mean" else None)
             (self.pending if self.schedule == "after_turn" else self.background).append(args)
         self.store = new if self.store is None else LowRankKVCache.concat([self.store, new])
 
@@ -163,4 +166,9 @@ _variant("prelr_shared", input_pass="neutral", messages="writer")
 _variant("rebase_after_turn", input_pass="neutral", messages="rebuild", schedule="after_turn")
 _variant("rebase_alongside", input_pass="neutral", messages="rebuild", schedule="alongside")
 _variant("rebase_fixup", input_pass="neutral", messages="rebuild", schedule="after_turn",
+         fixup_rho=0.15)
+# Centroid base (ours): the shared base is rebuilt under the mean of all agents' adapters, which
+# the stacked low-rank products give for free; each agent still adds its own s a B on top.
+_variant("rebase_mean", input_pass="mean", messages="rebuild_mean", schedule="after_turn")
+_variant("rebase_mean_fixup", input_pass="mean", messages="rebuild_mean", schedule="after_turn",
          fixup_rho=0.15)

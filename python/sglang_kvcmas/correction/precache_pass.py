@@ -3,7 +3,8 @@
 Per layer, for the new tokens' normed input x: ``K0 = x W_k``, ``V0 = x W_v`` (base weights) and
 ``a = x [A_1 .. A_N]`` (all agents' A stacked: one [D, N*r] matmul for k and one for v). The pass
 itself runs as ``writer``: ``None`` is the neutral pass (adapters off, attending the base cache;
-PreLRShared / ReBaseShared's x), an agent index is that agent's own pass (it attends its own view
+PreLRShared / ReBaseShared's x), ``MEAN_AGENT`` runs the mean of all agents' adapters (a
+centroid base), an agent index is that agent's own pass (it attends its own view
 and its hidden states carry its adapter; LRAgent's first-reader base). The writer's own K/V are
 recovered from the same products (``K0 + s a_w B_w``), so no projection is computed twice.
 """
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_kvcmas.correction.lora_forward import LoraForward
+from sglang_kvcmas.correction.lora_weights import MEAN_AGENT
 from sglang_kvcmas.correction.precache_store import LowRankKVCache
 from sglang_kvcmas.models.reference_llama import KVCache
 
@@ -56,7 +58,12 @@ def store_pass(lora: LoraForward, ids: torch.Tensor, positions: torch.Tensor,
         v0 = att.v_proj(x).view(-1, spec.num_kv_heads, spec.head_dim)
         ak, av = _lowrank(lora, layer, "k_proj", x), _lowrank(lora, layer, "v_proj", x)
         k, v = k0, v0
-        if writer is not None:
+        if writer == MEAN_AGENT:
+            if ak is not None:
+                k = k0 + (ak @ ad.mean_b(layer, "k_proj")).view_as(k0)
+            if av is not None:
+                v = v0 + (av @ ad.mean_b(layer, "v_proj")).view_as(v0)
+        elif writer is not None:
             r = ad.rank
             if ak is not None:
                 f = ad.get(layer, "k_proj", writer)

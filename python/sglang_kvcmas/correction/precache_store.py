@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvcmas.correction.lora_weights import AdapterSet
+from sglang_kvcmas.correction.lora_weights import MEAN_AGENT, AdapterSet
 from sglang_kvcmas.models.reference_llama import KVCache
 
 __all__ = ["KEY_MODES", "LowRankKVCache"]
@@ -68,6 +68,8 @@ class LowRankKVCache:
             raise ValueError(f"keys must be one of {KEY_MODES}")
         if agent is None:
             return self.base
+        if agent == MEAN_AGENT:
+            return self._mean_view(adapters, keys)
         ks, vs = [], []
         r = adapters.rank
         for layer in range(self.base.num_layers):
@@ -81,6 +83,19 @@ class LowRankKVCache:
                 v0 = v0 + (fv.scale * (av @ fv.b)).view(shape)
             ks.append(k0)
             vs.append(v0)
+        return KVCache(ks, vs, self.base.positions)
+
+    def _mean_view(self, adapters: AdapterSet, keys: str) -> KVCache:
+        """K/V under the mean of all agents' adapters (what a MEAN_AGENT pass attends to)."""
+        ks, vs = [], []
+        for layer in range(self.base.num_layers):
+            k, v = self.base.k[layer], self.base.v[layer]
+            if keys == "lowrank" and self.a_k[layer] is not None:
+                k = k + (self.a_k[layer] @ adapters.mean_b(layer, "k_proj")).view_as(k)
+            if self.a_v[layer] is not None:
+                v = v + (self.a_v[layer] @ adapters.mean_b(layer, "v_proj")).view_as(v)
+            ks.append(k)
+            vs.append(v)
         return KVCache(ks, vs, self.base.positions)
 
     def nbytes(self) -> int:
