@@ -74,10 +74,12 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_after_turn[keys=base]": ("rebase_after_turn", {"keys": "base"}),
     "rebase_fixup15": ("rebase_fixup", {"fixup_rho": 0.15}),
     "rebase_fixup30": ("rebase_fixup", {"fixup_rho": 0.30}),
+    "rebase_mean": ("rebase_mean", {}),
+    "rebase_mean_fixup15": ("rebase_mean_fixup", {"fixup_rho": 0.15}),
 }
 QUICK_METHODS = ("no_sharing", "sglang", "naive", "first_agent", "droidspeak", "prelr_shared",
                  "prelr_shared[keys=base]", "rebase_after_turn", "rebase_alongside",
-                 "rebase_fixup15")
+                 "rebase_fixup15", "rebase_mean", "rebase_mean_fixup15")
 REFERENCE, NAIVE = "no_sharing", "naive"
 NON_SHARING = ("no_sharing", "sglang")
 
@@ -219,6 +221,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--droidspeak-width", type=int, default=6)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--fidelity-only", action="store_true",
+                    help="skip timing and throughput (exploring accuracy; no HEADLINE)")
     # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/precache_lab")
@@ -267,15 +271,18 @@ def main() -> None:
                                if r != seg.writer}, suffix, args.droidspeak_width)
         for reader, role in enumerate(ROLES):
             closures = {k: m.first_token(reader, suffix) for k, m in methods.items()}
-            if t == 0 and reader == 0:
-                time_side_by_side(closures, 1)  # warm-up
-            times = time_side_by_side(closures, args.repeats)
+            if args.fidelity_only:
+                times = {k: [float("nan")] for k in closures}
+            else:
+                if t == 0 and reader == 0:
+                    time_side_by_side(closures, 1)  # warm-up
+                times = time_side_by_side(closures, args.repeats)
             owner = set(first_reader_of) == {reader}
             for label, m in methods.items():
                 fid = fidelity(lora, m.view(reader), reader, suffix, refs[reader])
                 extra = {"writer": seg.writer, "describe": m.describe()}
                 bg = getattr(m, "background_work", lambda: None)()
-                if bg is not None:
+                if bg is not None and not args.fidelity_only:
                     extra["background_s"] = statistics.median(
                         time_side_by_side({"bg": bg}, 1)["bg"])
                 recomputed = 0
@@ -298,7 +305,8 @@ def main() -> None:
 
     shared = [r for r in records if not r["is_owner_turn"]]
     summary = headline_numbers(summarize(shared), bytes_final)
-    thr = batched_decode_throughput(lora, segs, methods, suffix, num_tokens=8 if args.quick else 16)
+    thr = {} if args.fidelity_only else batched_decode_throughput(
+        lora, segs, methods, suffix, num_tokens=8 if args.quick else 16)
     for name, row in summary.items():
         row.update(thr.get(name, {}))
         writer.write({**config, "kind": "summary", "method": name}, row)
@@ -311,6 +319,8 @@ def main() -> None:
                  panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
                          ("bytes_ratio", "top1", "top-1 vs bytes saved")],
                  title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)")
+    if args.fidelity_only:
+        return
     sharing = {k: v for k, v in summary.items() if k not in NON_SHARING and v["bytes_ratio"] >= 2}
     best = max(sharing, key=lambda k: (round(sharing[k]["kl_recovered"], 3),
                                        sharing[k]["ttft_speedup"]))
