@@ -2,7 +2,9 @@
 
 Same server binary (SGLang 0.5.23 + our launcher), three arms (``server_arms.ARMS``), the same
 workload over HTTP (``/generate`` with token ids, streaming for TTFT): N concurrent 3-agent GSM8K
-debates (3 rounds) plus M concurrent reviewer chains, each step's agents sent together.
+debates (3 rounds) plus M concurrent reviewer chains, each step's agents sent together. By default
+the three arms' servers run side by side (all up, workloads at the same time), so every arm sees
+the same load on a shared machine; ``--sequential`` runs one arm at a time instead.
 
 Reports, per arm (``bench_serving`` style): TTFT mean / median / P99 over all agent turns and over
 non-owner turns (turns whose agent did not compute the step's new transcript: in the kvcmas arm
@@ -30,6 +32,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,6 +287,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--arms", default="radix,no_cache,kvcmas")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one arm at a time (default: all arms side by side, same machine load)")
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
@@ -301,21 +306,41 @@ def main() -> int:
     results: dict[str, tuple] = {}
     fidelity = None
     t_start = time.perf_counter()
-    for arm in arms:
+    def measure(arm: str, server: ArmServer) -> None:
         flows = build_workflows(args.debates, args.chains)
-        with ArmServer(arm, args.out / f"server_{arm}.log") as server:
-            stream_generate(server.url, tok.encode("Warm up."), 4)  # first-request overheads
-            sampler = KvSampler(server.url)
-            sampler.start()
-            turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
-            peak = sampler.stop()
-            results[arm] = (turns, makespan, peak)
-            if arm == "kvcmas":
-                urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache",
-                                                              method="POST"), timeout=60).read()
-                fidelity = teacher_forced(server.url, results["radix"][0])
-        print(f"[head_to_head] arm {arm} done at {time.perf_counter() - t_start:.0f} s",
+        sampler = KvSampler(server.url)
+        sampler.start()
+        turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
+        results[arm] = (turns, makespan, sampler.stop())
+        print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
+
+    def fidelity_pass(server: ArmServer) -> list[dict]:
+        urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache", method="POST"),
+                               timeout=60).read()
+        return teacher_forced(server.url, results["radix"][0])
+
+    if args.sequential:
+        for arm in arms:
+            with ArmServer(arm, args.out / f"server_{arm}.log") as server:
+                stream_generate(server.url, tok.encode("Warm up."), 4)
+                measure(arm, server)
+                if arm == "kvcmas":
+                    fidelity = fidelity_pass(server)
+    else:
+        # Side by side: every arm's server is up and its workload runs at the same time, so all
+        # arms see the same (shared, noisy) machine load.
+        with ExitStack() as stack:
+            servers = {a: stack.enter_context(ArmServer(a, args.out / f"server_{a}.log"))
+                       for a in arms}
+            for server in servers.values():
+                stream_generate(server.url, tok.encode("Warm up."), 4)
+            with ThreadPoolExecutor(len(arms)) as pool:
+                list(pool.map(lambda a: measure(a, servers[a]), arms))
+            for a in arms:
+                if a != "kvcmas":
+                    servers[a].stop()
+            fidelity = fidelity_pass(servers["kvcmas"])
 
     non_owner = {(t["kind"], t["wid"], t["step"], t["agent"]) for t in results["kvcmas"][0]}
     non_owner -= owners_of(results["kvcmas"][0])
@@ -368,7 +393,8 @@ def main() -> int:
     print(f"peak KV: kvcmas/radix {1 / kv_ratio:.3f}; kvcmas / one-copy ideal "
           f"({ideal} tokens) {fid['kv_ratio_to_ideal']:.3f}")
     meta = {"commit": commit, "machine": machine, "debates": args.debates, "chains": args.chains,
-            "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains}
+            "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains,
+            "arms_side_by_side": not args.sequential}
     with open(args.out / "head_to_head.jsonl", "a") as f:
         for s in summaries:
             f.write(json.dumps({**meta, **s}) + "\n")

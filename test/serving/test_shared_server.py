@@ -1,0 +1,91 @@
+"""End to end on SGLang's server with the shared-context path (one server for the module):
+two agents' chat requests over one transcript show corrected reuse in their ``usage``; the owner's
+logits are bit-identical to a from-scratch computation; ``cache_salt`` isolates tenants."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+SA = ("You are Ada, a careful mathematician who checks every step of an argument and states "
+      "the final answer as a number.")
+SB = ("You are Ben, a skeptical reviewer who looks for the one most likely mistake in the "
+      "other agents' answers before agreeing.")
+T1 = ("Question: A farmer has 17 sheep. He buys 5 more and then sells 3 of them at the market. "
+      "How many sheep does the farmer have now? Explain your reasoning in two sentences.")
+T2 = T1 + ("\n\nRound 1 answers:\nAda: He has 17 + 5 = 22 sheep, then 22 - 3 = 19. Final answer: "
+           "19\nBen: I agree with the arithmetic; 19 sheep remain. Final answer: 19\n\nThis is "
+           "round 2. Considering the answers above, give your updated answer.")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from benchmark.serving.server_arms import ArmServer
+
+    log = tmp_path_factory.mktemp("kvcmas") / "server.log"
+    with ArmServer("kvcmas", log) as s:
+        yield s
+
+
+def post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def chat(server, system, user, **extra):
+    return post(server.url + "/v1/chat/completions", {
+        "model": "default", "temperature": 0, "max_tokens": 8,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra})
+
+
+def test_second_agent_reads_first_agents_transcript(server):
+    chat(server, SA, T1)
+    chat(server, SB, T1)  # both heads cached now
+    owner = chat(server, SA, T2)["usage"]["prompt_tokens_details"]
+    reader = chat(server, SB, T2)["usage"]["prompt_tokens_details"]
+    assert owner["kvcmas_reused_corrected"] == 0 and owner["kvcmas_recomputed"] > 60
+    assert reader["kvcmas_reused_corrected"] > 60, reader
+    assert reader["kvcmas_recomputed"] < 10
+    assert reader["cached_tokens"] == reader["kvcmas_reused_exact"] + reader["kvcmas_reused_corrected"]
+
+
+def test_owner_is_bit_identical_and_salt_isolates(server):
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    # A new agent over a new transcript: it owns everything it computes (sharing on), and must
+    # compute exactly what a request with nothing shared computes (another tenant, same shapes).
+    ids = tok.apply_chat_template([{"role": "system", "content": SA.replace("Ada", "Cleo")},
+                                   {"role": "user", "content": T2.replace("17", "23")}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def logprobs(salt):
+        out = post(server.url + "/generate", {
+            "input_ids": ids, "return_logprob": True, "logprob_start_len": len(ids) - 20,
+            "cache_salt": salt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+        return out["meta_info"]
+
+    shared = logprobs(None)  # the owner, under the shared-context tree
+    fresh = logprobs("isolated-tenant")  # another tenant: nothing cached, nothing shared
+    assert fresh["cached_tokens"] == 0
+    assert fresh["kvcmas_reuse"][0]["reused_corrected"] == 0
+    assert shared["kvcmas_reuse"][0]["reused_corrected"] == 0
+    assert [x[0] for x in shared["input_token_logprobs"]] == [
+        x[0] for x in fresh["input_token_logprobs"]]
+    assert [x[0] for x in shared["output_token_logprobs"]] == [
+        x[0] for x in fresh["output_token_logprobs"]]
