@@ -9,8 +9,9 @@ the same load on a shared machine; ``--sequential`` runs one arm at a time inste
 Reports, per arm (``bench_serving`` style): TTFT mean / median / P99 over all agent turns and over
 non-owner turns (turns whose agent did not compute the step's new transcript: in the kvcmas arm
 the turns that read another agent's KV; the same (workflow, step, agent) turns in every arm),
-workflow makespan, token throughput, peak KV bytes (pool slots held: ``max_total_tokens −
-sglang:kv_available_tokens``, x bytes per token; + delta bytes), greedy output agreement with the
+workflow makespan, token throughput, peak KV bytes (pool slots held: all slots minus
+the pool's available slots = ``sglang:kv_used_tokens + sglang:kv_evictable_tokens``, x bytes per
+token; + delta bytes), greedy output agreement with the
 radix arm. Then fidelity of the kvcmas arm against the radix arm: the radix arm's prompts and
 greedy continuations are replayed on the kvcmas server step by step (so non-owners read shared
 KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
@@ -42,7 +43,6 @@ from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import Workflow, debate, reviewer_chain  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # layers x kv heads x head_dim x (K, V) x fp32
-MAX_TOTAL_TOKENS = 16384
 
 
 def post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -83,10 +83,13 @@ class KvSampler(threading.Thread):
         while not self._halt.is_set():
             try:
                 with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                    vals = {}
                     for line in r.read().decode().splitlines():
-                        if line.startswith("sglang:kv_available_tokens"):
-                            held = MAX_TOTAL_TOKENS - int(float(line.rsplit(" ", 1)[1]))
-                            self.peak = max(self.peak, held)
+                        for name in ("sglang:kv_used_tokens", "sglang:kv_evictable_tokens"):
+                            if line.startswith(name):
+                                vals[name] = int(float(line.rsplit(" ", 1)[1]))
+                    if len(vals) == 2:  # slots held = in use by requests + cached (evictable)
+                        self.peak = max(self.peak, sum(vals.values()))
             except OSError:
                 pass
             self._halt.wait(0.5)

@@ -23,6 +23,7 @@ import os
 import sys
 
 from sglang_kvcmas import envs
+from sglang_kvcmas.server.options import parse_launcher_args
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         rest += ["--radix-cache-backend", "kvcmas-shared"]
     if not _has("--attention-backend", rest):
         rest += ["--attention-backend", "kvcmas_delta"]
-    if not _has("--device", rest) or "cpu" in rest:
-        os.environ.setdefault("OMP_NUM_THREADS", "2")
+    options = parse_launcher_args(rest)
+    if options.on_cpu:
+        # Same thread count as the launcher would choose, set before torch is imported below.
+        os.environ.setdefault("OMP_NUM_THREADS", str(options.cpu_threads))
         from sglang_kvcmas.integration.cpu_runtime import prepare_cpu_server_process
 
         prepare_cpu_server_process()
