@@ -16,10 +16,15 @@ segment each agent reads it as the next speaker would:
   median of repeats; ``rebase_alongside``'s rebuild is reported separately as background work;
 - bytes held for the 3 agents; batched-decode throughput of the 3 agents (see ``throughput``).
 
-HEADLINE and the summary cover readers that did not compute the shared context themselves.
+HEADLINE and the summary cover readers that did not compute the shared context themselves
+(every reader except the planner at the first two points, which read only what it computed).
+HEADLINE's method is the sharing method with the highest KL recovered among those holding at most
+half of no sharing's bytes. Methods: ``correction/lora_baselines.py`` (no_sharing, sglang, naive,
+droidspeak) and ``correction/precache_methods.py`` (first_agent, prelr_shared, rebase_*).
 
-    python benchmark/lab/precache_lab.py --quick        # < 10 min on 2 cores, prints HEADLINE
-    python benchmark/lab/precache_lab.py --questions 5 --config attn_mlp
+    python benchmark/lab/precache_lab.py --quick        # 1 question; prints HEADLINE
+    python benchmark/lab/precache_lab.py --questions 3 --max-message 64 --config attn_mlp
+    python benchmark/lab/precache_lab.py --questions 3 --fidelity-only --methods naive ...
 """
 
 from __future__ import annotations

@@ -222,3 +222,17 @@ def test_mean_base_exact_when_agents_share_one_adapter(hf):
         dense = lora.forward(ids, agent=agent)
         read = split_read_forward(lora, store, agent, ids[19:], torch.arange(19, 26))
         torch.testing.assert_close(read.logits, dense.logits[19:], **TOL)
+
+
+def test_rope_splits_over_the_lowrank_key(lora):
+    """RoPE(X W_k + s (X A) B) = RoPE(X W_k) + RoPE(s (X A) B) (RESEARCH.md §2)."""
+    from sglang_kvcmas.models.reference_llama import rotate
+
+    ids = _ids(13, 10)
+    store = store_pass(lora, ids, torch.arange(13), None, writer=None).store
+    k0 = store.base.k[1]
+    f = lora.adapters.get(1, "k_proj", 2)
+    delta = (f.scale * (store.agent_a(1, "k", 2, RANK) @ f.b)).view_as(k0)
+    pos = torch.arange(40, 53)
+    torch.testing.assert_close(rotate(k0 + delta, pos, 1000.0),
+                               rotate(k0, pos, 1000.0) + rotate(delta, pos, 1000.0), **TOL)
