@@ -81,6 +81,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_fixup30": ("rebase_fixup", {"fixup_rho": 0.30}),
     "rebase_mean": ("rebase_mean", {}),
     "rebase_mean_fixup15": ("rebase_mean_fixup", {"fixup_rho": 0.15}),
+    "rebase_mean_alongside": ("rebase_mean_alongside", {}),
 }
 QUICK_METHODS = ("no_sharing", "sglang", "naive", "first_agent", "droidspeak", "prelr_shared",
                  "prelr_shared[keys=base]", "rebase_after_turn", "rebase_alongside",

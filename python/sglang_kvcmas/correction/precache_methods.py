@@ -172,3 +172,4 @@ _variant("rebase_fixup", input_pass="neutral", messages="rebuild", schedule="aft
 _variant("rebase_mean", input_pass="mean", messages="rebuild_mean", schedule="after_turn")
 _variant("rebase_mean_fixup", input_pass="mean", messages="rebuild_mean", schedule="after_turn",
          fixup_rho=0.15)
+_variant("rebase_mean_alongside", input_pass="mean", messages="rebuild_mean", schedule="alongside")
