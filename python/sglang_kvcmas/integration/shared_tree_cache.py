@@ -434,7 +434,8 @@ def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache
             ("hybrid state-space layers", ctx.is_hybrid_ssm),
             ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
             ("DSA sparse attention", ctx.is_dsa),
-            ("--page-size > 1", ctx.params.page_size != 1),
+            ("--page-size > 1 with sharing on",
+             ctx.params.page_size != 1 and envs.KVCMAS_SHARE_CONTEXT.get_bool()),
         )
         if on
     ]
