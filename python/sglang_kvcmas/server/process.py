@@ -68,6 +68,12 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    def _environment(self) -> dict[str, str]:
+        # A server never runs Triton's interpreter, even when started from a test session that
+        # turned it on for kernel tests (test/conftest.py).
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return {**env, **self.env}
+
     def start(self) -> ServerProcess:
         """Launch and block until ``GET /health`` answers 200.
 
@@ -82,7 +88,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True,
+                env=self._environment(), start_new_session=True,
             )
         deadline = time.monotonic() + self.boot_timeout_s
         while time.monotonic() < deadline:
