@@ -55,6 +55,7 @@ class ServerProcess:
         port: port to serve on; a free one in 30000–30999 when None.
         env: extra environment variables for the server.
         boot_timeout_s: how long :meth:`start` waits for ``/health``.
+        module: the launcher module run with ``python -m``.
     """
 
     args: list[str] = field(default_factory=list)
@@ -62,6 +63,7 @@ class ServerProcess:
     port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     boot_timeout_s: float = 300.0
+    module: str = "sglang_kvcmas.launch_server"
     proc: subprocess.Popen | None = None
 
     @property
@@ -82,7 +84,7 @@ class ServerProcess:
         """
         if self.port is None:
             self.port = free_port()
-        cmd = [sys.executable, "-m", "sglang_kvcmas.launch_server", *self.args,
+        cmd = [sys.executable, "-m", self.module, *self.args,
                "--host", HOST, "--port", str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
