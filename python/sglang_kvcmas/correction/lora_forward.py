@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_kvcmas.correction.lora_weights import AdapterSet
-from sglang_kvcmas.models.reference_llama import ForwardOut, KVCache, RefLlama
+from sglang_kvcmas.models.reference_llama import ForwardOut, KVCache, RefLlama, keys_with_past
 
 __all__ = ["AgentModel", "LoraForward"]
 
@@ -73,11 +73,7 @@ class LoraForward:
             _, q, k, v = self.qkv(layer, h, agent)
             ks.append(k)
             vs.append(v)
-            if past is not None and len(past):
-                k_all, v_all = torch.cat([past.k[layer], k]), torch.cat([past.v[layer], v])
-                pos_all = torch.cat([past.positions, positions])
-            else:
-                k_all, v_all, pos_all = k, v, positions
+            k_all, v_all, pos_all = keys_with_past(past, layer, k, v, positions)
             h = self.finish_layer(layer, h, self.ref.attend(q, positions, k_all, v_all, pos_all),
                                   agent)
             if hidden is not None:

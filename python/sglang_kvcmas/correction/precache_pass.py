@@ -18,7 +18,7 @@ import torch
 from sglang_kvcmas.correction.lora_forward import LoraForward
 from sglang_kvcmas.correction.lora_weights import MEAN_AGENT
 from sglang_kvcmas.correction.precache_store import LowRankKVCache
-from sglang_kvcmas.models.reference_llama import KVCache
+from sglang_kvcmas.models.reference_llama import KVCache, keys_with_past
 
 __all__ = ["StorePassOut", "store_pass"]
 
@@ -75,11 +75,7 @@ def store_pass(lora: LoraForward, ids: torch.Tensor, positions: torch.Tensor,
         v0s.append(v0)
         aks.append(ak)
         avs.append(av)
-        if past_view is not None and len(past_view):
-            k_all, v_all = torch.cat([past_view.k[layer], k]), torch.cat([past_view.v[layer], v])
-            pos_all = torch.cat([past_view.positions, positions])
-        else:
-            k_all, v_all, pos_all = k, v, positions
+        k_all, v_all, pos_all = keys_with_past(past_view, layer, k, v, positions)
         h = lora.finish_layer(layer, h, ref.attend(q, positions, k_all, v_all, pos_all), writer)
         if hidden is not None:
             hidden.append(h)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ForwardOut", "KVCache", "ModelSpec", "RefLlama"]
+__all__ = ["ForwardOut", "KVCache", "ModelSpec", "RefLlama", "keys_with_past"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,24 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def keys_with_past(
+    past: KVCache | None,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What one layer's attention reads: ``past``'s K/V (if any) followed by the new tokens'.
+
+    k, v: [T, H_kv, d] of the new tokens (pre-RoPE k); positions: [T].
+    Returns (k_all, v_all, pos_all) over len(past) + T tokens.
+    """
+    if past is None or not len(past):
+        return k, v, positions
+    return (torch.cat([past.k[layer], k]), torch.cat([past.v[layer], v]),
+            torch.cat([past.positions, positions]))
 
 
 class ForwardOut(NamedTuple):
@@ -236,12 +254,7 @@ class RefLlama:
             q, k, v = self.qkv(layer, h)
             ks.append(k)
             vs.append(v)
-            if past is not None and len(past):
-                k_all = torch.cat([past.k[layer], k])
-                v_all = torch.cat([past.v[layer], v])
-                pos_all = torch.cat([past.positions, positions])
-            else:
-                k_all, v_all, pos_all = k, v, positions
+            k_all, v_all, pos_all = keys_with_past(past, layer, k, v, positions)
             h = self.finish_layer(layer, h, self.attend(q, positions, k_all, v_all, pos_all))
             if hidden is not None:
                 hidden.append(h)
