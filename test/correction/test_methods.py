@@ -7,7 +7,7 @@ import torch
 from conftest import assert_cache_close, make_request
 
 from sglang_kvcmas.correction import create_builder, registered
-from sglang_kvcmas.correction.selective import block_of, selective_prefill
+from sglang_kvcmas.correction.selective import block_of, naive_selective, selective_prefill
 
 
 def dense(tiny, ids):
@@ -78,8 +78,26 @@ def test_selective_with_nothing_selected_matches_exact_layer1_then_naive(tiny):
         assert torch.equal(out.block_view.k[layer], base.k[layer])
 
 
+@pytest.mark.parametrize("seg_lens,frac", [((23, 17), 0.3), ((1, 40, 5), 0.15), ((60,), 0.05)])
+def test_selective_pass_equals_the_plain_mixed_cache_forward(tiny, seg_lens, frac):
+    """The one-pass selective recompute (layer 0 for all, then selected + suffix) equals running
+    every token through every layer over the mixed cache (exact layer 1, base elsewhere except
+    the selection), for a selection that is neither empty nor everything."""
+    req, _, _ = make_request(tiny, seg_lens=seg_lens)
+    ids, base, starts = block_of(req.reads)
+    T = ids.numel()
+    sel = torch.randperm(T, generator=torch.Generator().manual_seed(T))[:max(1, round(frac * T))]
+    out = selective_prefill(tiny, req.prefix, ids, base, starts, req.suffix_ids,
+                            req.suffix_positions(), lambda c: sel)
+    cache, logits = naive_selective(tiny, req.prefix, ids, base, req.suffix_ids,
+                                    req.suffix_positions(), sel)
+    torch.testing.assert_close(out.last_logits, logits, rtol=1e-9, atol=1e-9)
+    assert_cache_close(out.cache, cache)
+
+
 @pytest.mark.parametrize("name,kw", [("cacheblend", {"rho": 0.3}), ("oracle", {"rank": 2}),
                                      ("kvcmas", {"rho": 0.2, "num_first": 4}),
+                                     ("kvcmas", {"rho": 0.2, "num_first": 2, "score": "attn"}),
                                      ("kvcmas", {"rho": 0.2, "estimator": "transfer"}),
                                      ("kvcmas", {"rho": 0.3, "num_first": 2, "estimator": "interp"}),
                                      ("naive", {}), ("prefix_caching", {})])

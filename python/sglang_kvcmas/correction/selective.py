@@ -11,7 +11,7 @@ reused tokens (the concatenated reads, base K/V re-positioned) and the suffix:
    the exact K/V the selected tokens just produced (a query at p sees keys at positions <= p).
 
 Cost: one layer of the block + all layers of (selected + suffix). ``naive_selective`` beside it
-recomputes the same thing token set by token set through ``RefLlama.forward`` (tests compare).
+recomputes the same thing layer by layer from the full cache, the plain way (tests compare).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama
+from sglang_kvcmas.models.reference_llama import KVCache, RefLlama, keys_with_past
 
-__all__ = ["BlockContext", "SelectiveOut", "selective_prefill"]
+__all__ = ["BlockContext", "SelectiveOut", "naive_selective", "selective_prefill"]
 
 
 @dataclass
@@ -72,8 +72,10 @@ def selective_prefill(
     suffix_pos: torch.Tensor,
     select: Select,
     correct: Correct | None = None,
+    scratch: dict | None = None,
 ) -> SelectiveOut:
-    """block_ids: [T]; block_base: base K/V at reader positions [T]; suffix_ids/pos: [S]."""
+    """block_ids: [T]; block_base: base K/V at reader positions [T]; suffix_ids/pos: [S].
+    scratch: extra entries for ``ctx.scratch`` (e.g. an attention probe a selector reads)."""
     n_layers = model.spec.num_layers
     T = block_ids.numel()
     bpos = block_base.positions
@@ -103,7 +105,7 @@ def selective_prefill(
     # deviation by the attention the suffix pays it (no extra forward work).
     ctx = BlockContext(block_base, k[:T] - block_base.k[1], v[:T] - block_base.v[1], seg_starts,
                        scratch={"q1_suffix": q[T:], "suffix_pos": suffix_pos, "k1": kk1,
-                                "k1_pos": kp1, "block_offset": len(prefix)})
+                                "k1_pos": kp1, "block_offset": len(prefix), **(scratch or {})})
     sel = torch.unique(select(ctx))  # sorted
     ctx.sel = sel
     act = torch.cat([sel, torch.arange(T, T + suffix_ids.numel())])
@@ -145,3 +147,39 @@ def block_of(reads) -> tuple[torch.Tensor, KVCache, torch.Tensor]:
     lens = torch.tensor([r.ids.numel() for r in reads])
     starts = torch.cumsum(lens, 0) - lens
     return ids, base, starts
+
+
+@torch.inference_mode()
+def naive_selective(
+    model: RefLlama,
+    prefix: KVCache,
+    block_ids: torch.Tensor,
+    block_base: KVCache,
+    suffix_ids: torch.Tensor,
+    suffix_pos: torch.Tensor,
+    sel: torch.Tensor,
+) -> tuple[KVCache, torch.Tensor]:
+    """The plain way to compute what ``selective_prefill`` computes for a fixed selection.
+
+    Every block + suffix token runs through every layer; the block K/V attention reads are the
+    base's at layer 0, the exact ones at layer 1, and at layers >= 2 the base's except on ``sel``
+    ([n] block indices). Returns (prefix + view + suffix cache, last logits [vocab]).
+    """
+    T = block_ids.numel()
+    ids = torch.cat([block_ids, suffix_ids])
+    pos = torch.cat([block_base.positions, suffix_pos])
+    h = model.embed(ids)
+    ks, vs = [], []
+    for layer in range(model.spec.num_layers):
+        q, k, v = model.qkv(layer, h)
+        if layer != 1:
+            keep = torch.ones(T, dtype=torch.bool)
+            keep[sel] = layer == 0  # layer 0: base everywhere (prefix-free, equal to exact)
+            k = torch.cat([torch.where(keep[:, None, None], block_base.k[layer], k[:T]), k[T:]])
+            v = torch.cat([torch.where(keep[:, None, None], block_base.v[layer], v[:T]), v[T:]])
+        ks.append(k)
+        vs.append(v)
+        kk, vv, kp = keys_with_past(prefix, layer, k, v, pos)
+        h = model.finish_layer(layer, h, model.attend(q, pos, kk, vv, kp))
+    cache = KVCache.concat([prefix, KVCache(ks, vs, pos)]) if len(prefix) else KVCache(ks, vs, pos)
+    return cache, model.logits(h[-1:])[0]
