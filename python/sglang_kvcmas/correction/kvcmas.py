@@ -5,9 +5,10 @@ For the shared block a non-owner reads (owner's base K/V, re-positioned; never m
 1. one layer-0 pass over the block gives every token's exact layer-1 K/V in the reader's
    context (the base's layer 0 is exact: prefix-free) and the suffix's layer-1 queries;
 2. sparse exact tokens: the first ``num_first`` tokens of every segment (the boundary where the
-   deviation concentrates) + the top ``rho`` by ``score`` ("impact" = suffix attention x layer-1
-   value deviation, see ``selection.py``) are recomputed through every layer, with the suffix,
-   in one pass;
+   deviation concentrates) + the top ``rho`` by ``score`` are recomputed through every layer,
+   with the suffix, in one pass. "attn" (the choice) ranks tokens by the attention the suffix
+   pays them in layers >= 2 of a probe pass over the uncorrected cache (``probe.py``, part of
+   the TTFT); "impact" = layer-1 suffix attention x layer-1 value deviation (``selection.py``);
 3. optional low-rank correction of the other tokens at each layer >= 2, predicted without any
    reference prefill from the exact tokens of the same pass (``estimator``):
      "sparse"   - none (rank 0): the measured winner on SmolLM2-135M (benchmark/lab);
@@ -31,7 +32,8 @@ import torch
 from sglang_kvcmas.correction.base import BuildResult, CacheBuilder, ReadRequest, register
 from sglang_kvcmas.correction.cacheblend import leaves_from_view, split_block
 from sglang_kvcmas.correction.kvcmas_state import TransferState, layer1_features
-from sglang_kvcmas.correction.selection import select_tokens
+from sglang_kvcmas.correction.probe import suffix_attention_profile
+from sglang_kvcmas.correction.selection import PROBED, SCORES, select_tokens
 from sglang_kvcmas.correction.selective import BlockContext, block_of, selective_prefill
 from sglang_kvcmas.delta.leaf import LowRankFactors
 from sglang_kvcmas.models.reference_llama import RefLlama
@@ -59,6 +61,8 @@ class Kvcmas(CacheBuilder):
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}")
 
     def state_nbytes(self) -> int:
         return sum(s.nbytes() for s in self.states.values())
@@ -117,12 +121,16 @@ class Kvcmas(CacheBuilder):
             half = pred.shape[1] // 2
             return k_b + pred[:, :half].view_as(k_b), v_b + pred[:, half:].view_as(v_b)
 
+        probe = None
+        if self.score in PROBED:
+            probe = {"attn_profile": suffix_attention_profile(
+                model, req.prefix, base, req.suffix_ids, req.suffix_positions())}
         out = selective_prefill(model, req.prefix, ids, base, starts, req.suffix_ids,
                                 req.suffix_positions(),
                                 lambda c: select_tokens(c, self.rho, self.num_first, self.score,
                                                        num_last=self.num_last,
                                                        theta=model.spec.rope_theta),
-                                correct if use_fit else None)
+                                correct if use_fit else None, scratch=probe)
         factors = None
         if fits:
             factors = self._factors(out.ctx, fits, req, model.spec.num_layers)

@@ -7,7 +7,10 @@ worth recomputing:
 - "v":      ||dev1_v[t]|| (CacheBlend's signal);
 - "kv":     relative K + V deviation at layer 1;
 - "impact": sum over KV heads of (attention the suffix pays t at layer 1) * ||dev1_v[t, h]||
-            -- the first-order change of the suffix's layer-1 attention output due to token t.
+            -- the first-order change of the suffix's layer-1 attention output due to token t;
+- "attn":   attention mass the suffix pays t in layers >= 2 over the uncorrected cache, from
+            ``probe.suffix_attention_profile`` (``ctx.scratch["attn_profile"]``: [L, T]);
+- "attn_v": "attn" * ||dev1_v[t]|| (deep attention weighted by the layer-1 deviation).
 Always kept: the first ``num_first`` tokens of every segment (boundary/sink tokens, where the
 deviation concentrates) and the last ``num_last`` tokens of the block (what the suffix attends).
 """
@@ -21,9 +24,10 @@ import torch
 from sglang_kvcmas.correction.selective import BlockContext
 from sglang_kvcmas.models.reference_llama import rotate
 
-__all__ = ["SCORES", "select_tokens", "suffix_attention"]
+__all__ = ["PROBED", "SCORES", "select_tokens", "suffix_attention"]
 
-SCORES = ("v", "kv", "impact")
+SCORES = ("v", "kv", "impact", "attn", "attn_v")
+PROBED = ("attn", "attn_v")  # scores that need the attention probe
 
 
 def suffix_attention(ctx: BlockContext, theta: float) -> torch.Tensor:
@@ -51,6 +55,11 @@ def token_scores(ctx: BlockContext, score: str, theta: float) -> torch.Tensor:
                 + ctx.dev1_k.flatten(1).norm(dim=1) / ctx.base.k[1].flatten(1).norm(dim=1))
     if score == "impact":
         return (suffix_attention(ctx, theta) * ctx.dev1_v.norm(dim=2)).sum(dim=1)
+    if score in PROBED:
+        if "attn_profile" not in (ctx.scratch or {}):
+            raise ValueError(f"score {score!r} needs scratch['attn_profile'] (the probe)")
+        deep = ctx.scratch["attn_profile"][2:].sum(dim=0).to(ctx.dev1_v.dtype)
+        return deep if score == "attn" else deep * ctx.dev1_v.flatten(1).norm(dim=1)
     raise ValueError(f"score must be one of {SCORES}")
 
 
