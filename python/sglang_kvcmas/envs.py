@@ -71,6 +71,17 @@ KVCMAS_CACHE_AGENT_OUTPUTS = EnvVar(
     "With sharing on, keep an agent request's generated tokens in the tree cache after it "
     "finishes (off: only its prompt; outputs re-enter through the shared transcript).",
 )
+KVCMAS_RECOMPUTE_BOUNDARY = EnvVar(
+    "KVCMAS_RECOMPUTE_BOUNDARY",
+    "16",
+    "With sharing on, a reader recomputes the first N tokens of every span it borrows from "
+    "another context, in its own context and in the same forward pass (0: naive reuse).",
+)
+KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
+    "KVCMAS_RECOMPUTE_MAX_FRACTION",
+    "0.5",
+    "Cap on the share of a reader's borrowed tokens that KVCMAS_RECOMPUTE_BOUNDARY recomputes.",
+)
 KVCMAS_SERVING_EXTENSIONS = EnvVar(
     "KVCMAS_SERVING_EXTENSIONS",
     "0",
@@ -84,6 +95,8 @@ ALL = ALL + (
     KVCMAS_TURN_MAX_WAIT_S,
     KVCMAS_TURN_MIN_GAIN,
     KVCMAS_CACHE_AGENT_OUTPUTS,
+    KVCMAS_RECOMPUTE_BOUNDARY,
+    KVCMAS_RECOMPUTE_MAX_FRACTION,
     KVCMAS_SERVING_EXTENSIONS,
 )
 

@@ -44,3 +44,80 @@ def test_deltas_match_reference():
     ref_k, ref_v = reader_kv(pool_k, pool_v, DeltaRequest(idx, 2, (span,)), [f], inv)
     torch.testing.assert_close(k, ref_k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v, ref_v, atol=1e-4, rtol=1e-4)
+
+
+def _backend():
+    from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
+
+    be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
+    be.inv_freq, be._layer_id, be._cos_sin = rope_inv_freq(64, 1e5), 0, {}
+    return be
+
+
+def test_recomputed_tokens_extend_equals_attention_in_position_order():
+    """A row whose recomputed shared tokens sit after its borrowed ones (row order != position
+    order) attends exactly as the same tokens in position order with causal attention."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens
+
+    torch.manual_seed(2)
+    inv, H, Hkv, d = rope_inv_freq(64, 1e5), 6, 2, 64
+    n, own, moved = 23, 5, (5, 6, 7, 12)  # positions 5-7 and 12 recomputed, the rest borrowed
+    shift = -9  # the owner computed the borrowed tokens 9 positions later
+    q_raw, k_raw, v = torch.randn(n, H, d), torch.randn(n, Hkv, d), torch.randn(n, Hkv, d)
+    pos = torch.arange(n)
+    ref = scaled_dot_product_attention(
+        apply_rope(q_raw, pos, inv).movedim(0, 1), apply_rope(k_raw, pos, inv).movedim(0, 1),
+        v.movedim(0, 1), is_causal=True, enable_gqa=True).movedim(0, 1)
+
+    borrowed = [p for p in range(own, 15) if p not in moved]  # shared context ends at 15
+    order = list(range(own)) + borrowed + list(moved) + list(range(15, n))  # row -> position
+    prefix_len = own + len(borrowed)
+    k_cache, v_cache = torch.zeros(64, Hkv, d), torch.zeros(64, Hkv, d)
+    slots = torch.randperm(64)[:n]
+    for row, p in enumerate(order):
+        stored_at = p - shift if own <= row < prefix_len else p  # borrowed: owner's position
+        k_cache[slots[row]] = apply_rope(k_raw[p : p + 1], torch.tensor([stored_at]), inv)[0]
+        v_cache[slots[row]] = v[p]
+    req_to_token = torch.zeros(2, 64, dtype=torch.int64)
+    req_to_token[1, :n] = slots
+    SPANS.set(1, RowSpans("r", (SpanRead(SharedSpan(own, len(borrowed), shift)),),
+                          RecomputedTokens(prefix_len, tuple(moved), moved),
+                          torch.tensor(order[: prefix_len + len(moved)])))
+    try:
+        ext = order[prefix_len:]
+        query = apply_rope(q_raw[ext], torch.tensor(ext), inv)
+        out = torch.empty_like(query)
+        _backend()._run_sdpa_forward_extend(
+            query, out, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([n]),
+            torch.tensor([prefix_len]), torch.tensor([len(ext)]), scaling=d**-0.5,
+            enable_gqa=True, causal=True)
+    finally:
+        SPANS.clear(1)
+    torch.testing.assert_close(out, ref[ext], atol=1e-5, rtol=1e-5)
+
+
+def test_recomputed_tokens_are_placed_at_their_true_positions():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens
+
+    SPANS.set(3, RowSpans("r", (SpanRead(SharedSpan(2, 4, 1)),),
+                          RecomputedTokens(6, (71, 72), (2, 3)), torch.tensor([0, 1, 4, 5, 6, 7,
+                                                                              2, 3])))
+    try:
+        batch = SimpleNamespace(
+            extend_prefix_lens_cpu=[0, 6], extend_seq_lens_cpu=[3, 4],
+            req_pool_indices=torch.tensor([0, 3]), input_ids=torch.arange(7) + 100,
+            positions=torch.tensor([0, 1, 2, 6, 7, 8, 9]))
+        _backend()._place_recomputed(batch)
+        assert batch.input_ids.tolist() == [100, 101, 102, 71, 72, 105, 106]
+        assert batch.positions.tolist() == [0, 1, 2, 2, 3, 8, 9]
+        batch.extend_prefix_lens_cpu = [0, 5]  # a row that does not extend where planned
+        with pytest.raises(RuntimeError, match="recomputed tokens start at row 6"):
+            _backend()._place_recomputed(batch)
+    finally:
+        SPANS.clear(3)

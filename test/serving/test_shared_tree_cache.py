@@ -21,6 +21,7 @@ from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
     SharedPrefixHandle,
 )
 from sglang_kvcmas.integration.span_registry import SPANS  # noqa: E402
+from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
 CHAT = ChatTemplateIds(1, 2, 9)
 NL = 5
@@ -73,12 +74,13 @@ class Req:
 
 
 class Harness:
-    def __init__(self, share=True):
+    def __init__(self, share=True, boundary=0):
         self.alloc, self.pool = Allocator(), Pool()
         self.cache = KvcmasSharedTreeCache(
             CacheInitParams(disable=False, req_to_token_pool=self.pool,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
             chat_ids=CHAT, share_context=share)
+        self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary)
         self.next_slot, self.allocated = 1000, []
 
     def serve(self, req, row):
@@ -171,3 +173,82 @@ def test_sharing_off_is_radix_cache():
     spans, _ = off.serve(b2, 2)
     assert spans is None and b2.prefix_len == len(head(60, 8)) + len(T1)
     assert len(list(off.cache.shared.nodes())) == 0
+
+
+def assert_slots_conserved(h):
+    assert len(h.alloc.freed) == len(set(h.alloc.freed))
+    assert set(h.alloc.freed) | h.held() == set(h.allocated)
+    assert not set(h.alloc.freed) & h.held()
+
+
+def test_reader_recomputes_boundary_tokens_of_the_borrowed_span():
+    k = 4
+    h = Harness(boundary=k)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    start = len(a) + len(T1)
+    a2_slots = h.pool.req_to_token[2, start : start + len(T2) + END].tolist()
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, prefix = h.serve(b2, 3)
+    borrowed_at = len(b) + len(T1)  # b's own exact prefix ends here; T2 is a's
+    assert b2.prefix_len == borrowed_at + len(T2) + END - k
+    assert prefix[borrowed_at:] == a2_slots[k:]  # the boundary is not borrowed
+    moved = spans.recomputed
+    assert moved.row_start == b2.prefix_len
+    assert moved.token_ids == tuple(T2[:k])
+    assert moved.positions == tuple(range(borrowed_at, borrowed_at + k))
+    (read,) = spans.reads  # still one span, in row coordinates, same shift
+    assert (read.span.start, read.span.length, read.span.shift) == (
+        borrowed_at, len(T2) + END - k, len(b) - len(a))
+    pos = spans.positions_upto(len(b2.origin_input_ids)).tolist()
+    assert pos[:borrowed_at] == list(range(borrowed_at))
+    assert pos[borrowed_at : b2.prefix_len] == list(range(borrowed_at + k, b2.prefix_len + k))
+    assert pos[b2.prefix_len : b2.prefix_len + k] == list(range(borrowed_at, borrowed_at + k))
+    assert pos[b2.prefix_len + k :] == list(range(b2.prefix_len + k, len(pos)))
+    assert sorted(pos) == list(range(len(pos)))
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert rec["reused_corrected"] == len(T2) + END - k
+    assert rec["recomputed"] == k + len(SUFFIX) - END
+    assert rec["correction"] == f"boundary_recompute:{k}"
+    assert_slots_conserved(h)
+
+
+def test_recompute_boundary_per_span_and_slots_when_the_reader_publishes():
+    """Two borrowed spans (two owners): each boundary recomputed; a reader that also publishes
+    new transcript tokens frees its recomputed slots at release, once."""
+    k = 3
+    h = Harness(boundary=k)
+    a, b, c = head(50, 20), head(60, 8), head(70, 12)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1), ("c1", c, 2)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2[:10] + SUFFIX), 3)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    h.serve(b2, 4)  # borrows T2[:10] from a (boundary recomputed), owns T2[10:]
+    assert b2.customized_info["kvcmas_reuse"][0]["recomputed"] == k + len(T2) - 10 + len(
+        SUFFIX)
+    assert_slots_conserved(h)
+    c2 = Req("c2", c + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(c2, 5)
+    at = len(c) + len(T1)
+    assert spans.recomputed.positions == (*range(at, at + k), *range(at + 10, at + 10 + k))
+    assert [r.span.shift for r in spans.reads] == [len(c) - len(a), len(c) - len(b)]
+    assert_slots_conserved(h)
+
+
+def test_boundary_policy_per_request_and_disabled_for_prompt_logprobs():
+    h = Harness(boundary=4)
+    a, b = head(50, 20), head(60, 8)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    b2.sampling_params = SimpleNamespace(custom_params={"kvcmas_boundary_tokens": 0})
+    spans, _ = h.serve(b2, 3)
+    assert spans.recomputed is None and spans.positions is None
+    b3 = Req("b3", b + T1 + T2 + SUFFIX)
+    b3.return_logprob, b3.logprob_start_len = True, 0  # prompt logprobs: keep token order
+    spans, _ = h.serve(b3, 4)
+    assert spans.recomputed is None
+    assert_slots_conserved(h)

@@ -12,6 +12,14 @@ SDPA, following ``attention/reference.py``::
 Nothing is written back to the pool: the owner's KV stays exact and shared. Rows without spans
 (every exact request, every request when sharing is off) take the parent's code path unchanged.
 
+Recomputed tokens (``span_registry.RecomputedTokens``): a reader recomputes the first tokens of
+each borrowed span in its own context. The tree cache leaves them out of the row's prefix, so
+SGLang extends the row from a prefix that is that many tokens shorter; before the model runs,
+:meth:`DeltaAttnBackend.init_forward_metadata` writes their ids and true positions into the
+first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
+true positions, and the pool keeps their keys so rotated), and extend attention masks by true
+position instead of row order. Decode needs no mask: every cached token precedes the query.
+
 GPU: the same span metadata drives the Triton kernels in ``attention/triton_delta.py``; wiring
 them into a FlashInfer/Triton wrapper is not done here (CPU serving only).
 """
@@ -74,7 +82,7 @@ def transform_spans(
             f = read.factors(layer_id)
             n = sl.stop - sl.start
             if f.k is not None:
-                pos = torch.arange(sl.start, sl.stop)
+                pos = row.positions_upto(sl.stop)[sl]
                 k[sl] += apply_rope(f.k.dense()[:n].to(k.device), pos, inv_freq).to(k.dtype)
             if f.v is not None:
                 v[sl] += f.v.dense()[:n].to(v.device, v.dtype)
@@ -100,6 +108,38 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         self.inv_freq = rope_inv_freq(head_dim, theta)
         self._layer_id = 0
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_forward_metadata(self, forward_batch):
+        if forward_batch.forward_mode.is_extend() and len(SPANS):
+            self._place_recomputed(forward_batch)
+        super().init_forward_metadata(forward_batch)
+
+    def _place_recomputed(self, forward_batch) -> None:
+        """Write recomputed tokens' ids and true positions into their rows' first extend slots."""
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        seq_lens = forward_batch.extend_seq_lens_cpu
+        if prefix_lens is None or seq_lens is None:
+            return
+        start = 0
+        for i, idx in enumerate(forward_batch.req_pool_indices.tolist()):
+            row = SPANS.get(int(idx))
+            moved = row.recomputed if row is not None else None
+            if moved is not None:
+                n = len(moved.token_ids)
+                if int(prefix_lens[i]) != moved.row_start or int(seq_lens[i]) <= n:
+                    raise RuntimeError(
+                        f"sglang-kvcmas: request {row.rid} extends from {prefix_lens[i]} "
+                        f"({seq_lens[i]} tokens), but its recomputed tokens start at row "
+                        f"{moved.row_start} ({n} tokens)"
+                    )
+                dev = forward_batch.input_ids.device
+                forward_batch.input_ids[start : start + n] = torch.tensor(
+                    moved.token_ids, dtype=forward_batch.input_ids.dtype, device=dev
+                )
+                forward_batch.positions[start : start + n] = torch.tensor(
+                    moved.positions, dtype=forward_batch.positions.dtype, device=dev
+                )
+            start += int(seq_lens[i])
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self._layer_id = layer.layer_id
@@ -132,14 +172,24 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
             )
             q = q_all[:, start_q : start_q + n_q, :]
-            q_full = torch.empty((q.shape[0], n_kv, q.shape[2]), dtype=q.dtype, device=q.device)
-            q_full[:, n_prefix:, :] = q
             k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
-            out = scaled_dot_product_attention(
-                q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
-            ).squeeze(0).movedim(query.dim() - 2, 0)
-            output[start_q : start_q + n_q] = out[n_prefix:]
+            if rows[i] is not None and rows[i].positions is not None and causal:
+                pos = rows[i].positions_upto(n_kv).to(q.device)
+                mask = pos[None, :] <= pos[n_prefix:, None]  # [n_q, n_kv] by true position
+                out = scaled_dot_product_attention(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                    enable_gqa=enable_gqa, scale=scaling,
+                ).squeeze(0).movedim(query.dim() - 2, 0)
+                output[start_q : start_q + n_q] = out
+            else:
+                q_full = torch.empty((q.shape[0], n_kv, q.shape[2]), dtype=q.dtype,
+                                     device=q.device)
+                q_full[:, n_prefix:, :] = q
+                out = scaled_dot_product_attention(
+                    q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                    enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+                ).squeeze(0).movedim(query.dim() - 2, 0)
+                output[start_q : start_q + n_q] = out[n_prefix:]
             start_q += n_q
         return output
 

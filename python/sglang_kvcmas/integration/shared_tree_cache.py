@@ -58,13 +58,17 @@ from sglang_kvcmas.integration import reuse_accounting
 from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
-from sglang_kvcmas.integration.span_registry import SPANS, RowSpans, SpanRead
+from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens, RowSpans, SpanRead
+from sglang_kvcmas.policy.recompute import BorrowedSpan, RecomputeConfig, boundary_offsets
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 logger = logging.getLogger(__name__)
+
+BOUNDARY_FIELD = "kvcmas_boundary_tokens"
+"""``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
 
 SHARED_BACKEND_NAME = "kvcmas-shared"
 """Name under which :func:`build_shared_tree_cache` is registered until ``kvcmas`` builds it."""
@@ -82,6 +86,8 @@ class SharedPrefixHandle:
         shared_end: shared offset where it ends (path length of ``shared_node``).
         split: the request's head / shared / suffix split.
         namespace: ``(extra_key, cache_salt)``.
+        recompute: shared offsets in ``[shared_begin, shared_end)`` the request recomputes in its
+            own context instead of borrowing (left out of its prefix; see ``RecomputedTokens``).
     """
 
     radix_node: Any
@@ -91,14 +97,26 @@ class SharedPrefixHandle:
     shared_end: int
     split: AgentSplit
     namespace: tuple
+    recompute: tuple[int, ...] = ()
 
     @property
     def prefix_len(self) -> int:
-        return self.split.head_len + self.shared_end
+        return self.split.head_len + self.shared_end - len(self.recompute)
 
     @property
     def borrowed_len(self) -> int:
         return self.shared_end - self.shared_begin
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A run of the borrowed shared path with one owner and one shift (shared offsets)."""
+
+    begin: int
+    end: int
+    shift: int
+    owner: str
+    foreign: bool
 
 
 @dataclass
@@ -136,6 +154,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             envs.KVCMAS_SHARE_CONTEXT.get_bool() if share_context is None else share_context
         )
         self.cache_agent_outputs = envs.KVCMAS_CACHE_AGENT_OUTPUTS.get_bool()
+        self.recompute_config = RecomputeConfig(
+            boundary_tokens=int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get()),
+            max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
+        )
+        self._chunk_limit: int | None = None
         self._splits: dict[str, AgentSplit | None] = {}
         self.pending_owners: dict[str, PendingOwner] = {}
         self._extra_freed = 0
@@ -160,6 +183,20 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 path = None
             self._chat_ids = chat_ids_for(path) or False
         return self._chat_ids or None
+
+    @property
+    def chunk_limit(self) -> int:
+        """SGLang's chunked-prefill size (0: no chunking). A row whose extend would be chunked
+        never recomputes borrowed tokens: each chunk re-matches its prefix."""
+        if self._chunk_limit is None:
+            try:
+                from sglang.srt.runtime_context import get_server_args
+
+                size = getattr(get_server_args(), "chunked_prefill_size", None)
+            except Exception:  # no server context (unit tests)
+                size = None
+            self._chunk_limit = int(size) if size and size > 0 else 0
+        return self._chunk_limit
 
     def split_of(self, req: Req) -> AgentSplit | None:
         """The request's agent split (memoized per rid); None: not an agent request."""
@@ -215,7 +252,38 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
+        handle = replace(handle, recompute=self._recompute_for(req, handle))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
+
+    def _recompute_config_of(self, req: Req) -> RecomputeConfig:
+        """The deployment's recompute policy, or the request's own boundary size
+        (``custom_params["kvcmas_boundary_tokens"]`` on ``/generate``)."""
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+        k = custom.get(BOUNDARY_FIELD) if isinstance(custom, dict) else None
+        if k is None:
+            return self.recompute_config
+        try:
+            return replace(self.recompute_config, boundary_tokens=int(k))
+        except (TypeError, ValueError) as e:
+            logger.warning("sglang-kvcmas: request %s: bad %s=%r (%s); deployment default used",
+                           req.rid, BOUNDARY_FIELD, k, e)
+            return self.recompute_config
+
+    def _recompute_for(self, req: Req, handle: SharedPrefixHandle) -> tuple[int, ...]:
+        """Borrowed offsets this request recomputes (``policy/recompute.py``), or none when the
+        extend could be chunked or the request asks for logprobs of prompt tokens whose
+        computation order changes."""
+        spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in self._pieces(handle)]
+        offsets = boundary_offsets(spans, self._recompute_config_of(req))
+        if not offsets:
+            return ()
+        extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
+        if self.chunk_limit and extend + len(offsets) > self.chunk_limit:
+            return ()
+        start = getattr(req, "logprob_start_len", -1)
+        if getattr(req, "return_logprob", False) and 0 <= start <= handle.prefix_len:
+            return ()
+        return offsets
 
     def prefix_device_indices(self, req: Req) -> torch.Tensor:
         handle = req.last_node
@@ -223,6 +291,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return super().prefix_device_indices(req)
         own = self.path_device_indices(handle.radix_node)[: handle.radix_len]
         borrowed = SharedTree.path_slots(handle.shared_node)[handle.shared_begin : handle.shared_end]
+        if handle.recompute:
+            keep = torch.ones(borrowed.shape[0], dtype=torch.bool)
+            keep[torch.tensor(handle.recompute) - handle.shared_begin] = False
+            borrowed = borrowed[keep]
         out = torch.cat([own.to(torch.int64), borrowed.to(own.device)])
         return out[: req.prefix_len]
 
@@ -263,10 +335,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         split = self.split_of(req)
         handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
         prompt = len(req.origin_input_ids)
+        correction = "none"
         if handle is not None:
-            reads, corrected = self._span_reads(handle)
-            SPANS.set(req.kv.req_pool_idx, RowSpans(req.rid, reads))
+            row, corrected = self._row_spans(req, handle)
+            SPANS.set(req.kv.req_pool_idx, row)
             exact = req.prefix_len - corrected
+            if handle.recompute:
+                correction = f"boundary_recompute:{len(handle.recompute)}"
         else:
             exact, corrected = req.prefix_len, 0
         if getattr(req, "_kvcmas_accounted", False) is False:
@@ -274,36 +349,63 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 req,
                 reuse_accounting.ReuseRecord(
                     split.agent if split else None, prompt, exact, corrected,
-                    prompt - exact - corrected,
+                    prompt - exact - corrected, correction,
                 ),
             )
             req._kvcmas_accounted = True
-        if split is not None and req.prefix_len < split.shared_end:
+        covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
+        if split is not None and covered < split.shared_end:
             ns = _namespace(req.extra_key, req.cache_salt)
             shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
 
-    def _span_reads(self, handle: SharedPrefixHandle) -> tuple[tuple[SpanRead, ...], int]:
-        """The borrowed spans of a handle, merged where shifts agree; and tokens read from
-        another agent (what the accounting calls corrected reuse)."""
-        spans: list[list[int]] = []
-        foreign = 0
+    @staticmethod
+    def _pieces(handle: SharedPrefixHandle) -> list[_Piece]:
+        """The borrowed part of a handle's shared path as runs of one owner and one shift."""
+        out: list[_Piece] = []
         head = handle.split.head_len
         for piece in SharedTree.path(handle.shared_node):
             lo = max(piece.offset, handle.shared_begin)
             hi = piece.offset + len(piece.node)
             if hi <= lo:
                 continue
-            start = head + lo
-            shift = start - (piece.node.owner_start + lo - piece.offset)
-            if piece.node.owner != handle.split.agent or shift != 0:
-                foreign += hi - lo
-            if spans and spans[-1][0] + spans[-1][1] == start and spans[-1][2] == shift:
-                spans[-1][1] += hi - lo
+            shift = head + lo - (piece.node.owner_start + lo - piece.offset)
+            owner = piece.node.owner
+            if out and out[-1].end == lo and (out[-1].shift, out[-1].owner) == (shift, owner):
+                out[-1] = replace(out[-1], end=hi)
             else:
-                spans.append([start, hi - lo, shift])
+                foreign = owner != handle.split.agent or shift != 0
+                out.append(_Piece(lo, hi, shift, owner, foreign))
+        return out
+
+    def _row_spans(self, req: Req, handle: SharedPrefixHandle) -> tuple[RowSpans, int]:
+        """The row's borrowed spans in row coordinates (recomputed tokens left out), the
+        recomputed tokens with their true positions; and how many borrowed tokens are read from
+        another context (what the accounting calls corrected reuse)."""
+        head, skip = handle.split.head_len, set(handle.recompute)
+        spans: list[list[int]] = []  # [row start, length, shift]
+        positions = list(range(handle.radix_len))
+        foreign = 0
+        for piece in self._pieces(handle):
+            for offset in range(piece.begin, piece.end):
+                if offset in skip:
+                    continue
+                row = len(positions)
+                positions.append(head + offset)
+                foreign += piece.foreign
+                if spans and spans[-1][0] + spans[-1][1] == row and spans[-1][2] == piece.shift:
+                    spans[-1][1] += 1
+                else:
+                    spans.append([row, 1, piece.shift])
         reads = tuple(SpanRead(SharedSpan(s, n, d)) for s, n, d in spans)
-        return reads, foreign
+        if not handle.recompute:
+            return RowSpans(req.rid, reads), foreign
+        moved = tuple(head + o for o in handle.recompute)
+        recomputed = RecomputedTokens(
+            len(positions), tuple(int(req.origin_input_ids[p]) for p in moved), moved
+        )
+        positions.extend(moved)
+        return RowSpans(req.rid, reads, recomputed, torch.tensor(positions)), foreign
 
     # ----- checkpoint / release -----
 
@@ -349,7 +451,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         split = handle.split
         end = min(split.shared_end, up_to)
         start = split.head_len + handle.shared_end
-        if end <= start or req.kv.cache_protected_len != start:
+        if end <= start or req.kv.cache_protected_len != handle.prefix_len:
             return
         tokens = req.full_untruncated_fill_ids[split.head_len : end]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -359,7 +461,12 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         )
         if node is None:
             return  # another request registered these tokens first: ours are freed at release
-        new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len)
+        if handle.recompute:
+            # The recomputed tokens' slots sit below ``end`` in the row, so release would not
+            # free them once the protected length moves past them: free them at release.
+            req._kvcmas_release_slots = row[handle.prefix_len : start].to(torch.int64).cpu()
+        new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len,
+                             recompute=())
         new_lock = self.lock(new_handle)
         self.unlock(req.lock)
         req.lock, req.last_node = new_lock, new_handle
@@ -367,6 +474,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        slots = getattr(req, "_kvcmas_release_slots", None)
+        if slots is not None:
+            self._free_slots(slots)
+            req._kvcmas_release_slots = None
         SPANS.clear(getattr(req.kv, "req_pool_idx", None))
         self.pending_owners.pop(req.rid, None)
         self._splits.pop(req.rid, None)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from sglang_kvcmas.attention.batch import SharedSpan, SpanFactors
 
 
@@ -32,15 +34,64 @@ class SpanRead:
 
 
 @dataclass(frozen=True)
+class RecomputedTokens:
+    """Borrowed shared tokens the reader recomputes, moved to the front of its extend.
+
+    SGLang extends a row from ``prefix_len`` on, in token order. A reader that recomputes some
+    shared tokens exactly (``policy/recompute.py``) leaves them out of its prefix; the tree cache
+    shortens the prefix by as many tokens, and the backend puts these tokens, at their true
+    positions, into the first extend slots (whose ids SGLang filled from the prompt's tail)::
+
+        row index   0 ....... prefix_len ........ prefix_len + n ........... seq_len
+                    | own + borrowed | recomputed | suffix (row index = position) |
+
+    Attributes:
+        row_start: row index of the first recomputed token (the row's prefix length).
+        token_ids: the recomputed tokens' ids, in position order.
+        positions: their true positions in the reader's sequence.
+    """
+
+    row_start: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.positions) or not self.token_ids:
+            raise ValueError("recomputed tokens need one position each, and at least one token")
+
+
+@dataclass(frozen=True)
 class RowSpans:
-    """Every shared span of one request row, sorted and disjoint."""
+    """Every shared span of one request row, sorted and disjoint.
+
+    Attributes:
+        rid: request id.
+        reads: the borrowed spans, in row coordinates.
+        recomputed: borrowed tokens recomputed in this request's extend, or None.
+        positions: [row_start + len(recomputed)] int64 true position of each row index up to the
+            end of the recomputed tokens (rows after them sit at their own index); None when
+            every row index is its position.
+    """
 
     rid: str
     reads: tuple[SpanRead, ...]
+    recomputed: RecomputedTokens | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def needs_transform(self) -> bool:
-        return any(r.span.shift != 0 or r.factors is not None for r in self.reads)
+        return self.positions is not None or any(
+            r.span.shift != 0 or r.factors is not None for r in self.reads
+        )
+
+    def positions_upto(self, n: int) -> torch.Tensor:
+        """[n] int64 true positions of row indices ``0 .. n-1``."""
+        if self.positions is None:
+            return torch.arange(n)
+        have = self.positions.shape[0]
+        if n <= have:
+            return self.positions[:n]
+        return torch.cat([self.positions, torch.arange(have, n)])
 
 
 class SpanRegistry:
