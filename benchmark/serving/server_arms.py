@@ -1,8 +1,8 @@
 """Boot one SGLang server per benchmark arm (same binary, different tree cache), stop it cleanly.
 
 Arms:
-    kvcmas    ``sglang_kvcmas.integration.shared_launch --kvcmas-share-context`` (our tree cache
-              + delta attention backend, cross-agent sharing on)
+    kvcmas    ``sglang_kvcmas.launch_server --kvcmas-share-context`` (our tree cache + delta
+              attention backend, cross-agent sharing on)
     radix     ``sglang_kvcmas.launch_server --kvcmas-stock-cache`` (SGLang's default radix cache)
     no_cache  ``sglang_kvcmas.launch_server --kvcmas-stock-cache --disable-radix-cache``
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from sglang_kvcmas.server.process import ServerProcess, free_port
 
 ARMS: dict[str, tuple[str, list[str]]] = {
-    "kvcmas": ("sglang_kvcmas.integration.shared_launch", ["--kvcmas-share-context"]),
+    "kvcmas": ("sglang_kvcmas.launch_server", ["--kvcmas-share-context"]),
     "radix": ("sglang_kvcmas.launch_server", ["--kvcmas-stock-cache"]),
     "no_cache": ("sglang_kvcmas.launch_server", ["--kvcmas-stock-cache", "--disable-radix-cache"]),
 }

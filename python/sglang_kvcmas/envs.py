@@ -82,12 +82,6 @@ KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
     "0.5",
     "Cap on the share of a reader's borrowed tokens that KVCMAS_RECOMPUTE_BOUNDARY recomputes.",
 )
-KVCMAS_SERVING_EXTENSIONS = EnvVar(
-    "KVCMAS_SERVING_EXTENSIONS",
-    "0",
-    "Set by sglang_kvcmas.integration.shared_launch for its server processes: register the "
-    "shared-context tree cache, the delta attention backend and the serving hooks.",
-)
 
 ALL = ALL + (
     KVCMAS_SHARE_CONTEXT,
@@ -97,7 +91,6 @@ ALL = ALL + (
     KVCMAS_CACHE_AGENT_OUTPUTS,
     KVCMAS_RECOMPUTE_BOUNDARY,
     KVCMAS_RECOMPUTE_MAX_FRACTION,
-    KVCMAS_SERVING_EXTENSIONS,
 )
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----

@@ -16,6 +16,13 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
 - Always: ``--enable-cache-report``, ``--enable-metrics`` (when prometheus_client is installed),
   and ``--radix-cache-backend kvcmas`` (our tree cache). ``--kvcmas-stock-cache`` leaves the
   backend unset, i.e. SGLang's default tree cache (``UnifiedRadixCache``), for baselines.
+- ``--kvcmas-share-context`` (opt-in, per deployment): agents read each other's KV for their
+  common transcript (the agent head, i.e. the system turn, stays per agent; never across
+  ``cache_salt``); implies ``--attention-backend kvcmas_delta``. ``--kvcmas-turn-order
+  {leader,fifo}``: when several agents' requests over one new transcript arrive together, one
+  computes it and the others wait for it (leader, default) or nobody waits (fifo). Without the
+  flag our tree cache behaves exactly like SGLang's ``RadixCache``. Environment knobs:
+  ``KVCMAS_RECOMPUTE_BOUNDARY`` and the rest of ``sglang_kvcmas/envs.py``.
 
 The tree cache actually built is reported in the server log ("sglang-kvcmas: tree cache ... in
 use") and in ``/server_info`` → ``internal_states[i].kvcmas.tree_cache_class``.
@@ -47,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang-kvcmas-server: error: bad --model-path: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
 
+    os.environ.update(options.server_env())  # server processes inherit our serving options
     if options.on_cpu:
         # Threads are read once by the OpenMP runtime: set them before torch is imported.
         os.environ.setdefault("OMP_NUM_THREADS", str(options.cpu_threads))

@@ -63,6 +63,23 @@ def test_gpu_device_gets_no_cpu_defaults():
     assert "radix_cache_backend" in dests
 
 
+def test_share_context_flag_sets_delta_backend_and_server_env(monkeypatch):
+    monkeypatch.delenv("KVCMAS_SHARE_CONTEXT", raising=False)
+    opts = parse_launcher_args(["--kvcmas-share-context", "--kvcmas-turn-order", "fifo"])
+    assert opts.share_context and "--kvcmas-share-context" not in opts.sglang_argv
+    assert opts.server_env() == {"KVCMAS_SHARE_CONTEXT": "1", "KVCMAS_TURN_ORDER": "fifo"}
+    argv = build_sglang_argv(opts, "/models/m", set())
+    assert _value(argv, "--attention-backend") == "kvcmas_delta"
+    assert _value(argv, "--radix-cache-backend") == "kvcmas"
+    gpu = parse_launcher_args(["--kvcmas-share-context", "--device", "cuda"])
+    assert "attention_backend" in {f.dest for f in default_flags(gpu)}  # on every device
+    assert parse_launcher_args([]).server_env() == {"KVCMAS_SHARE_CONTEXT": "0"}
+    with pytest.raises(SystemExit):
+        parse_launcher_args(["--kvcmas-share-context", "--kvcmas-stock-cache"])
+    monkeypatch.setenv("KVCMAS_SHARE_CONTEXT", "1")  # the deployment's environment counts too
+    assert parse_launcher_args([]).share_context
+
+
 def test_cpu_threads_flag():
     assert parse_launcher_args(["--kvcmas-cpu-threads", "2"]).cpu_threads == 2
     with pytest.raises(SystemExit):

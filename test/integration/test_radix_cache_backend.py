@@ -12,10 +12,10 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sglang_kvcmas.integration.radix_cache_backend import (
-    BACKEND_NAME,
-    KvcmasRadixCache,
-    build_kvcmas_cache,
+from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME, KvcmasRadixCache
+from sglang_kvcmas.integration.shared_tree_cache import (
+    KvcmasSharedTreeCache,
+    build_shared_tree_cache,
 )
 
 
@@ -105,19 +105,34 @@ def _ctx(**overrides) -> SimpleNamespace:
                              token_to_kv_pool_allocator=None, page_size=1)
     fields = dict(params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
                   enable_hierarchical_cache=False, disable_radix_cache=False, is_dsa=False,
-                  tp_rank=0)
+                  tp_rank=0, server_args=None)
     return SimpleNamespace(**{**fields, **overrides})
 
 
-def test_factory_builds_our_cache_and_logs_it(caplog):
-    with caplog.at_level("INFO", logger="sglang_kvcmas.integration.radix_cache_backend"):
-        cache = build_kvcmas_cache(_ctx())
-    assert type(cache) is KvcmasRadixCache
-    assert "KvcmasRadixCache in use" in caplog.text
+def test_factory_builds_our_cache_and_logs_it(caplog, monkeypatch):
+    monkeypatch.delenv("KVCMAS_SHARE_CONTEXT", raising=False)
+    with caplog.at_level("INFO", logger="sglang_kvcmas.integration.shared_tree_cache"):
+        cache = build_shared_tree_cache(_ctx())
+    assert type(cache) is KvcmasSharedTreeCache and not cache.share_context
+    assert "KvcmasSharedTreeCache in use (radix cache backend 'kvcmas'" in caplog.text
 
 
 @pytest.mark.parametrize("feature", ["is_hybrid_swa", "is_hybrid_ssm",
                                      "enable_hierarchical_cache", "is_dsa"])
 def test_factory_rejects_unsupported_features_clearly(feature):
     with pytest.raises(ValueError, match="run without --radix-cache-backend"):
-        build_kvcmas_cache(_ctx(**{feature: True}))
+        build_shared_tree_cache(_ctx(**{feature: True}))
+
+
+def test_sharing_needs_the_delta_attention_backend(monkeypatch):
+    monkeypatch.setenv("KVCMAS_SHARE_CONTEXT", "1")
+    args = SimpleNamespace(attention_backend="torch_native", prefill_attention_backend=None,
+                           decode_attention_backend=None, tokenizer_path=None, model_path=None)
+    with pytest.raises(ValueError, match="only the 'kvcmas_delta' attention backend"):
+        build_shared_tree_cache(_ctx(server_args=args))
+    args.attention_backend = "kvcmas_delta"
+    assert build_shared_tree_cache(_ctx(server_args=args)).share_context
+    paged = CacheInitParams(disable=False, req_to_token_pool=None,
+                            token_to_kv_pool_allocator=None, page_size=16)
+    with pytest.raises(ValueError, match="--page-size 1"):
+        build_shared_tree_cache(_ctx(server_args=args, params=paged))

@@ -12,7 +12,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_kvcmas import plugin
 from sglang_kvcmas.integration import registration
-from sglang_kvcmas.integration.radix_cache_backend import build_kvcmas_cache
+from sglang_kvcmas.integration.shared_tree_cache import build_shared_tree_cache
 from sglang_kvcmas.integration.server_state import (
     INTERNAL_STATE_TARGET,
     add_tree_cache_to_internal_state,
@@ -31,9 +31,12 @@ def test_register_twice_registers_once(clean_registries):
     plugin.register()
     plugin.register()
     assert registry.registered_radix_cache_backends() == ["kvcmas"]
-    assert registry.get_radix_cache_factory("kvcmas") is build_kvcmas_cache
+    assert registry.get_radix_cache_factory("kvcmas") is build_shared_tree_cache
     hooks = HookRegistry._hooks[INTERNAL_STATE_TARGET]
     assert hooks == [(HookType.AFTER, add_tree_cache_to_internal_state, None)]
+    assert all(len(v) == 1 for v in HookRegistry._hooks.values())  # each hook once
+    assert {registration.turn_order_hook.TARGET, registration.USAGE_TARGET} <= set(
+        HookRegistry._hooks)
 
 
 def test_registration_has_no_other_side_effects(clean_registries):

@@ -98,16 +98,17 @@ def test_server_info_names_our_tree_cache(server):
     assert info["device"] == "cpu" and info["dtype"] == "float32"
     (state,) = info["internal_states"]  # what each scheduler actually built
     assert state["kvcmas"]["tree_cache_class"] == (
-        "sglang_kvcmas.integration.radix_cache_backend.KvcmasRadixCache"
+        "sglang_kvcmas.integration.shared_tree_cache.KvcmasSharedTreeCache"
     )
     assert state["kvcmas"]["radix_cache_backend"] == "kvcmas"
 
 
 def test_server_log_names_our_tree_cache(server):
     log = server.log()
-    assert "sglang-kvcmas: tree cache sglang_kvcmas.integration.radix_cache_backend." \
-           "KvcmasRadixCache in use" in log
-    assert "impl=KvcmasRadixCache" in log  # SGLang's own line agrees
+    assert "sglang-kvcmas: tree cache sglang_kvcmas.integration.shared_tree_cache." \
+           "KvcmasSharedTreeCache in use" in log
+    assert "share_context=False" in log  # sharing is opt-in
+    assert "impl=KvcmasSharedTreeCache" in log  # SGLang's own line agrees
 
 
 def test_metrics(server):

@@ -1,51 +1,84 @@
 """Everything sglang-kvcmas registers with SGLang, in one idempotent call.
 
-Called by ``sglang_kvcmas.plugin:register`` in every SGLang process that loads plugins. It only
-registers: no model load, no device initialisation, no environment changes.
+Called by ``sglang_kvcmas.plugin:register`` in every SGLang process that loads plugins (the
+launcher, the tokenizer manager and every scheduler), before SGLang applies plugin hooks. It only
+registers — no model load, no device initialisation, no environment changes:
+
+- radix cache backend ``kvcmas`` -> :class:`KvcmasSharedTreeCache` (with cross-agent sharing off,
+  the default, it behaves exactly like SGLang's ``RadixCache``);
+- attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning and recomputed
+  tokens), also added to ``--attention-backend``'s choices;
+- scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``) and the
+  ``/server_info`` readback of the tree cache actually built;
+- OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details`` (and its JSON).
+
+Every hook is inert unless the tree cache in use is ours with sharing on (or, for usage, a
+response carries our reuse record), so stock-cache servers are unchanged.
 """
 
 from __future__ import annotations
 
-from sglang.srt.mem_cache.registry import (
-    get_radix_cache_factory,
-    register_radix_cache_backend,
+from sglang.srt.layers.attention.attention_registry import (
+    ATTENTION_BACKENDS,
+    register_attention_backend,
 )
+from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME, build_kvcmas_cache
+from sglang_kvcmas.integration import reuse_accounting, turn_order_hook
+from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as ATTN_NAME
+from sglang_kvcmas.integration.delta_attention_backend import create_delta_backend
+from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME
 from sglang_kvcmas.integration.server_state import (
     INTERNAL_STATE_TARGET,
     add_tree_cache_to_internal_state,
 )
+from sglang_kvcmas.integration.shared_tree_cache import build_shared_tree_cache
+
+USAGE_TARGET = (
+    "sglang.srt.entrypoints.openai.usage_processor.UsageProcessor.calculate_response_usage"
+)
+
+
+def _register_hook(target: str, hook, hook_type: HookType) -> None:
+    # HookRegistry.register appends; re-registering would wrap the method twice.
+    if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+        return
+    HookRegistry.register(target, hook, hook_type)
 
 
 def register_cache_backend() -> None:
-    """Register ``build_kvcmas_cache`` as radix cache backend ``"kvcmas"`` (once).
+    """Register ``build_shared_tree_cache`` as radix cache backend ``"kvcmas"`` (once).
 
     Raises:
         RuntimeError: if another factory already holds the name ``"kvcmas"``.
     """
     existing = get_radix_cache_factory(BACKEND_NAME)
-    if existing is build_kvcmas_cache:
+    if existing is build_shared_tree_cache:
         return
     if existing is not None:
         raise RuntimeError(
             f"radix cache backend {BACKEND_NAME!r} is already registered by "
             f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}"
         )
-    register_radix_cache_backend(BACKEND_NAME, build_kvcmas_cache)
+    register_radix_cache_backend(BACKEND_NAME, build_shared_tree_cache)
 
 
-def register_server_state_hook() -> None:
-    """Register the ``/server_info`` hook that names the instantiated tree cache (once)."""
-    # HookRegistry.register appends; re-registering would wrap the method twice.
-    registered = HookRegistry._hooks.get(INTERNAL_STATE_TARGET, [])
-    if any(hook is add_tree_cache_to_internal_state for _, hook, _ in registered):
-        return
-    HookRegistry.register(INTERNAL_STATE_TARGET, add_tree_cache_to_internal_state, HookType.AFTER)
+def register_attention_backend_once() -> None:
+    """Register attention backend ``kvcmas_delta`` and make it a valid ``--attention-backend``."""
+    if ATTENTION_BACKENDS.get(ATTN_NAME) is not create_delta_backend:
+        register_attention_backend(ATTN_NAME)(create_delta_backend)
+    if ATTN_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTN_NAME])
 
 
 def register_all() -> None:
     """Register every sglang-kvcmas extension with SGLang. Idempotent."""
     register_cache_backend()
-    register_server_state_hook()
+    register_attention_backend_once()
+    _register_hook(INTERNAL_STATE_TARGET, add_tree_cache_to_internal_state, HookType.AFTER)
+    _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
+    _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
+    _register_hook(reuse_accounting.JSON_RESPONSE_TARGET, reuse_accounting.json_response_around,
+                   HookType.AROUND)

@@ -55,6 +55,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas import envs
 from sglang_kvcmas.attention.batch import SharedSpan
 from sglang_kvcmas.integration import reuse_accounting
+from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
@@ -69,9 +70,6 @@ logger = logging.getLogger(__name__)
 
 BOUNDARY_FIELD = "kvcmas_boundary_tokens"
 """``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
-
-SHARED_BACKEND_NAME = "kvcmas-shared"
-"""Name under which :func:`build_shared_tree_cache` is registered until ``kvcmas`` builds it."""
 
 
 @dataclass(eq=False)
@@ -533,30 +531,51 @@ def chat_ids_for(tokenizer_path: str | None) -> ChatTemplateIds | None:
 
 
 def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache:
-    """Radix cache factory for :class:`KvcmasSharedTreeCache`.
+    """Factory registered as radix cache backend ``kvcmas``: SGLang calls it once per scheduler.
 
     Raises:
-        ValueError: for features the Python radix tree does not implement, or page size > 1.
+        ValueError: for model or cache features the Python radix tree does not implement
+            (SGLang's default backend handles those, so the message says to drop
+            ``--radix-cache-backend``); with sharing on, for page size > 1 or an attention
+            backend that would read borrowed KV without re-positioning it.
     """
+    share = envs.KVCMAS_SHARE_CONTEXT.get_bool()
     unsupported = [
         name
         for name, on in (
             ("hybrid sliding-window attention", ctx.is_hybrid_swa),
-            ("hybrid state-space layers", ctx.is_hybrid_ssm),
+            ("hybrid state-space (mamba) layers", ctx.is_hybrid_ssm),
             ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
             ("DSA sparse attention", ctx.is_dsa),
-            ("--page-size > 1 with sharing on",
-             ctx.params.page_size != 1 and envs.KVCMAS_SHARE_CONTEXT.get_bool()),
         )
         if on
     ]
     if unsupported:
-        raise ValueError(f"the kvcmas shared-context tree does not support {', '.join(unsupported)}")
-    args = ctx.server_args
+        raise ValueError(
+            f"--radix-cache-backend {KvcmasRadixCache.backend_name} does not support "
+            f"{', '.join(unsupported)} yet; run without --radix-cache-backend to use SGLang's "
+            "default tree cache."
+        )
+    args = getattr(ctx, "server_args", None)
+    if share:
+        if ctx.params.page_size != 1:
+            raise ValueError("--kvcmas-share-context needs --page-size 1")
+        backends = {getattr(args, f, None) for f in ("attention_backend",
+                                                     "prefill_attention_backend",
+                                                     "decode_attention_backend")} - {None}
+        if args is not None and backends != {DELTA_BACKEND_NAME}:
+            raise ValueError(
+                f"--kvcmas-share-context reads other agents' KV re-positioned, which only the "
+                f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
+            )
     chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
-    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat)
+    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, share_context=share)
+    cls = type(cache)
     logger.info(
-        "sglang-kvcmas: shared-context tree cache in use (share_context=%s, chatml=%s)",
-        cache.share_context, chat is not None,
+        "sglang-kvcmas: tree cache %s.%s in use (radix cache backend %r, page_size=%d, "
+        "disabled=%s, tp_rank=%d, share_context=%s, chatml=%s, boundary_recompute=%d)",
+        cls.__module__, cls.__qualname__, cls.backend_name, ctx.params.page_size,
+        ctx.disable_radix_cache, ctx.tp_rank, share, chat is not None,
+        cache.recompute_config.boundary_tokens,
     )
     return cache

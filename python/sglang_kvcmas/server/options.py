@@ -13,7 +13,11 @@ import argparse
 import importlib.util
 from dataclasses import dataclass
 
+from sglang_kvcmas import envs
+
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
+SHARED_ATTENTION_BACKEND = "kvcmas_delta"
+"""The attention backend that reads borrowed KV re-positioned (needed with sharing on)."""
 DEFAULT_CPU_THREADS = 1
 """OpenMP threads for the server on CPU when ``OMP_NUM_THREADS`` is unset.
 
@@ -49,6 +53,9 @@ class LauncherOptions:
         cpu_threads: OMP_NUM_THREADS for the server when the environment does not set it.
         sglang_argv: every other argument, passed to SGLang.
         device: ``--device`` as given by the user, or None (our default: cpu).
+        share_context: cross-agent sharing on (``--kvcmas-share-context``, or
+            ``KVCMAS_SHARE_CONTEXT=1`` in the environment).
+        turn_order: ``--kvcmas-turn-order`` (None: ``KVCMAS_TURN_ORDER``, default leader).
     """
 
     model: str | None
@@ -56,6 +63,15 @@ class LauncherOptions:
     cpu_threads: int
     sglang_argv: tuple[str, ...]
     device: str | None
+    share_context: bool = False
+    turn_order: str | None = None
+
+    def server_env(self) -> dict[str, str]:
+        """Environment the server processes read our serving options from."""
+        env = {envs.KVCMAS_SHARE_CONTEXT.name: "1" if self.share_context else "0"}
+        if self.turn_order:
+            env[envs.KVCMAS_TURN_ORDER.name] = self.turn_order
+        return env
 
     @property
     def on_cpu(self) -> bool:
@@ -72,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kvcmas-stock-cache", dest="stock_radix_cache", action="store_true")
     parser.add_argument("--kvcmas-cpu-threads", dest="cpu_threads", type=int,
                         default=DEFAULT_CPU_THREADS)
+    parser.add_argument("--kvcmas-share-context", dest="share_context", action="store_true")
+    parser.add_argument("--kvcmas-turn-order", dest="turn_order", choices=("leader", "fifo"),
+                        default=None)
     return parser
 
 
@@ -91,12 +110,18 @@ def parse_launcher_args(argv: list[str]) -> LauncherOptions:
     known, rest = _parser().parse_known_args(argv)
     if known.cpu_threads < 1:
         raise SystemExit("sglang-kvcmas-server: error: --kvcmas-cpu-threads must be >= 1")
+    share = known.share_context or envs.KVCMAS_SHARE_CONTEXT.get_bool()
+    if share and known.stock_radix_cache:
+        raise SystemExit("sglang-kvcmas-server: error: --kvcmas-share-context needs our tree "
+                         "cache; drop --kvcmas-stock-cache")
     return LauncherOptions(
         model=known.model,
         stock_radix_cache=known.stock_radix_cache,
         cpu_threads=known.cpu_threads,
         sglang_argv=tuple(rest),
         device=_device_of(rest),
+        share_context=share,
+        turn_order=known.turn_order,
     )
 
 
@@ -106,7 +131,11 @@ def default_flags(options: LauncherOptions) -> tuple[DefaultFlag, ...]:
         DefaultFlag("device", ("--device", "cpu"), cpu_only=True),
         # fp16 (SGLang's CPU default cast) decodes ~10x slower than fp32 on these CPUs.
         DefaultFlag("dtype", ("--dtype", "float32"), cpu_only=True),
-        DefaultFlag("attention_backend", ("--attention-backend", "torch_native"), cpu_only=True),
+        # Sharing needs the backend that re-positions borrowed KV (it wraps torch_native).
+        DefaultFlag("attention_backend", ("--attention-backend", SHARED_ATTENTION_BACKEND))
+        if options.share_context
+        else DefaultFlag("attention_backend", ("--attention-backend", "torch_native"),
+                         cpu_only=True),
         # Without a bound SGLang sizes the KV pool from host RAM (15 GB seen).
         DefaultFlag("max_total_tokens", ("--max-total-tokens", "16384"), cpu_only=True),
         DefaultFlag("mem_fraction_static", ("--mem-fraction-static", "0.1"), cpu_only=True),
