@@ -1,0 +1,206 @@
+"""Fidelity of a reader agent's reuse inside SGLang's server, by boundary tokens recomputed.
+
+One kvcmas server (sharing on). For GSM8K debates (3 agents, 2 rounds), at every step the first
+agent computes the shared transcript exactly (it owns it); each other agent then reads it and is
+teacher-forced over the continuation that an exact computation of its own prompt generates. The
+reference for every number is the same request under a fresh ``cache_salt`` (nothing shared,
+nothing cached: an exact prefill on the same server binary). The boundary size is set per request
+(``custom_params["kvcmas_boundary_tokens"]``), so every size reads the same owner KV.
+
+Per boundary size it reports, over reader turns: teacher-forced top-1 agreement with the exact
+computation, mean KL on the exact computation's top-20 tokens (KL20: both distributions
+renormalized there), mean |Δ log p| of the forced token, the server-side time to first token of the reader
+request, and the tokens recomputed.
+
+    python benchmark/serving/recompute_fidelity.py [--questions 4] [--boundaries 0,4,8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving.head_to_head import post  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.workflows import DEBATERS, debate  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOP = 20
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def generate(url: str, ids: list[int], max_new: int, salt: str | None = None, **extra) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
+                                                  **extra.pop("sampling", {})}, **extra}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return post(url + "/generate", body)
+
+
+def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
+           boundary: int | None = None) -> dict:
+    """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs."""
+    sampling = {} if boundary is None else {"custom_params": {"kvcmas_boundary_tokens": boundary}}
+    t0 = time.perf_counter()
+    res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids),
+                   top_logprobs_num=TOP, sampling=sampling)
+    wall = time.perf_counter() - t0
+    meta = res["meta_info"]
+    tops = [{t: lp for lp, t, _ in (top or [])} for top in meta["input_top_logprobs"]]
+    chosen = [x[0] for x in meta["input_token_logprobs"]]
+    n = min(len(cont), len(tops))
+    return {"tops": tops[:n], "chosen": chosen[:n], "wall_s": wall,
+            "ttft_s": meta.get("first_token_latency"),
+            "reuse": (meta.get("kvcmas_reuse") or [{}])[0]}
+
+
+def kl_on_support(ref: dict[int, float], got: dict[int, float]) -> float:
+    """KL(ref || got) of both distributions renormalized on ref's top-20 tokens (a token missing
+    from got's top-20 gets got's smallest listed logprob, an upper bound on its mass)."""
+    floor = min(got.values())
+    p = {t: math.exp(lp) for t, lp in ref.items()}
+    q = {t: math.exp(got.get(t, floor)) for t in ref}
+    zp, zq = sum(p.values()), sum(q.values())
+    return sum(pi / zp * math.log((pi / zp) / (q[t] / zq)) for t, pi in p.items() if pi > 0)
+
+
+def compare(ref: dict, got: dict, cont: list[int]) -> dict:
+    top1, kl, dlp = [], [], []
+    for i, tok in enumerate(cont[: len(ref["tops"])]):
+        r, g = ref["tops"][i], got["tops"][i]
+        if not r or not g:
+            continue
+        top1.append(max(r, key=r.get) == max(g, key=g.get))
+        kl.append(kl_on_support(r, g))
+        if ref["chosen"][i] is not None and got["chosen"][i] is not None:
+            dlp.append(abs(ref["chosen"][i] - got["chosen"][i]))
+    return {"top1": statistics.fmean(top1), "kl20": statistics.fmean(kl),
+            "dlogp": statistics.fmean(dlp), "n": len(top1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--boundaries", default="0,4,8,16,32")
+    ap.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens")
+    ap.add_argument("--answer-tokens", type=int, default=64, help="tokens per debate answer")
+    ap.add_argument("--out", type=Path, default=RESULTS / "recompute_fidelity")
+    args = ap.parse_args()
+    boundaries = [int(b) for b in args.boundaries.split(",")]
+
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    questions = [q.question for q in gsm8k()[: args.questions]]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    log = Path(tempfile.mkdtemp(prefix="kvcmas-fidelity-")) / "server.log"
+    print(f"[recompute_fidelity] server log: {log}", file=sys.stderr, flush=True)
+    with ArmServer("kvcmas", log) as server:
+        url = server.url
+        for name, head in DEBATERS.items():  # every agent's head cached, as in a running service
+            generate(url, prompt_ids(tok, [{"role": "system", "content": head},
+                                           {"role": "user", "content": "Say hello."}]), 1)
+        for qi, question in enumerate(questions):
+            flow = debate(qi, question, rounds=args.rounds)
+            for step in range(args.rounds):
+                agents = flow.steps[step]
+                prompts = {a: prompt_ids(tok, flow.messages(step, a)) for a in agents}
+                answers = {}
+                for a in agents:  # exact answers: what the reference deployment would say
+                    out = generate(url, prompts[a], args.answer_tokens, f"ref-{uuid.uuid4()}")
+                    answers[a] = out["text"]
+                owner, readers = agents[0], agents[1:]
+                generate(url, prompts[owner], 1)  # the owner computes the new transcript exactly
+                for a in readers:
+                    ids = prompts[a]
+                    cont = tok.encode(answers[a], add_special_tokens=False)[: args.continuation]
+                    ref = forced(url, ids, cont, salt=f"ref-{uuid.uuid4()}")
+                    for b in boundaries:
+                        got = forced(url, ids, cont, boundary=b)
+                        rec = {"question": qi, "round": step + 1, "agent": a, "boundary": b,
+                               "prompt_tokens": len(ids), **compare(ref, got, cont),
+                               "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
+                               "ref_wall_s": ref["wall_s"], "reuse": got["reuse"]}
+                        records.append(rec)
+                        print(f"q{qi} r{step + 1} {a:5s} boundary={b:3d} top1={rec['top1']:.3f} "
+                              f"kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
+                              f"recomputed={rec['reuse'].get('recomputed')} "
+                              f"corrected={rec['reuse'].get('reused_corrected')}", flush=True)
+                flow.record(step, answers)
+    run_s = time.perf_counter() - t_start
+
+    with args.out.with_suffix(".jsonl").open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    rows = []
+    naive_kl = statistics.fmean(r["kl20"] for r in records if r["boundary"] == 0) if 0 in \
+        boundaries else None
+    for b in boundaries:
+        rs = [r for r in records if r["boundary"] == b and r["reuse"].get("reused_corrected")]
+        if not rs:
+            continue
+        kl = statistics.fmean(r["kl20"] for r in rs)
+        rows.append({
+            "boundary": b, "n": len(rs), "top1": statistics.fmean(r["top1"] for r in rs),
+            "kl20": kl, "kl_recovered": (1 - kl / naive_kl) if naive_kl else float("nan"),
+            "dlogp": statistics.fmean(r["dlogp"] for r in rs),
+            "recomputed": statistics.fmean(r["reuse"]["recomputed"] for r in rs),
+            "wall_ratio_vs_exact": statistics.median(r["wall_s"] / r["ref_wall_s"] for r in rs),
+        })
+    lines = [f"{'boundary':>8} {'n':>3} {'top1':>6} {'kl20':>9} {'kl_recov':>8} {'dlogp':>7} "
+             f"{'recomputed':>10} {'wall/exact':>10}"]
+    for r in rows:
+        lines.append(f"{r['boundary']:>8} {r['n']:>3} {r['top1']:>6.3f} {r['kl20']:>9.2e} "
+                     f"{r['kl_recovered']:>8.3f} {r['dlogp']:>7.4f} {r['recomputed']:>10.1f} "
+                     f"{r['wall_ratio_vs_exact']:>10.3f}")
+    lines.append(f"run time {run_s:.0f} s; command: python benchmark/serving/recompute_fidelity.py "
+                 + " ".join(sys.argv[1:]))
+    summary = "\n".join(lines)
+    print(summary)
+    args.out.with_suffix(".txt").write_text(summary + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    xs = [r["boundary"] for r in rows]
+    a.plot(xs, [r["kl20"] for r in rows], "o-")
+    a.set_xlabel("boundary tokens recomputed per borrowed span")
+    a.set_ylabel("KL20 vs exact (reader turns)")
+    a.set_yscale("log")
+    b.plot(xs, [r["wall_ratio_vs_exact"] for r in rows], "s-", color="C1")
+    b.set_xlabel("boundary tokens recomputed per borrowed span")
+    b.set_ylabel("reader request time / exact (median)")
+    fig.suptitle("Reader reuse inside SGLang: fidelity and cost by recomputed boundary")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
