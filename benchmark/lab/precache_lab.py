@@ -20,7 +20,9 @@ HEADLINE and the summary cover readers that did not compute the shared context t
 (every reader except the planner at the first two points, which read only what it computed).
 HEADLINE's method is the sharing method with the highest KL recovered among those holding at most
 half of no sharing's bytes. Methods: ``correction/lora_baselines.py`` (no_sharing, sglang, naive,
-droidspeak) and ``correction/precache_methods.py`` (first_agent, prelr_shared, rebase_*).
+droidspeak), ``correction/precache_methods.py`` (first_agent, prelr_shared, rebase_*) and
+``correction/precache_delta.py`` (rebase_mean_delta<r>[m]: centroid store + rank-r leaves of
+each agent's own pass, per segment or merged ``m``; its background work is N agent passes).
 
     python benchmark/lab/precache_lab.py --quick        # 1 question; prints HEADLINE
     python benchmark/lab/precache_lab.py --questions 3 --max-message 64 --config attn_mlp
@@ -52,6 +54,7 @@ from common import (  # noqa: E402
 from precache_throughput import batched_decode_throughput  # noqa: E402
 
 import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401  (registration)
+import sglang_kvcmas.correction.precache_delta  # noqa: E402,F401  (registration)
 import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401  (registration)
 from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
 from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
@@ -81,11 +84,22 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_fixup30": ("rebase_fixup", {"fixup_rho": 0.30}),
     "rebase_mean": ("rebase_mean", {}),
     "rebase_mean_fixup15": ("rebase_mean_fixup", {"fixup_rho": 0.15}),
+    "rebase_mean_fixup30": ("rebase_mean_fixup", {"fixup_rho": 0.30}),
+    "rebase_mean_fixup50": ("rebase_mean_fixup", {"fixup_rho": 0.50}),
     "rebase_mean_alongside": ("rebase_mean_alongside", {}),
+    "rebase_mean_delta2": ("rebase_mean_delta", {"rank": 2}),
+    "rebase_mean_delta4": ("rebase_mean_delta", {"rank": 4}),
+    "rebase_mean_delta8": ("rebase_mean_delta", {"rank": 8}),
+    "rebase_mean_delta4[v_only]": ("rebase_mean_delta", {"rank": 4, "delta_keys": False}),
+    "rebase_mean_delta4m": ("rebase_mean_delta", {"rank": 4, "merged": True}),
+    "rebase_mean_delta6m": ("rebase_mean_delta", {"rank": 6, "merged": True}),
+    "rebase_mean_delta8m": ("rebase_mean_delta", {"rank": 8, "merged": True}),
 }
 QUICK_METHODS = ("no_sharing", "sglang", "naive", "first_agent", "droidspeak", "prelr_shared",
                  "prelr_shared[keys=base]", "rebase_after_turn", "rebase_alongside",
-                 "rebase_fixup15", "rebase_mean", "rebase_mean_fixup15")
+                 "rebase_fixup15", "rebase_mean", "rebase_mean_alongside", "rebase_mean_fixup15",
+                 "rebase_mean_fixup30", "rebase_mean_delta2", "rebase_mean_delta4",
+                 "rebase_mean_delta6m", "rebase_mean_delta8")
 REFERENCE, NAIVE = "no_sharing", "naive"
 NON_SHARING = ("no_sharing", "sglang")
 
@@ -315,9 +329,13 @@ def main() -> None:
         lora, segs, methods, suffix, num_tokens=8 if args.quick else 16)
     for name, row in summary.items():
         row.update(thr.get(name, {}))
+        bgs = [r["extra"]["background_s"] for r in shared
+               if r["method"] == name and "background_s" in r["extra"]]
+        row["background_median_s"] = statistics.median(bgs) if bgs else float("nan")
         writer.write({**config, "kind": "summary", "method": name}, row)
     cols = ["n", "top1", "mean_kl", "kl_recovered", "greedy_exact", "first_divergence",
-            "ttft_median_s", "ttft_speedup", "bytes_ratio", "kv_err_v", "decode_tok_s"]
+            "ttft_median_s", "ttft_speedup", "bytes_ratio", "kv_err_v", "decode_tok_s",
+            "background_median_s"]
     table = format_table(summary, cols, order=list(methods))
     print(table)
     (out_dir / f"summary_{tag}.txt").write_text(table + "\n")

@@ -8,7 +8,8 @@ read the same base tensors (one rotated K0 for all; values P V0 + s (P a) B per 
 no sharing / SGLang / DroidSpeak read their own caches. Decoded tokens are greedy per row.
 
 On a CPU this measures compute only; on a GPU the bytes saved also buy batch size (the
-``bytes_ratio`` column), which this number does not include.
+``bytes_ratio`` column), which this number does not include. ``rebase_mean_delta`` rows read
+their materialized views (its leaves are not split-read here), so it decodes like no sharing.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _rows(lora, method, n):
     """Per layer, per row: rotated keys, values, low-rank values for the decode batch."""
     spec = lora.spec
     layers = range(spec.num_layers)
-    if isinstance(method, LowRankShared):
+    if isinstance(method, LowRankShared) and method.split_rows:
         st, r = method.store, lora.adapters.rank
         pos = st.base.positions
         k0r = [rotate(st.base.k[i], pos, spec.rope_theta) for i in layers]

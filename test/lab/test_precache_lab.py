@@ -15,6 +15,7 @@ from test_precache import random_adapters  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401
+import sglang_kvcmas.correction.precache_delta  # noqa: E402,F401
 import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401
 from sglang_kvcmas.correction.lora_forward import LoraForward  # noqa: E402
 from sglang_kvcmas.correction.precache_base import (  # noqa: E402

@@ -29,6 +29,7 @@ layer-1 value deviation is recomputed through all layers and the rest keep the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -58,6 +59,7 @@ class LowRankShared(LoraSharingMethod):
     store: LowRankKVCache | None = field(default=None, repr=False)
     pending: list[tuple] = field(default_factory=list, repr=False)
     background: list[tuple] = field(default_factory=list, repr=False)
+    split_rows: ClassVar[bool] = True  # batched decode may read the store split (throughput)
 
     def __post_init__(self):
         if (self.input_pass not in ("neutral", "first", "mean")

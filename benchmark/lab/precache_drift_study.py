@@ -1,0 +1,162 @@
+"""Study: how much of PReCache's remaining error does a first-order hidden-state drift remove?
+
+Fidelity only (teacher-forced top-1 and KL against no sharing, the lab's readers and points):
+each reader's view of the transcript is built by ``correction.precache_drift.drift_pass`` over
+the whole transcript at once (views are causal, so the view of a point is a prefix), for every
+(attention, mlp) drift mode and for both shared bases (base weights / centroid). ``naive`` and
+``rebase_mean`` come from the lab's own methods for the KL-recovered scale.
+
+    python benchmark/lab/precache_drift_study.py --config attn_mlp --questions 1 --max-message 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import JsonlWriter, make_reference  # noqa: E402
+from precache_lab import build_transcript, cached_transcript, encode, fidelity, load  # noqa: E402
+
+from sglang_kvcmas.adapters import ROLES  # noqa: E402
+from sglang_kvcmas.adapters.role_data import TURN_OPENER  # noqa: E402
+from sglang_kvcmas.correction.lora_baselines import FIRST_READER  # noqa: E402
+from sglang_kvcmas.correction.lora_forward import AgentModel  # noqa: E402
+from sglang_kvcmas.correction.lora_weights import MEAN_AGENT  # noqa: E402
+from sglang_kvcmas.correction.precache_base import create_lora_method  # noqa: E402
+from sglang_kvcmas.correction.precache_drift import drift_pass  # noqa: E402
+from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+
+MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values", "adapters"),
+         ("own", "adapters"), ("own", "own")]
+
+
+def oracle_views(lora, segs, ranks) -> dict[str, list]:
+    """Truncated SVD per segment of (exact - centroid-store view), per head (h) or joint (j)."""
+    from sglang_kvcmas.delta.leaf import LowRankFactors, svd_factors
+    from sglang_kvcmas.models.reference_llama import KVCache
+
+    m = create_lora_method("rebase_mean")
+    m.reset(lora)
+    for seg in segs:
+        m.append(seg)
+    ids = torch.cat([s.ids for s in segs])
+    lens = [s.ids.numel() for s in segs]
+    out = {}
+    for agent in range(len(ROLES)):
+        exact = lora.forward(ids, agent=agent).kv
+        base = m.view(agent)
+        for spec in ranks:
+            kind, r = spec[0], int(spec[1:])
+            ks, vs = [], []
+            for layer in range(exact.num_layers):
+                for src, b, dst in ((exact.k, base.k, ks), (exact.v, base.v, vs)):
+                    parts, start = [], 0
+                    if kind in "gf":  # one basis per head: whole transcript / first segment
+                        fit = src[layer] - b[layer]
+                        fit = fit if kind == "g" else fit[:lens[0]]
+                        basis = torch.linalg.svd(fit.transpose(0, 1), full_matrices=False)[2][
+                            :, :r]  # [H, r, d]
+                        dev = (src[layer] - b[layer]).transpose(0, 1)  # [H, T, d]
+                        rec = (dev @ basis.transpose(1, 2)) @ basis
+                        dst.append(b[layer] + rec.transpose(0, 1))
+                        continue
+                    for n in lens:
+                        dev = src[layer][start:start + n] - b[layer][start:start + n]
+                        if kind == "h":
+                            f = svd_factors(dev, r)
+                        else:
+                            u, sv, vh = torch.linalg.svd(dev.flatten(1), full_matrices=False)
+                            rr = min(r, sv.numel())
+                            f = LowRankFactors((u[:, :rr] * sv[:rr])[None],
+                                               vh[:rr].view(rr, dev.shape[1], -1).transpose(0, 1))
+                        parts.append(b[layer][start:start + n] + f.dense())
+                        start += n
+                    dst.append(torch.cat(parts))
+            out.setdefault(f"oracle_mean[{spec}]", [None] * len(ROLES))[agent] = KVCache(
+                ks, vs, base.positions)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="attn_mlp", choices=["attn", "attn_mlp"])
+    ap.add_argument("--questions", type=int, default=1)
+    ap.add_argument("--first-question", type=int, default=0)
+    ap.add_argument("--max-message", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--cont-tokens", type=int, default=32)
+    ap.add_argument("--bases", nargs="+", default=["mean", "neutral"])
+    ap.add_argument("--oracle", nargs="*", default=[], help="e.g. h8 j32: per-head / joint rank")
+    ap.add_argument("--modes", nargs="*", default=None, help="att,mlp pairs; default all")
+    ap.add_argument("--out", default="results/precache_lab")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = JsonlWriter(out_dir / f"precache_drift_{args.config}.jsonl")
+    lora, tok = load(args.config)
+    items = gsm8k()[args.first_question: args.first_question + args.questions]
+    segs = cached_transcript(out_dir, args, lambda: build_transcript(
+        lora, tok, [it.question for it in items], args.max_message, args.max_tokens))
+    ids = torch.cat([s.ids for s in segs])
+    pos = torch.arange(ids.numel())
+    suffix = encode(tok, TURN_OPENER)
+    print(f"transcript {len(segs)} segments, {ids.numel()} tokens", flush=True)
+
+    views = {}
+    for base in args.bases:
+        shared = MEAN_AGENT if base == "mean" else None
+        for att, mlp in ([tuple(x.split(",")) for x in args.modes] if args.modes is not None
+                         else MODES):
+            t0 = time.perf_counter()
+            views[f"drift_{base}[{att},{mlp}]"] = drift_pass(
+                lora, ids, pos, None, None, shared=shared, attention=att, mlp=mlp).views
+            print(f"  pass {base} {att},{mlp}: {time.perf_counter() - t0:.1f} s", flush=True)
+    methods = {k: create_lora_method(k) for k in ("naive", "rebase_mean")}
+    for m in methods.values():
+        m.reset(lora)
+    if args.oracle:
+        views.update(oracle_views(lora, segs, args.oracle))
+
+    rows: dict[str, list[dict]] = {}
+    first_reader_of = []
+    for t, seg in enumerate(segs):
+        first_reader_of.append(FIRST_READER if seg.writer is None else seg.writer)
+        for m in methods.values():
+            m.append(seg)
+        n = sum(s.ids.numel() for s in segs[: t + 1])
+        for reader in range(len(ROLES)):
+            if set(first_reader_of) == {reader}:
+                continue
+            ref = make_reference(AgentModel(lora, reader), torch.cat([ids[:n], suffix]),
+                                 args.cont_tokens)
+            cands = {k: m.view(reader) for k, m in methods.items()}
+            cands.update({k: v[reader].slice(0, n) for k, v in views.items()})
+            for k, view in cands.items():
+                f = fidelity(lora, view, reader, suffix, ref)
+                rows.setdefault(k, []).append(f)
+                writer.write({**vars(args), "kind": "turn", "point": t, "reader": reader,
+                              "method": k}, f)
+        print(f"point {t + 1}/{len(segs)} done", flush=True)
+
+    naive_kl = statistics.mean(r["mean_kl"] for r in rows["naive"])
+    print(f"{'method':34s}{'n':>4s}{'top1':>8s}{'mean_kl':>10s}{'kl_rec':>8s}{'kv_err_v':>10s}")
+    for k, rs in rows.items():
+        kl = statistics.mean(r["mean_kl"] for r in rs)
+        top1 = statistics.mean(r["top1"] for r in rs)
+        errv = statistics.mean(statistics.mean(r["kv_rel_err_v"][1:]) for r in rs)
+        print(f"{k:34s}{len(rs):4d}{top1:8.3f}{kl:10.4g}{1 - kl / naive_kl:8.3f}{errv:10.4f}")
+        writer.write({**vars(args), "kind": "summary", "method": k},
+                     {"top1": top1, "mean_kl": kl, "kl_recovered": 1 - kl / naive_kl,
+                      "kv_err_v": errv})
+
+
+if __name__ == "__main__":
+    main()
