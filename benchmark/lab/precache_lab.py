@@ -71,6 +71,7 @@ from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
 METHODS: dict[str, tuple[str, dict]] = {
     "no_sharing": ("no_sharing", {}),
     "sglang": ("sglang", {}),
+    "sglang_alongside": ("sglang_alongside", {}),
     "naive": ("naive", {}),
     "first_agent": ("first_agent", {}),
     "droidspeak": ("droidspeak", {}),
@@ -95,13 +96,13 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_mean_delta6m": ("rebase_mean_delta", {"rank": 6, "merged": True}),
     "rebase_mean_delta8m": ("rebase_mean_delta", {"rank": 8, "merged": True}),
 }
-QUICK_METHODS = ("no_sharing", "sglang", "naive", "first_agent", "droidspeak", "prelr_shared",
-                 "prelr_shared[keys=base]", "rebase_after_turn", "rebase_alongside",
-                 "rebase_fixup15", "rebase_mean", "rebase_mean_alongside", "rebase_mean_fixup15",
-                 "rebase_mean_fixup30", "rebase_mean_delta2", "rebase_mean_delta4",
-                 "rebase_mean_delta6m", "rebase_mean_delta8")
+QUICK_METHODS = ("no_sharing", "sglang", "sglang_alongside", "naive", "first_agent", "droidspeak",
+                 "prelr_shared", "prelr_shared[keys=base]", "rebase_after_turn",
+                 "rebase_alongside", "rebase_fixup15", "rebase_mean", "rebase_mean_alongside",
+                 "rebase_mean_fixup15", "rebase_mean_fixup30", "rebase_mean_delta2",
+                 "rebase_mean_delta4", "rebase_mean_delta6m", "rebase_mean_delta8")
 REFERENCE, NAIVE = "no_sharing", "naive"
-NON_SHARING = ("no_sharing", "sglang")
+NON_SHARING = ("no_sharing", "sglang", "sglang_alongside")
 
 
 def log(msg: str) -> None:

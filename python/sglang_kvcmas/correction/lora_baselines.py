@@ -4,6 +4,8 @@ DroidSpeak-style recompute of one block of layers.
 - ``no_sharing``: every turn prefills the whole transcript with the reader's adapter (reference).
 - ``sglang``: adapters namespace the cache (SGLang / vLLM semantics): a reader reuses only what
   its own adapter computed, i.e. the transcript up to the end of its own last message; exact.
+- ``sglang_alongside``: ``sglang`` with every agent catching up on each new segment alongside the
+  writer's decode (background compute): exact, fast, but one full cache per agent.
 - ``naive``: one cache for everyone, each segment computed by its writer (adapter on; input
   text by the first reader, agent 0) over the shared cache; read by everyone as is.
 - ``droidspeak``: ``naive`` plus, per reader, layers [start, start + width) recomputed over the
@@ -23,7 +25,7 @@ from sglang_kvcmas.correction.precache_base import (
 )
 from sglang_kvcmas.models.reference_llama import KVCache
 
-__all__ = ["DroidSpeak", "NaiveShared", "NoSharing", "SGLangNamespaces"]
+__all__ = ["DroidSpeak", "NaiveShared", "NoSharing", "SGLangAlongside", "SGLangNamespaces"]
 
 FIRST_READER = 0  # input text is computed by the workflow's first agent (the planner)
 
@@ -89,6 +91,56 @@ class SGLangNamespaces(LoraSharingMethod):
     def bytes_held(self, num_agents: int) -> int:
         # While each agent takes its turn it holds the whole transcript in its own namespace.
         return num_agents * self.num_tokens * self.lora.spec.kv_bytes_per_token(self.lora.ref.dtype)
+
+
+@register_lora_method("sglang_alongside")
+@dataclass
+class SGLangAlongside(SGLangNamespaces):
+    """``sglang`` with every agent's catch-up prefill of a new segment run as soon as it is
+    written (alongside the writer's decode; ``background_work``): exact, TTFT = the suffix only
+    (plus its own pass over new input text), one full cache per agent. The comparator for any
+    sharing method that spends background compute to buy fidelity."""
+
+    _work: list[int] = field(default_factory=list, repr=False)  # agents catching up alongside
+
+    def _append(self, seg: Segment, start: int) -> None:
+        # Every agent's cache now covers the transcript; what it cost whom is timed below.
+        pos = self.positions(start, self.num_tokens)
+        for agent in range(self.lora.adapters.num_agents):
+            held = self.caches.get(agent)
+            out = self.lora.forward(seg.ids, pos, held, agent=agent)
+            self.caches[agent] = out.kv if held is None else KVCache.concat([held, out.kv])
+        # Messages: the non-writers' passes run alongside (the writer's is its decode). Input
+        # text: each reader's own pass is on its critical path (first_token).
+        self._work = [] if seg.writer is None else [
+            a for a in range(self.lora.adapters.num_agents) if a != seg.writer]
+
+    def background_work(self):
+        work, lora, seg = list(self._work), self.lora, self.segments[-1]
+        n, start = self.num_tokens, self.num_tokens - seg.ids.numel()
+        caches = dict(self.caches)
+
+        def run():
+            for agent in work:
+                past = caches[agent].slice(0, start) if start else None
+                lora.forward(seg.ids, self.positions(start, n), past, agent=agent)
+
+        return run
+
+    def _first_token(self, reader, suffix_ids):
+        cache, seg, n = self.caches[reader], self.segments[-1], self.num_tokens
+        start = n - seg.ids.numel() if seg.writer is None else n
+        ids = torch.cat([self.all_ids()[start:], suffix_ids])
+        pos = self.positions(start, n + suffix_ids.numel())
+
+        def run():
+            past = cache.slice(0, start) if start else None
+            return self.lora.forward(ids, pos, past, agent=reader).logits[-1]
+
+        return run
+
+    def view(self, reader: int) -> KVCache:
+        return self.caches[reader]
 
 
 @register_lora_method("naive")
