@@ -54,6 +54,7 @@ from common import (  # noqa: E402
 from precache_throughput import batched_decode_throughput  # noqa: E402
 
 import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401  (registration)
+import sglang_kvcmas.correction.precache_block  # noqa: E402,F401  (registration)
 import sglang_kvcmas.correction.precache_delta  # noqa: E402,F401  (registration)
 import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401  (registration)
 from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
@@ -88,6 +89,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_mean_fixup30": ("rebase_mean_fixup", {"fixup_rho": 0.30}),
     "rebase_mean_fixup50": ("rebase_mean_fixup", {"fixup_rho": 0.50}),
     "rebase_mean_alongside": ("rebase_mean_alongside", {}),
+    "rebase_mean_block": ("rebase_mean_block", {}),
     "rebase_mean_delta2": ("rebase_mean_delta", {"rank": 2}),
     "rebase_mean_delta4": ("rebase_mean_delta", {"rank": 4}),
     "rebase_mean_delta8": ("rebase_mean_delta", {"rank": 8}),
@@ -200,7 +202,7 @@ def profile_droidspeak(lora, method, segs_upto, refs, suffix, width: int) -> int
     for start in range(0, lora.spec.num_layers - width + 1, width):
         method.start, method.width = start, width
         kls = [fidelity(lora, method.view(r), r, suffix, refs[r])["mean_kl"] for r in refs]
-        log(f"droidspeak profile: layers [{start}, {start + width}) "
+        log(f"{method.name} profile: layers [{start}, {start + width}) "
             f"mean KL {statistics.mean(kls):.4f}")
         if statistics.mean(kls) < best_kl:
             best, best_kl = start, statistics.mean(kls)
@@ -287,9 +289,10 @@ def main() -> None:
         ctx = torch.cat([s.ids for s in segs[: t + 1]])
         refs = {r: make_reference(AgentModel(lora, r), torch.cat([ctx, suffix]), args.cont_tokens)
                 for r in range(len(ROLES))}
-        if t == 1 and "droidspeak" in methods:
-            profile_droidspeak(lora, methods["droidspeak"], t, {r: refs[r] for r in refs
-                               if r != seg.writer}, suffix, args.droidspeak_width)
+        for m in methods.values():  # droidspeak and rebase_mean_block: profile the block
+            if t == 1 and hasattr(m, "width"):
+                profile_droidspeak(lora, m, t, {r: refs[r] for r in refs if r != seg.writer},
+                                   suffix, args.droidspeak_width)
         for reader, role in enumerate(ROLES):
             closures = {k: m.first_token(reader, suffix) for k, m in methods.items()}
             if args.fidelity_only:
@@ -307,7 +310,7 @@ def main() -> None:
                     extra["background_s"] = statistics.median(
                         time_side_by_side({"bg": bg}, 1)["bg"])
                 recomputed = 0
-                if label == "droidspeak":
+                if hasattr(m, "width"):  # a recomputed block of layers
                     recomputed = ctx.numel() * m.width // lora.spec.num_layers
                 tm = TurnMetrics(
                     method=label, workload="gsm8k_plan_solve_critique", instance=0, turn=t,

@@ -118,3 +118,21 @@ def test_low_rank_centroid_delta_is_between_centroid_and_exact(lora):
         return sum(float((a - b).norm()) for a, b in zip(view.v, exact.v))
 
     assert err(methods["rebase_mean_delta"].view(2)) < err(methods["rebase_mean"].view(2))
+
+
+def test_centroid_block_over_every_layer_from_layer_0_is_exact(lora):
+    import sglang_kvcmas.correction.precache_block  # noqa: F401  (registration)
+
+    ours = create_lora_method("rebase_mean_block", start=0,
+                              width=lora.spec.num_layers)
+    ref = create_lora_method("no_sharing")
+    suffix = _ids(3, 21)
+    for m in (ours, ref):
+        m.reset(lora)
+    for seg in _transcript():
+        ours.append(seg)
+        ref.append(seg)
+    for reader in range(N_AGENTS):
+        _close(ours.view(reader), ref.view(reader), rtol=1e-8, atol=1e-9)
+        torch.testing.assert_close(ours.first_token(reader, suffix)(),
+                                   ref.first_token(reader, suffix)(), rtol=1e-8, atol=1e-9)

@@ -15,6 +15,7 @@ from test_precache import random_adapters  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401
+import sglang_kvcmas.correction.precache_block  # noqa: E402,F401
 import sglang_kvcmas.correction.precache_delta  # noqa: E402,F401
 import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401
 from sglang_kvcmas.correction.lora_forward import LoraForward  # noqa: E402
@@ -47,7 +48,7 @@ def _segments() -> list[Segment]:
 def _methods(lora):
     out = {}
     for name in registered_lora_methods():
-        kw = {"start": 1, "width": 1} if name == "droidspeak" else {}
+        kw = {"start": 1, "width": 1} if name in ("droidspeak", "rebase_mean_block") else {}
         m = create_lora_method(name, **kw)
         m.reset(lora)
         out[name] = m
