@@ -46,12 +46,14 @@ ESTIMATORS = ("sparse", "transfer", "online", "interp")
 @register("kvcmas")
 @dataclass
 class Kvcmas(CacheBuilder):
-    rho: float = 0.05
-    num_first: int = 16
+    """Defaults = the lab's choice (benchmark/lab/kvcmas_lab.py ``CHOICE``)."""
+
+    rho: float = 0.25
+    num_first: int = 4
     estimator: str = "sparse"
     feature_dim: int = 16
     lam: float = 0.1
-    score: str = "impact"
+    score: str = "attn"
     num_last: int = 0
     shrink: bool = True
     tau: float = 8.0
