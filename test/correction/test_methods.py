@@ -97,7 +97,7 @@ def test_selective_pass_equals_the_plain_mixed_cache_forward(tiny, seg_lens, fra
 
 @pytest.mark.parametrize("name,kw", [("cacheblend", {"rho": 0.3}), ("oracle", {"rank": 2}),
                                      ("kvcmas", {"rho": 0.2, "num_first": 4}),
-                                     ("kvcmas", {"rho": 0.2, "num_first": 2, "score": "attn"}),
+                                     ("kvcmas", {"rho": 0.2, "num_first": 2, "score": "impact"}),
                                      ("kvcmas", {"rho": 0.2, "estimator": "transfer"}),
                                      ("kvcmas", {"rho": 0.3, "num_first": 2, "estimator": "interp"}),
                                      ("naive", {}), ("prefix_caching", {})])
