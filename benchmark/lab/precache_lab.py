@@ -97,6 +97,8 @@ METHODS: dict[str, tuple[str, dict]] = {
     "rebase_mean_delta4m": ("rebase_mean_delta", {"rank": 4, "merged": True}),
     "rebase_mean_delta6m": ("rebase_mean_delta", {"rank": 6, "merged": True}),
     "rebase_mean_delta8m": ("rebase_mean_delta", {"rank": 8, "merged": True}),
+    "rebase_mean_delta4c256": ("rebase_mean_delta", {"rank": 4, "chunk": 256}),
+    "rebase_mean_delta6c256": ("rebase_mean_delta", {"rank": 6, "chunk": 256}),
 }
 QUICK_METHODS = ("no_sharing", "sglang", "sglang_alongside", "naive", "first_agent", "droidspeak",
                  "prelr_shared", "prelr_shared[keys=base]", "rebase_after_turn",

@@ -85,9 +85,9 @@ def _transcript():
             Segment(_ids(5, 13), None), Segment(_ids(6, 14), 2)]
 
 
-@pytest.mark.parametrize("merged", [False, True])
-def test_full_rank_centroid_delta_equals_no_sharing(lora, merged):
-    ours = create_lora_method("rebase_mean_delta", rank=HEAD_DIM, merged=merged)
+@pytest.mark.parametrize("kw,num_leaves", [({}, 5), ({"merged": True}, 1), ({"chunk": 15}, 2)])
+def test_full_rank_centroid_delta_equals_no_sharing(lora, kw, num_leaves):
+    ours = create_lora_method("rebase_mean_delta", rank=HEAD_DIM, **kw)
     ref = create_lora_method("no_sharing")
     suffix = _ids(3, 20)
     for m in (ours, ref):
@@ -101,6 +101,7 @@ def test_full_rank_centroid_delta_equals_no_sharing(lora, merged):
                                        ref.first_token(reader, suffix)(), rtol=1e-8, atol=1e-9)
         ours.background_work()()
     assert ours.bytes_held(N_AGENTS) > ours.store.nbytes()
+    assert len(ours.leaves) == num_leaves  # segments of 11, 7, 9, 5, 6 tokens
 
 
 def test_low_rank_centroid_delta_is_between_centroid_and_exact(lora):

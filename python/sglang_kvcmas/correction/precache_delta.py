@@ -58,8 +58,11 @@ def delta_leaf(agent: int, segment_id: int, own: KVCache, view: KVCache, rank: i
 class CentroidDelta(LowRankShared):
     rank: int = 4
     delta_keys: bool = True
-    merged: bool = False  # one leaf per agent over the whole transcript, refit every segment
-    leaves: list[list[DeltaLeaf]] = field(default_factory=list, repr=False)  # [segment][agent]
+    # Leaves span chunks of >= ``chunk`` tokens: a new segment is refit into the newest leaf
+    # while that leaf is shorter (0: one leaf per segment; ``merged``: one leaf per agent).
+    chunk: int = 0
+    merged: bool = False
+    leaves: list[list[DeltaLeaf]] = field(default_factory=list, repr=False)  # [chunk][agent]
     bounds: list[tuple[int, int]] = field(default_factory=list, repr=False)
     own_newest: dict[int, KVCache] = field(default_factory=dict, repr=False)
     split_rows: ClassVar[bool] = False  # its leaves are read materialized
@@ -85,16 +88,18 @@ class CentroidDelta(LowRankShared):
     def _append(self, seg: Segment, start: int) -> None:
         n = seg.ids.numel()
         pos = self.positions(start, start + n)
-        prev = self.leaves[0] if self.merged and self.leaves else None
+        joins = bool(self.leaves) and (self.merged or
+                                       self.bounds[-1][1] - self.bounds[-1][0] < self.chunk)
+        prev = self.leaves[-1] if joins else None
         owns = [self._own_pass(i, seg.ids, pos) for i in range(self.lora.adapters.num_agents)]
         super()._append(seg, start)  # centroid store pass (pending / background as rebase_mean)
         new = self.store.slice(start, start + n)
         views = [new.view(self.lora.adapters, i, keys=self.keys) for i in range(len(owns))]
-        if self.merged and self.leaves:
-            self.leaves[0] = [delta_leaf(i, 0, own, views[i], self.rank, self.delta_keys,
-                                         old=self.leaves[0][i]) for i, own in enumerate(owns)]
-            self.bounds[0] = (0, start + n)
-            sid = 0
+        if joins:
+            sid = len(self.leaves) - 1
+            self.leaves[-1] = [delta_leaf(i, sid, own, views[i], self.rank, self.delta_keys,
+                                          old=prev[i]) for i, own in enumerate(owns)]
+            self.bounds[-1] = (self.bounds[-1][0], start + n)
         else:
             sid = len(self.leaves)
             self.leaves.append([delta_leaf(i, sid, own, views[i], self.rank, self.delta_keys)
@@ -154,7 +159,7 @@ class CentroidDelta(LowRankShared):
 
     def describe(self):
         return {**super().describe(), "rank": self.rank, "delta_keys": self.delta_keys,
-                "merged": self.merged}
+                "chunk": self.chunk, "merged": self.merged}
 
 
 @register_lora_method("rebase_mean_delta")
