@@ -61,13 +61,19 @@ def test_second_agent_reads_first_agents_transcript(server):
     assert reader["kvcmas_reused_corrected"] > 60, reader
     boundary = int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get())  # one borrowed span: T2 after T1
     assert boundary < reader["kvcmas_recomputed"] < 10 + boundary
+    assert reader["kvcmas_correction"] == f"boundary_recompute:{boundary}"
     assert reader["cached_tokens"] == reader["kvcmas_reused_exact"] + reader["kvcmas_reused_corrected"]
+    again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]  # its delta leaf now
+    assert again["kvcmas_correction"] == f"delta_leaf:{boundary}"
+    assert again["kvcmas_recomputed"] == reader["kvcmas_recomputed"] - boundary
+    assert again["kvcmas_reused_exact"] == reader["kvcmas_reused_exact"] + boundary
 
 
 def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
     """Teacher-forced over the exact computation's continuation, a reader that recomputes its
     borrowed span's first tokens (moved to the front of its extend) agrees with the exact
-    computation, and at least as closely as naive reuse."""
+    computation, and at least as closely as naive reuse. (An explicit per-request boundary
+    bypasses the agent's delta leaves, so both reads start from the owner's KV alone.)"""
     tok = tokenizer()
     chat(server, SA, T1)
     chat(server, SB, T1)

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
@@ -113,7 +113,9 @@ class Harness:
     def held(self) -> set[int]:
         radix = set(self.cache.all_values_flatten().tolist()) if self.cache.root_node.children else set()
         owned = {int(s) for n in self.cache.shared.nodes() if n.owns_slots for s in n.slots}
-        return radix | owned
+        leaves = {int(s) for n in self.cache.shared.nodes() for d in n.deltas.values()
+                  for s in d.slots}
+        return radix | owned | leaves
 
 
 def test_reader_borrows_owner_span_with_shift():
@@ -251,4 +253,47 @@ def test_boundary_policy_per_request_and_disabled_for_prompt_logprobs():
     b3.return_logprob, b3.logprob_start_len = True, 0  # prompt logprobs: keep token order
     spans, _ = h.serve(b3, 4)
     assert spans.recomputed is None
+    assert_slots_conserved(h)
+
+
+def test_recomputed_boundary_becomes_the_readers_delta_leaf():
+    """The boundary a reader recomputed is kept as its delta leaf: its next turn over the same
+    span reads those tokens exactly (own slots, no shift) and recomputes nothing there; another
+    reader still recomputes its own; leaves are evictable like any cached KV."""
+    k = 4
+    h = Harness(boundary=k)
+    a, b, c = head(50, 20), head(60, 8), head(70, 12)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1), ("c1", c, 2)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 3)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    h.serve(b2, 4)
+    at = len(b) + len(T1)
+    recomputed_slots = h.pool.req_to_token[4, b2.prefix_len : b2.prefix_len + k].tolist()
+    assert h.cache.shared.delta_tokens() == k
+    assert h.cache.shared_stats()["delta_tokens"] == k
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # b again, same transcript
+    spans, prefix = h.serve(b3, 5)
+    assert b3.prefix_len == at + len(T2) + END  # nothing recomputed
+    assert prefix[at : at + k] == recomputed_slots  # its own exact KV
+    assert spans.recomputed is None
+    (read,) = spans.reads  # the rest of the span, re-positioned
+    assert (read.span.start, read.span.length) == (at + k, len(T2) + END - k)
+    rec = b3.customized_info["kvcmas_reuse"][0]
+    assert rec["reused_corrected"] == len(T2) + END - k
+    assert rec["reused_exact"] == at + k
+    assert rec["correction"] == f"delta_leaf:{k}"
+    b4 = Req("b4", b + T1 + T2 + SUFFIX + [8])
+    b4.sampling_params = SimpleNamespace(custom_params={"kvcmas_boundary_tokens": 0})
+    h.serve(b4, 7)  # an explicit boundary measures the owner's KV alone: no leaf read
+    assert b4.customized_info["kvcmas_reuse"][0]["reused_corrected"] == len(T2) + END
+    assert h.cache.shared.delta_tokens() == k
+    c2 = Req("c2", c + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(c2, 6)
+    assert len(spans.recomputed.token_ids) == k  # c has no leaf: it recomputes its own
+    assert h.cache.shared.delta_tokens() == 2 * k
+    assert_slots_conserved(h)
+    assert h.cache.evictable_size() == len(h.held())  # leaves are evictable once unlocked
+    h.cache.evict(EvictParams(num_tokens=10**6))
+    assert h.cache.shared.delta_tokens() == 0 and h.cache.evictable_size() == 0
     assert_slots_conserved(h)

@@ -13,8 +13,14 @@ Slot ownership (who frees them) is one of two kinds:
 - **owned** (``anchor is None``): slots computed by a request that itself read borrowed KV, so no
   radix path can hold them. The tree frees them when the node is evicted.
 
+Delta leaves (``deltas``: agent -> :class:`~sglang_kvcmas.delta.pool_overrides.PoolOverrides`)
+hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
+the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
+the leaf (least recently used first) or its node is evicted.
+
 NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
-are never dropped or evicted. Bookkeeping only: slot tensors are opaque int64 payloads.
+and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
+int64 payloads.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from sglang_kvcmas.delta.pool_overrides import PoolOverrides
 
 Namespace = Hashable
 """``(extra_key, cache_salt)`` of a request."""
@@ -39,7 +47,7 @@ class SharedNode:
         owner: agent id of the owner.
         owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
         anchor: radix node protecting ``slots`` (anchored) or None (the tree owns them).
-        deltas: agent -> delta leaf (anything with ``nbytes()``) over this node's tokens.
+        deltas: agent -> delta leaf (:class:`PoolOverrides`) over this node's tokens.
     """
 
     key: tuple[int, ...]
@@ -51,7 +59,7 @@ class SharedNode:
     children: dict[int, SharedNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = field(default_factory=time.monotonic)
-    deltas: dict[str, object] = field(default_factory=dict)
+    deltas: dict[str, PoolOverrides] = field(default_factory=dict)
     alive: bool = True
 
     def __len__(self) -> int:
@@ -63,6 +71,16 @@ class SharedNode:
 
     def delta_nbytes(self) -> int:
         return sum(int(d.nbytes()) for d in self.deltas.values())
+
+    @property
+    def delta_tokens(self) -> int:
+        """Pool slots held by this node's delta leaves."""
+        return sum(len(d) for d in self.deltas.values())
+
+    @property
+    def owned_tokens(self) -> int:
+        """Pool slots the tree frees when this node goes: its own (if owned) and its leaves'."""
+        return (len(self) if self.owns_slots else 0) + self.delta_tokens
 
 
 @dataclass(frozen=True)
@@ -200,8 +218,9 @@ class SharedTree:
             node.key[:n], node.slots[:n].clone(), node.owner, node.owner_start, node.anchor,
             parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
         )
-        head.deltas = {a: d.split(n)[0] for a, d in node.deltas.items() if hasattr(d, "split")}
-        node.deltas = {a: d.split(n)[1] for a, d in node.deltas.items() if hasattr(d, "split")}
+        parts = {a: d.split(n) for a, d in node.deltas.items()}
+        head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
+        node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
         head.parent.children[head.key[0]] = head
         node.key, node.slots = node.key[n:], node.slots[n:].clone()
         node.owner_start += n
@@ -219,8 +238,8 @@ class SharedTree:
         while node is not None and node.parent is not None:
             if not node.alive:
                 raise RuntimeError("locking a shared node that was dropped")
-            if node.lock_ref == 0 and node.owns_slots:
-                self.owned_locked_size += len(node)
+            if node.lock_ref == 0:
+                self.owned_locked_size += node.owned_tokens
             node.lock_ref += 1
             if node.anchor is not None:
                 anchors[id(node.anchor)] = node.anchor
@@ -232,8 +251,8 @@ class SharedTree:
             if node.lock_ref <= 0:
                 raise RuntimeError("unlocking a shared node that is not locked")
             node.lock_ref -= 1
-            if node.lock_ref == 0 and node.owns_slots:
-                self.owned_locked_size -= len(node)
+            if node.lock_ref == 0:
+                self.owned_locked_size -= node.owned_tokens
             node = node.parent
 
     # ----- eviction -----
@@ -247,6 +266,10 @@ class SharedTree:
                 raise RuntimeError("dropping a shared node that a request still reads")
             stack.extend(n.children.values())
             n.alive = False
+            for leaf in n.deltas.values():
+                self.owned_size -= len(leaf)
+                freed.append(leaf.slots)
+            n.deltas = {}
             if n.owns_slots:
                 self.owned_size -= len(n)
                 freed.append(n.slots)
@@ -285,20 +308,75 @@ class SharedTree:
                     yield n
 
     def evict(self, num_tokens: int) -> int:
-        """Evict least recently used unlocked leaves until ``num_tokens`` owned slots are freed
-        (anchored leaves free nothing and are removed on the way). Returns slots freed."""
+        """Free ``num_tokens`` owned slots: least recently used first among unlocked delta
+        leaves and unlocked tree leaves (anchored tree leaves free nothing but their delta
+        leaves, and are removed on the way). Returns slots freed."""
         freed = 0
         while freed < num_tokens:
-            leaves = sorted(self._evictable_leaves(), key=lambda n: n.last_access)
-            if not leaves:
+            candidates = [(leaf.last_access, 0, n, agent) for n in self._unlocked_nodes()
+                          for agent, leaf in n.deltas.items()]
+            candidates += [(n.last_access, 1, n, None) for n in self._evictable_leaves()]
+            if not candidates:
                 break
-            for leaf in leaves:
-                for s in self._remove_subtree(leaf):
+            candidates.sort(key=lambda c: (c[0], c[1]))
+            for _, _, node, agent in candidates:
+                if not node.alive:
+                    continue
+                if agent is not None:
+                    leaf = node.deltas.pop(agent, None)
+                    if leaf is None:
+                        continue
+                    self.owned_size -= len(leaf)
+                    slots = [leaf.slots]
+                else:
+                    slots = self._remove_subtree(node)
+                for s in slots:
                     self._free(s)
                     freed += s.numel()
                 if freed >= num_tokens:
                     break
         return freed
+
+    def _unlocked_nodes(self) -> Iterator[SharedNode]:
+        return (n for n in self.nodes() if n.lock_ref == 0)
+
+    # ----- delta leaves -----
+
+    def add_overrides(
+        self, node: SharedNode, agent: str, offsets: torch.Tensor, slots: torch.Tensor,
+        reader_start: int, bytes_per_token: int = 0,
+    ) -> torch.Tensor:
+        """Adopt an agent's exact KV for some of ``node``'s tokens as its delta leaf.
+
+        Args:
+            offsets: [k] int64 node-local offsets, sorted and distinct.
+            slots: [k] int64 pool slots of the agent's exact KV of those tokens.
+            reader_start: the agent's position of the node's first token.
+        Returns:
+            [j] int64 slots the tree did not adopt (the node already holds those offsets for
+            the agent, the agent read the node at another position, or the node is gone); the
+            caller still owns them.
+        """
+        if not node.alive or node.parent is None:
+            return slots
+        leaf = node.deltas.get(agent)
+        if leaf is None:
+            leaf = PoolOverrides(torch.empty(0, dtype=torch.int64),
+                                 torch.empty(0, dtype=torch.int64), reader_start, bytes_per_token)
+        elif leaf.reader_start != reader_start:
+            return slots
+        merged, rejected = leaf.merged(offsets.to(torch.int64), slots.to(torch.int64))
+        merged.last_access = time.monotonic()
+        adopted = len(merged) - len(leaf)
+        node.deltas[agent] = merged
+        self.owned_size += adopted
+        if node.lock_ref:
+            self.owned_locked_size += adopted
+        return rejected
+
+    def delta_tokens(self) -> int:
+        """Pool slots held by delta leaves."""
+        return sum(n.delta_tokens for n in self.nodes())
 
     # ----- introspection -----
 

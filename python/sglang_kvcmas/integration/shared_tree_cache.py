@@ -86,6 +86,8 @@ class SharedPrefixHandle:
         namespace: ``(extra_key, cache_salt)``.
         recompute: shared offsets in ``[shared_begin, shared_end)`` the request recomputes in its
             own context instead of borrowing (left out of its prefix; see ``RecomputedTokens``).
+        use_leaves: read the agent's delta leaves and keep what it recomputes as new ones (off
+            for a request that sets its own boundary size: it measures the owner's KV alone).
     """
 
     radix_node: Any
@@ -96,6 +98,7 @@ class SharedPrefixHandle:
     split: AgentSplit
     namespace: tuple
     recompute: tuple[int, ...] = ()
+    use_leaves: bool = True
 
     @property
     def prefix_len(self) -> int:
@@ -115,6 +118,18 @@ class _Piece:
     shift: int
     owner: str
     foreign: bool
+
+
+@dataclass(frozen=True)
+class _Token:
+    """One borrowed token: shared offset, pool slot, key shift, whether it is read from another
+    context, whether the slot is the reader agent's own (a delta leaf)."""
+
+    offset: int
+    slot: int
+    shift: int
+    foreign: bool
+    from_leaf: bool
 
 
 @dataclass
@@ -250,29 +265,42 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
+        handle = replace(handle, use_leaves=self._boundary_of(req) is None)
         handle = replace(handle, recompute=self._recompute_for(req, handle))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
-    def _recompute_config_of(self, req: Req) -> RecomputeConfig:
-        """The deployment's recompute policy, or the request's own boundary size
-        (``custom_params["kvcmas_boundary_tokens"]`` on ``/generate``)."""
+    @staticmethod
+    def _boundary_of(req: Req) -> int | None:
+        """The request's own boundary size (``custom_params["kvcmas_boundary_tokens"]`` on
+        ``/generate``), or None."""
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
         k = custom.get(BOUNDARY_FIELD) if isinstance(custom, dict) else None
         if k is None:
-            return self.recompute_config
+            return None
         try:
-            return replace(self.recompute_config, boundary_tokens=int(k))
-        except (TypeError, ValueError) as e:
-            logger.warning("sglang-kvcmas: request %s: bad %s=%r (%s); deployment default used",
-                           req.rid, BOUNDARY_FIELD, k, e)
+            k = int(k)
+            if k >= 0:
+                return k
+        except (TypeError, ValueError):
+            pass
+        logger.warning("sglang-kvcmas: request %s: bad %s=%r; deployment default used",
+                       req.rid, BOUNDARY_FIELD, k)
+        return None
+
+    def _recompute_config_of(self, req: Req) -> RecomputeConfig:
+        k = self._boundary_of(req)
+        if k is None:
             return self.recompute_config
+        return replace(self.recompute_config, boundary_tokens=k)
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle) -> tuple[int, ...]:
         """Borrowed offsets this request recomputes (``policy/recompute.py``), or none when the
         extend could be chunked or the request asks for logprobs of prompt tokens whose
         computation order changes."""
         spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in self._pieces(handle)]
-        offsets = boundary_offsets(spans, self._recompute_config_of(req))
+        exact = {t.offset for t in self._borrowed(handle) if not t.foreign}
+        offsets = tuple(o for o in boundary_offsets(spans, self._recompute_config_of(req))
+                        if o not in exact)
         if not offsets:
             return ()
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
@@ -288,11 +316,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not isinstance(handle, SharedPrefixHandle):
             return super().prefix_device_indices(req)
         own = self.path_device_indices(handle.radix_node)[: handle.radix_len]
-        borrowed = SharedTree.path_slots(handle.shared_node)[handle.shared_begin : handle.shared_end]
-        if handle.recompute:
-            keep = torch.ones(borrowed.shape[0], dtype=torch.bool)
-            keep[torch.tensor(handle.recompute) - handle.shared_begin] = False
-            borrowed = borrowed[keep]
+        borrowed = torch.tensor([t.slot for t in self._borrowed(handle)], dtype=torch.int64)
         out = torch.cat([own.to(torch.int64), borrowed.to(own.device)])
         return out[: req.prefix_len]
 
@@ -338,8 +362,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             row, corrected = self._row_spans(req, handle)
             SPANS.set(req.kv.req_pool_idx, row)
             exact = req.prefix_len - corrected
-            if handle.recompute:
-                correction = f"boundary_recompute:{len(handle.recompute)}"
+            correction = self._correction_label(handle)
         else:
             exact, corrected = req.prefix_len, 0
         if getattr(req, "_kvcmas_accounted", False) is False:
@@ -356,6 +379,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ns = _namespace(req.extra_key, req.cache_salt)
             shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
+
+    def _correction_label(self, handle: SharedPrefixHandle) -> str:
+        """How the request's borrowed tokens were corrected, for its reuse record."""
+        from_leaves = sum(t.from_leaf for t in self._borrowed(handle))
+        parts = [f"boundary_recompute:{len(handle.recompute)}"] if handle.recompute else []
+        if from_leaves:
+            parts.append(f"delta_leaf:{from_leaves}")
+        return "+".join(parts) or "none"
 
     @staticmethod
     def _pieces(handle: SharedPrefixHandle) -> list[_Piece]:
@@ -376,26 +407,52 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 out.append(_Piece(lo, hi, shift, owner, foreign))
         return out
 
+    @staticmethod
+    def _borrowed(handle: SharedPrefixHandle) -> list[_Token]:
+        """Every borrowed token in shared order, recomputed ones left out: the owner's slot read
+        re-positioned, or the reader agent's own exact slot where its delta leaf holds one."""
+        head, agent, skip = handle.split.head_len, handle.split.agent, set(handle.recompute)
+        use_leaves = handle.use_leaves
+        out: list[_Token] = []
+        for piece in SharedTree.path(handle.shared_node):
+            node = piece.node
+            lo = max(piece.offset, handle.shared_begin)
+            hi = piece.offset + len(node)
+            if hi <= lo:
+                continue
+            shift = head + piece.offset - node.owner_start
+            foreign = node.owner != agent or shift != 0
+            leaf = node.deltas.get(agent) if use_leaves else None
+            own = leaf.lookup() if leaf is not None and leaf.reader_start == (
+                head + piece.offset) else {}
+            slots = node.slots.tolist()
+            for offset in range(lo, hi):
+                if offset in skip:
+                    continue
+                i = offset - piece.offset
+                if i in own:
+                    out.append(_Token(offset, own[i], 0, False, True))
+                else:
+                    out.append(_Token(offset, slots[i], shift, foreign, False))
+        return out
+
     def _row_spans(self, req: Req, handle: SharedPrefixHandle) -> tuple[RowSpans, int]:
         """The row's borrowed spans in row coordinates (recomputed tokens left out), the
         recomputed tokens with their true positions; and how many borrowed tokens are read from
         another context (what the accounting calls corrected reuse)."""
-        head, skip = handle.split.head_len, set(handle.recompute)
+        head = handle.split.head_len
         spans: list[list[int]] = []  # [row start, length, shift]
         positions = list(range(handle.radix_len))
         foreign = 0
-        for piece in self._pieces(handle):
-            for offset in range(piece.begin, piece.end):
-                if offset in skip:
-                    continue
-                row = len(positions)
-                positions.append(head + offset)
-                foreign += piece.foreign
-                if spans and spans[-1][0] + spans[-1][1] == row and spans[-1][2] == piece.shift:
-                    spans[-1][1] += 1
-                else:
-                    spans.append([row, 1, piece.shift])
-        reads = tuple(SpanRead(SharedSpan(s, n, d)) for s, n, d in spans)
+        for tok in self._borrowed(handle):
+            row = len(positions)
+            positions.append(head + tok.offset)
+            foreign += tok.foreign
+            if spans and spans[-1][0] + spans[-1][1] == row and spans[-1][2] == tok.shift:
+                spans[-1][1] += 1
+            else:
+                spans.append([row, 1, tok.shift])
+        reads = tuple(SpanRead(SharedSpan(s, n, d)) for s, n, d in spans if d != 0)
         if not handle.recompute:
             return RowSpans(req.rid, reads), foreign
         moved = tuple(head + o for o in handle.recompute)
@@ -412,6 +469,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return super().checkpoint(req, up_to=up_to, **kwargs)
         split = self.split_of(req)
         if isinstance(req.last_node, SharedPrefixHandle):
+            self._adopt_recomputed(req, req.last_node, up_to)
             self._register_borrowed(req, req.last_node, up_to)
         else:
             if split is not None and req.finished() and not self.cache_agent_outputs:
@@ -444,6 +502,44 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor
         )
 
+    def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
+        """Keep the boundary tokens a reader recomputed as its delta leaves on the shared nodes
+        (its later turns read them exactly, without recomputing); the row's protected prefix then
+        covers them, and the slots a leaf already held are freed at release."""
+        head = handle.split.head_len
+        start = head + handle.shared_end
+        if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        slots = dict(zip(handle.recompute,
+                         row[handle.prefix_len : start].to(torch.int64).cpu().tolist()))
+        rejected = [] if handle.use_leaves else [torch.tensor(list(slots.values()))]
+        for piece in SharedTree.path(handle.shared_node) if handle.use_leaves else ():
+            mine = [o for o in handle.recompute if piece.offset <= o < piece.offset + len(piece.node)]
+            if mine:
+                rejected.append(self.shared.add_overrides(
+                    piece.node, handle.split.agent, torch.tensor(mine) - piece.offset,
+                    torch.tensor([slots[o] for o in mine]), head + piece.offset,
+                    self.kv_bytes_per_token,
+                ))
+        left = torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+        if left.numel():
+            req._kvcmas_release_slots = left
+        req.last_node = replace(handle, recompute=())
+        req.kv.cache_protected_len = start
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one pool slot holds (all layers, K and V); 0 when there is no pool."""
+        if getattr(self, "_kv_bytes", None) is None:
+            try:
+                pool = self.token_to_kv_pool_allocator.get_kvcache()
+                size = torch.empty(0, dtype=pool.dtype).element_size()
+                self._kv_bytes = int(2 * pool.layer_num * pool.head_num * pool.head_dim * size)
+            except Exception:  # simulated caches in unit tests have no KV pool
+                self._kv_bytes = 0
+        return self._kv_bytes
+
     def _register_borrowed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Share the transcript tokens a reader computed after its borrowed span (owned)."""
         split = handle.split
@@ -459,10 +555,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         )
         if node is None:
             return  # another request registered these tokens first: ours are freed at release
-        if handle.recompute:
-            # The recomputed tokens' slots sit below ``end`` in the row, so release would not
-            # free them once the protected length moves past them: free them at release.
-            req._kvcmas_release_slots = row[handle.prefix_len : start].to(torch.int64).cpu()
         new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len,
                              recompute=())
         new_lock = self.lock(new_handle)
@@ -512,6 +604,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "shared_nodes": len(nodes),
             "shared_tokens": sum(len(n) for n in nodes),
             "shared_owned_tokens": self.shared.owned_size,
+            "delta_tokens": self.shared.delta_tokens(),
             "delta_bytes": self.shared.delta_nbytes(),
         }
 
