@@ -73,11 +73,12 @@ def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
 
 
 class KvSampler(threading.Thread):
-    """Polls /metrics and keeps the peak of pool slots held."""
+    """Polls /metrics and keeps the peak of pool slots held (and the pool's size)."""
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.url, self.peak, self._halt = url, 0, threading.Event()
+        self.pool_tokens: int | None = None
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -88,6 +89,8 @@ class KvSampler(threading.Thread):
                         for name in ("sglang:kv_used_tokens", "sglang:kv_evictable_tokens"):
                             if line.startswith(name):
                                 vals[name] = int(float(line.rsplit(" ", 1)[1]))
+                        if line.startswith("sglang:max_total_num_tokens{"):
+                            self.pool_tokens = int(float(line.rsplit(" ", 1)[1]))
                     if len(vals) == 2:  # slots held = in use by requests + cached (evictable)
                         self.peak = max(self.peak, sum(vals.values()))
             except OSError:
@@ -227,6 +230,7 @@ def print_arm(s: dict) -> None:
             ("Total generated tokens:", s["output_tokens"]),
             ("Output token throughput (tok/s):", f"{s['output_throughput_tok_s']:.2f}"),
             ("Total token throughput (tok/s):", f"{s['total_throughput_tok_s']:.2f}"),
+            ("KV pool size (tokens):", s.get("kv_pool_tokens")),
             ("Peak KV tokens held:", s["peak_kv_tokens"]),
             ("Peak KV bytes (base + deltas):", s["peak_kv_bytes"])]
     for k, v in rows:
@@ -307,6 +311,7 @@ def main() -> int:
     arms = args.arms.split(",")
     assert arms[0] == "radix" and "kvcmas" in arms, "radix first (the reference), kvcmas included"
     results: dict[str, tuple] = {}
+    pools: dict[str, int | None] = {}
     fidelity = None
     t_start = time.perf_counter()
     def measure(arm: str, server: ArmServer) -> None:
@@ -315,6 +320,7 @@ def main() -> int:
         sampler.start()
         turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
         results[arm] = (turns, makespan, sampler.stop())
+        pools[arm] = sampler.pool_tokens
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
 
@@ -347,7 +353,8 @@ def main() -> int:
 
     non_owner = {(t["kind"], t["wid"], t["step"], t["agent"]) for t in results["kvcmas"][0]}
     non_owner -= owners_of(results["kvcmas"][0])
-    summaries = [summarize(a, *results[a], non_owner) for a in arms]
+    summaries = [{**summarize(a, *results[a], non_owner), "kv_pool_tokens": pools.get(a)}
+                 for a in arms]
     ref_turns = results["radix"][0]
     ref = {(t["kind"], t["wid"], t["step"], t["agent"]): t for t in ref_turns}
     for s, arm in zip(summaries, arms):

@@ -1,18 +1,20 @@
-"""Fidelity of a reader agent's reuse inside SGLang's server, by boundary tokens recomputed.
+"""Fidelity of a reader agent's reuse inside SGLang's server, by what the reader recomputes.
 
 One kvcmas server (sharing on). For GSM8K debates (3 agents, 2 rounds), at every step the first
 agent computes the shared transcript exactly (it owns it); each other agent then reads it and is
 teacher-forced over the continuation that an exact computation of its own prompt generates. The
 reference for every number is the same request under a fresh ``cache_salt`` (nothing shared,
-nothing cached: an exact prefill on the same server binary). The boundary size is set per request
-(``custom_params["kvcmas_boundary_tokens"]``), so every size reads the same owner KV.
+nothing cached: an exact prefill on the same server binary). What the reader recomputes is set per
+request — ``custom_params["kvcmas_boundary_tokens"]`` (first tokens of each borrowed span) and
+``["kvcmas_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass) — so every
+configuration reads the same owner KV (explicit knobs bypass the agent's delta leaves).
 
-Per boundary size it reports, over reader turns: teacher-forced top-1 agreement with the exact
+Per configuration it reports, over reader turns: teacher-forced top-1 agreement with the exact
 computation, mean KL on the exact computation's top-20 tokens (KL20: both distributions
 renormalized there), mean |Δ log p| of the forced token, the server-side time to first token of the reader
 request, and the tokens recomputed.
 
-    python benchmark/serving/recompute_fidelity.py [--questions 4] [--boundaries 0,4,8,16,32]
+    python benchmark/serving/recompute_fidelity.py [--questions 4] [--configs 0:0,16:0,16:0.1]
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def generate(url: str, ids: list[int], max_new: int, salt: str | None = None, **
 
 
 def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
-           boundary: int | None = None) -> dict:
-    """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs."""
-    sampling = {} if boundary is None else {"custom_params": {"kvcmas_boundary_tokens": boundary}}
+           config: tuple[int, float] | None = None) -> dict:
+    """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs.
+    ``config``: (boundary tokens, mass fraction) the reader recomputes."""
+    sampling = {} if config is None else {"custom_params": {
+        "kvcmas_boundary_tokens": config[0], "kvcmas_mass_fraction": config[1]}}
     t0 = time.perf_counter()
     res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids),
                    top_logprobs_num=TOP, sampling=sampling)
@@ -96,12 +100,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--boundaries", default="0,4,8,16,32")
+    ap.add_argument("--configs", default="0:0,16:0,16:0.05,16:0.1,16:0.2",
+                    help="boundary:mass_fraction pairs")
     ap.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens")
     ap.add_argument("--answer-tokens", type=int, default=64, help="tokens per debate answer")
     ap.add_argument("--out", type=Path, default=RESULTS / "recompute_fidelity")
     args = ap.parse_args()
-    boundaries = [int(b) for b in args.boundaries.split(",")]
+    configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.configs.split(",")]
 
     from transformers import AutoTokenizer
 
@@ -135,14 +140,15 @@ def main() -> int:
                     ids = prompts[a]
                     cont = tok.encode(answers[a], add_special_tokens=False)[: args.continuation]
                     ref = forced(url, ids, cont, salt=f"ref-{uuid.uuid4()}")
-                    for b in boundaries:
-                        got = forced(url, ids, cont, boundary=b)
+                    for b, m in configs:
+                        got = forced(url, ids, cont, config=(b, m))
                         rec = {"question": qi, "round": step + 1, "agent": a, "boundary": b,
+                               "mass_fraction": m, "config": f"{b}:{m}",
                                "prompt_tokens": len(ids), **compare(ref, got, cont),
                                "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
                                "ref_wall_s": ref["wall_s"], "reuse": got["reuse"]}
                         records.append(rec)
-                        print(f"q{qi} r{step + 1} {a:5s} boundary={b:3d} top1={rec['top1']:.3f} "
+                        print(f"q{qi} r{step + 1} {a:5s} config={b}:{m} top1={rec['top1']:.3f} "
                               f"kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
                               f"recomputed={rec['reuse'].get('recomputed')} "
                               f"corrected={rec['reuse'].get('reused_corrected')}", flush=True)
@@ -153,24 +159,25 @@ def main() -> int:
         for r in records:
             f.write(json.dumps(r) + "\n")
     rows = []
-    naive_kl = statistics.fmean(r["kl20"] for r in records if r["boundary"] == 0) if 0 in \
-        boundaries else None
-    for b in boundaries:
-        rs = [r for r in records if r["boundary"] == b and r["reuse"].get("reused_corrected")]
+    naive = [r["kl20"] for r in records if r["config"] == "0:0.0"]
+    naive_kl = statistics.fmean(naive) if naive else None
+    for b, m in configs:
+        rs = [r for r in records if r["config"] == f"{b}:{m}" and r["reuse"].get("reused_corrected")]
         if not rs:
             continue
         kl = statistics.fmean(r["kl20"] for r in rs)
         rows.append({
-            "boundary": b, "n": len(rs), "top1": statistics.fmean(r["top1"] for r in rs),
+            "config": f"{b}:{m}", "boundary": b, "mass_fraction": m, "n": len(rs),
+            "top1": statistics.fmean(r["top1"] for r in rs),
             "kl20": kl, "kl_recovered": (1 - kl / naive_kl) if naive_kl else float("nan"),
             "dlogp": statistics.fmean(r["dlogp"] for r in rs),
             "recomputed": statistics.fmean(r["reuse"]["recomputed"] for r in rs),
             "wall_ratio_vs_exact": statistics.median(r["wall_s"] / r["ref_wall_s"] for r in rs),
         })
-    lines = [f"{'boundary':>8} {'n':>3} {'top1':>6} {'kl20':>9} {'kl_recov':>8} {'dlogp':>7} "
-             f"{'recomputed':>10} {'wall/exact':>10}"]
+    lines = [f"{'boundary:mass':>13} {'n':>3} {'top1':>6} {'kl20':>9} {'kl_recov':>8} "
+             f"{'dlogp':>7} {'recomputed':>10} {'wall/exact':>10}"]
     for r in rows:
-        lines.append(f"{r['boundary']:>8} {r['n']:>3} {r['top1']:>6.3f} {r['kl20']:>9.2e} "
+        lines.append(f"{r['config']:>13} {r['n']:>3} {r['top1']:>6.3f} {r['kl20']:>9.2e} "
                      f"{r['kl_recovered']:>8.3f} {r['dlogp']:>7.4f} {r['recomputed']:>10.1f} "
                      f"{r['wall_ratio_vs_exact']:>10.3f}")
     lines.append(f"run time {run_s:.0f} s; command: python benchmark/serving/recompute_fidelity.py "
@@ -188,16 +195,21 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    xs = [r["boundary"] for r in rows]
-    a.plot(xs, [r["kl20"] for r in rows], "o-")
-    a.set_xlabel("boundary tokens recomputed per borrowed span")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    xs = [r["recomputed"] for r in rows]
+    for x, r in zip(xs, rows):
+        marker = "o" if r["mass_fraction"] == 0 else "s"
+        a.scatter(x, r["kl20"], marker=marker, color="C0" if marker == "o" else "C2")
+        a.annotate(r["config"], (x, r["kl20"]), fontsize=7, xytext=(3, 3),
+                   textcoords="offset points")
+        b.scatter(x, r["wall_ratio_vs_exact"], marker=marker, color="C1")
+    a.set_xlabel("prompt tokens recomputed per reader turn (mean)")
     a.set_ylabel("KL20 vs exact (reader turns)")
     a.set_yscale("log")
-    b.plot(xs, [r["wall_ratio_vs_exact"] for r in rows], "s-", color="C1")
-    b.set_xlabel("boundary tokens recomputed per borrowed span")
+    b.set_xlabel("prompt tokens recomputed per reader turn (mean)")
     b.set_ylabel("reader request time / exact (median)")
-    fig.suptitle("Reader reuse inside SGLang: fidelity and cost by recomputed boundary")
+    fig.suptitle("Reader reuse inside SGLang (boundary:mass_fraction): circles boundary only, "
+                 "squares + owner head mass")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

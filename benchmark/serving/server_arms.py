@@ -16,6 +16,11 @@ from pathlib import Path
 
 from sglang_kvcmas.server.process import ServerProcess, free_port
 
+COMMON_FLAGS = ["--mem-fraction-static", "0.3"]
+"""Every arm gets the same KV pool (``--max-total-tokens``, 16384 by default): SGLang sizes the
+pool from the host memory free at boot, capped by that flag, and at the launcher's default
+fraction a loaded machine left one arm a smaller pool than the others (5308 tokens seen)."""
+
 ARMS: dict[str, tuple[str, list[str]]] = {
     "kvcmas": ("sglang_kvcmas.launch_server", ["--kvcmas-share-context"]),
     "radix": ("sglang_kvcmas.launch_server", ["--kvcmas-stock-cache"]),
@@ -33,6 +38,6 @@ def ArmServer(
     """The server process for one arm; use it as a context manager."""
     module, flags = ARMS[arm]
     return ServerProcess(
-        args=[*flags, *(extra_args or [])], log_path=log_path, env=dict(env or {}),
+        args=[*flags, *COMMON_FLAGS, *(extra_args or [])], log_path=log_path, env=dict(env or {}),
         port=free_port(31000, 32000), boot_timeout_s=boot_timeout_s, module=module,
     )

@@ -77,6 +77,12 @@ KVCMAS_RECOMPUTE_BOUNDARY = EnvVar(
     "With sharing on, a reader recomputes the first N tokens of every span it borrows from "
     "another context, in its own context and in the same forward pass (0: naive reuse).",
 )
+KVCMAS_RECOMPUTE_MASS_FRACTION = EnvVar(
+    "KVCMAS_RECOMPUTE_MASS_FRACTION",
+    "0.2",
+    "With sharing on, a reader also recomputes this share of its borrowed tokens, those with the "
+    "largest attention mass on their owner's head (recorded in the owner's pass).",
+)
 KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
     "KVCMAS_RECOMPUTE_MAX_FRACTION",
     "0.5",
@@ -90,6 +96,7 @@ ALL = ALL + (
     KVCMAS_TURN_MIN_GAIN,
     KVCMAS_CACHE_AGENT_OUTPUTS,
     KVCMAS_RECOMPUTE_BOUNDARY,
+    KVCMAS_RECOMPUTE_MASS_FRACTION,
     KVCMAS_RECOMPUTE_MAX_FRACTION,
 )
 

@@ -27,3 +27,28 @@ def test_bad_inputs_are_refused():
         RecomputeConfig(boundary_tokens=-1)
     with pytest.raises(ValueError):
         RecomputeConfig(max_fraction=1.5)
+
+
+def test_mass_offsets_add_the_largest_owner_head_mass_within_budget():
+    from sglang_kvcmas.policy.recompute import mass_offsets
+
+    cand = [10, 11, 12, 13, 14, 15]
+    mass = [0.1, 0.9, 0.0, 0.5, 0.7, 0.2]
+    cfg = RecomputeConfig(boundary_tokens=0, mass_fraction=0.3, max_fraction=1.0)
+    assert mass_offsets(cand, mass, (), (0, 1), 10, cfg) == (0, 1, 11, 13, 14)  # top 3 of 10
+    capped = RecomputeConfig(mass_fraction=0.3, max_fraction=0.4)
+    assert mass_offsets(cand, mass, (), (0, 1), 10, capped) == (0, 1, 11, 14)  # 4 in all
+    assert mass_offsets(cand, [0.0] * 6, (), (), 10, cfg) == ()  # no signal, nothing added
+    with pytest.raises(ValueError):
+        mass_offsets(cand, mass[:2], (), (), 10, cfg)
+
+
+def test_mass_offsets_count_what_the_reader_already_holds_exactly():
+    """The top share is taken over exact and deviating tokens alike: tokens the reader's delta
+    leaves hold use up their place in it, so only new top tokens are recomputed."""
+    from sglang_kvcmas.policy.recompute import mass_offsets
+
+    cand = [10, 11, 12, 13, 14, 15]
+    mass = [0.1, 0.9, 0.0, 0.5, 0.7, 0.2]
+    cfg = RecomputeConfig(boundary_tokens=0, mass_fraction=0.3, max_fraction=1.0)
+    assert mass_offsets(cand, mass, {11, 14}, (), 10, cfg) == (13,)

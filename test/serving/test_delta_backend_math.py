@@ -121,3 +121,25 @@ def test_recomputed_tokens_are_placed_at_their_true_positions():
             _backend()._place_recomputed(batch)
     finally:
         SPANS.clear(3)
+
+
+def test_head_mass_equals_softmax_mass_on_the_head():
+    from sglang_kvcmas.integration import delta_attention_backend as dab
+
+    torch.manual_seed(3)
+    for n_q, n_kv, h_kv, gqa in ((1, 17, 1, 3), (81, 300, 3, 3), (5, 5, 2, 1)):
+        q, k = torch.randn(h_kv * gqa, n_q, 16), torch.randn(h_kv, n_kv, 16)
+        k_pos = torch.randperm(n_kv)
+        q_pos = torch.arange(n_kv - n_q, n_kv)
+        old, dab.PROBE_BLOCK = dab.PROBE_BLOCK, 7  # several query blocks
+        try:
+            got = dab.head_mass(q, k, q_pos, k_pos, 0.25, 2, 9)
+        finally:
+            dab.PROBE_BLOCK = old
+        kk = k.repeat_interleave(gqa, 0)
+        p = ((q @ kk.transpose(1, 2)) * 0.25).masked_fill(
+            k_pos[None, None] > q_pos[None, :, None], float("-inf")).softmax(-1)
+        want = p[:, :, 2:9].sum(-1).mean(0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert dab.head_mass(torch.randn(2, 0, 4), torch.randn(1, 3, 4), torch.arange(0),
+                         torch.arange(3), 1.0, 0, 1).shape == (0,)

@@ -20,7 +20,7 @@ from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
     KvcmasSharedTreeCache,
     SharedPrefixHandle,
 )
-from sglang_kvcmas.integration.span_registry import SPANS  # noqa: E402
+from sglang_kvcmas.integration.span_registry import PROBES, SPANS  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
 CHAT = ChatTemplateIds(1, 2, 9)
@@ -83,8 +83,10 @@ class Harness:
         self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary)
         self.next_slot, self.allocated = 1000, []
 
-    def serve(self, req, row):
-        """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler."""
+    def serve(self, req, row, mass=None):
+        """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler.
+
+        ``mass(i)`` stands in for the backend's head-mass probe: the mass of row index i."""
         n = len(req.origin_input_ids)
         res = self.cache.match_prefix(MatchPrefixParams(
             key=RadixKey(req.origin_input_ids, None, cache_salt=req.cache_salt, limit=n - 1),
@@ -100,6 +102,9 @@ class Harness:
         self.pool.req_to_token[row, :n] = torch.cat([prefix, new])
         req.kv.req_pool_idx = row
         self.cache.maybe_hand_to_session(req)
+        probe = PROBES.get(row)
+        if probe is not None and mass is not None:
+            probe.add(req.prefix_len, torch.tensor([mass(i) for i in range(req.prefix_len, n)]))
         spans = SPANS.get(row)
         prefix_slots = self.pool.req_to_token[row, : req.prefix_len].tolist()
         self.cache.checkpoint(req, up_to=n)
@@ -296,4 +301,33 @@ def test_recomputed_boundary_becomes_the_readers_delta_leaf():
     assert h.cache.evictable_size() == len(h.held())  # leaves are evictable once unlocked
     h.cache.evict(EvictParams(num_tokens=10**6))
     assert h.cache.shared.delta_tokens() == 0 and h.cache.evictable_size() == 0
+    assert_slots_conserved(h)
+
+
+def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
+    """The owner's pass records each new shared token's head mass on the shared node; a reader
+    recomputes its boundary plus the largest-mass tokens (mass_fraction of what it borrows)."""
+    h = Harness(boundary=2)
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.1,
+                                               max_fraction=0.5)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    t2_at = len(a) + len(T1)
+    peaks = {t2_at + 7, t2_at + 20, t2_at + 25}  # the owner's tokens that read its head most
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2, mass=lambda i: 0.9 if i in peaks else 0.01)
+    (node,) = [n for n in h.cache.shared.nodes() if n.head_mass is not None and
+               float(n.head_mass.max()) > 0.5]
+    assert sorted((node.head_mass > 0.5).nonzero().flatten().tolist()) == [7, 20, 25]
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)
+    at = len(b) + len(T1)
+    borrowed = len(T2) + END
+    n_mass = round(0.1 * borrowed)  # 3
+    assert spans.recomputed.positions == (at, at + 1, at + 7, at + 20, at + 25)[: 2 + n_mass]
+    assert b2.customized_info["kvcmas_reuse"][0]["reused_corrected"] == borrowed - 2 - n_mass
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # b again: its leaves hold the top tokens now
+    spans, _ = h.serve(b3, 4)
+    assert spans.recomputed is None
+    assert b3.customized_info["kvcmas_reuse"][0]["correction"] == f"delta_leaf:{2 + n_mass}"
     assert_slots_conserved(h)

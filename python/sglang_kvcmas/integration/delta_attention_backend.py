@@ -20,6 +20,13 @@ first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model app
 true positions, and the pool keeps their keys so rotated), and extend attention masks by true
 position instead of row order. Decode needs no mask: every cached token precedes the query.
 
+Head-mass probe (``span_registry.HeadMassProbe``): for a row that will register new shared
+tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``, 7 of 30
+layers on the embedded model) also records each token's softmax mass on the row's agent head,
+``exp(logsumexp(head scores) - logsumexp(all scores))`` averaged over query heads, computed in
+query blocks of ``PROBE_BLOCK`` rows. Probing a layer costs about one more attention pass over
+the row at that layer; nothing else changes.
+
 GPU: the same span metadata drives the Triton kernels in ``attention/triton_delta.py``; wiring
 them into a FlashInfer/Triton wrapper is not done here (CPU serving only).
 """
@@ -33,12 +40,43 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from sglang_kvcmas.integration.span_registry import SPANS, RowSpans
+from sglang_kvcmas.integration.span_registry import PROBES, SPANS, HeadMassProbe, RowSpans
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 BACKEND_NAME = "kvcmas_delta"
+PROBE_EVERY, PROBE_PHASE = 4, 2
+"""Probe layers: 2, 6, 10, ... (benchmark/lab/owner_mass_study.py compares them with all layers)."""
+PROBE_BLOCK = 256
+
+
+def head_mass(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+    head_from: int, head_to: int,
+) -> torch.Tensor:
+    """Softmax mass each query puts on key rows ``[head_from, head_to)``, mean over heads.
+
+    Args:
+        q: [H, n_q, d] queries (RoPE applied).
+        k: [H_kv, n_kv, d] keys as attention reads them.
+        q_pos: [n_q] true positions of the queries; k_pos: [n_kv] of the keys (causal by
+            position: a query sees keys at positions <= its own).
+        scale: softmax scale.
+    Returns:
+        [n_q] float32.
+    """
+    kk = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    out = []
+    for lo in range(0, q.shape[1], PROBE_BLOCK):
+        qb = q[:, lo : lo + PROBE_BLOCK].float()
+        scores = (qb @ kk.transpose(1, 2)) * scale  # [H, b, n_kv]
+        hidden = k_pos[None, None, :] > q_pos[None, lo : lo + PROBE_BLOCK, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        total = torch.logsumexp(scores, dim=-1)
+        head = torch.logsumexp(scores[..., head_from:head_to], dim=-1)
+        out.append(torch.exp(head - total).mean(0))
+    return torch.cat(out) if out else q.new_zeros(0, dtype=torch.float32)
 
 
 def transform_spans(
@@ -149,6 +187,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         self._layer_id = layer.layer_id
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 
+    def _probes(self, req_pool_indices: torch.Tensor) -> list[HeadMassProbe | None]:
+        if self._layer_id % PROBE_EVERY != PROBE_PHASE or not len(PROBES):
+            return [None] * req_pool_indices.shape[0]
+        return [PROBES.get(int(i)) for i in req_pool_indices.tolist()]
+
     def _rows(self, req_pool_indices: torch.Tensor) -> list[RowSpans | None]:
         rows = [SPANS.get(int(i)) for i in req_pool_indices.tolist()]
         return [r if r is not None and r.needs_transform else None for r in rows]
@@ -159,7 +202,10 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
     ):
         rows = self._rows(req_pool_indices)
-        if encoder_lens is not None or sliding_window_size is not None or not any(rows):
+        probes = self._probes(req_pool_indices) if causal else [None] * len(rows)
+        if encoder_lens is not None or sliding_window_size is not None or not (
+            any(rows) or any(probes)
+        ):
             return super()._run_sdpa_forward_extend(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                 extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
@@ -173,6 +219,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             )
             q = q_all[:, start_q : start_q + n_q, :]
             k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
+            if probes[i] is not None:
+                pos = rows[i].positions_upto(n_kv) if rows[i] is not None else torch.arange(n_kv)
+                pos = pos.to(q.device)
+                probes[i].add(n_prefix, head_mass(
+                    q, k, pos[n_prefix:], pos, scaling if scaling is not None else
+                    q.shape[-1] ** -0.5, probes[i].head_from, probes[i].head_to))
             if rows[i] is not None and rows[i].positions is not None and causal:
                 pos = rows[i].positions_upto(n_kv).to(q.device)
                 mask = pos[None, :] <= pos[n_prefix:, None]  # [n_q, n_kv] by true position

@@ -48,6 +48,8 @@ class SharedNode:
         owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
         anchor: radix node protecting ``slots`` (anchored) or None (the tree owns them).
         deltas: agent -> delta leaf (:class:`PoolOverrides`) over this node's tokens.
+        head_mass: [len] float32 attention mass each token put on its owner's head in the
+            owner's pass (0 where not recorded); readers recompute the largest first.
     """
 
     key: tuple[int, ...]
@@ -61,6 +63,11 @@ class SharedNode:
     last_access: float = field(default_factory=time.monotonic)
     deltas: dict[str, PoolOverrides] = field(default_factory=dict)
     alive: bool = True
+    head_mass: torch.Tensor | None = None
+
+    def mass(self) -> torch.Tensor:
+        """[len] float32 ``head_mass``, zeros when none was recorded."""
+        return self.head_mass if self.head_mass is not None else torch.zeros(len(self))
 
     def __len__(self) -> int:
         return len(self.key)
@@ -181,6 +188,7 @@ class SharedTree:
         owner: str,
         owner_start: int,
         anchor: object | None,
+        head_mass: torch.Tensor | None = None,
     ) -> tuple[int, SharedNode | None]:
         """Add ``tokens[start:]`` after the existing path ``tokens[:start]``.
 
@@ -189,6 +197,7 @@ class SharedTree:
             start: shared offset where the new tokens begin; ``tokens[:start]`` must match fully.
             slots: [len(tokens) - start] int64 slots of the new tokens.
             owner_start: owner position of ``tokens[start]``.
+            head_mass: optional [len(tokens) - start] float32 owner head mass of the new tokens.
         Returns:
             (matched length before inserting, new node or None). When the tree already holds more
             than ``start`` tokens (another owner was faster) nothing is inserted and the caller
@@ -204,6 +213,7 @@ class SharedTree:
         node = SharedNode(
             tuple(int(t) for t in tokens[start:]), slots.to(torch.int64).clone(), owner,
             owner_start, anchor, parent=parent,
+            head_mass=None if head_mass is None else head_mass.float().clone(),
         )
         parent.children[node.key[0]] = node
         if anchor is not None:
@@ -221,6 +231,8 @@ class SharedTree:
         parts = {a: d.split(n) for a, d in node.deltas.items()}
         head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
         node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
+        if node.head_mass is not None:
+            head.head_mass, node.head_mass = node.head_mass[:n].clone(), node.head_mass[n:].clone()
         head.parent.children[head.key[0]] = head
         node.key, node.slots = node.key[n:], node.slots[n:].clone()
         node.owner_start += n

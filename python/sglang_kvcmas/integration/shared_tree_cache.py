@@ -59,8 +59,20 @@ from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DE
 from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
-from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens, RowSpans, SpanRead
-from sglang_kvcmas.policy.recompute import BorrowedSpan, RecomputeConfig, boundary_offsets
+from sglang_kvcmas.integration.span_registry import (
+    PROBES,
+    SPANS,
+    HeadMassProbe,
+    RecomputedTokens,
+    RowSpans,
+    SpanRead,
+)
+from sglang_kvcmas.policy.recompute import (
+    BorrowedSpan,
+    RecomputeConfig,
+    boundary_offsets,
+    mass_offsets,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -70,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 BOUNDARY_FIELD = "kvcmas_boundary_tokens"
 """``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
+MASS_FIELD = "kvcmas_mass_fraction"
+"""``custom_params`` key of ``/generate`` that sets one request's head-mass recompute share."""
 
 
 @dataclass(eq=False)
@@ -130,6 +144,7 @@ class _Token:
     shift: int
     foreign: bool
     from_leaf: bool
+    mass: float = 0.0
 
 
 @dataclass
@@ -169,6 +184,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.cache_agent_outputs = envs.KVCMAS_CACHE_AGENT_OUTPUTS.get_bool()
         self.recompute_config = RecomputeConfig(
             boundary_tokens=int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get()),
+            mass_fraction=float(envs.KVCMAS_RECOMPUTE_MASS_FRACTION.get()),
             max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
         )
         self._chunk_limit: int | None = None
@@ -211,6 +227,12 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             self._chunk_limit = int(size) if size and size > 0 else 0
         return self._chunk_limit
 
+    @property
+    def head_preamble(self) -> int:
+        """Leading head tokens every agent shares (``<|im_start|>system\n`` for ChatML, else the
+        first token): their KV is the same for all agents, so mass on them is not a signal."""
+        return 3 if self.chat_ids is not None else 1
+
     def split_of(self, req: Req) -> AgentSplit | None:
         """The request's agent split (memoized per rid); None: not an agent request."""
         if req.rid not in self._splits:
@@ -243,6 +265,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             self.shared.reset()
             self.pending_owners.clear()
             SPANS.reset()
+            PROBES.reset()
 
     # ----- match -----
 
@@ -265,42 +288,46 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
-        handle = replace(handle, use_leaves=self._boundary_of(req) is None)
+        handle = replace(handle, use_leaves=not self._request_recompute(req))
         handle = replace(handle, recompute=self._recompute_for(req, handle))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     @staticmethod
-    def _boundary_of(req: Req) -> int | None:
-        """The request's own boundary size (``custom_params["kvcmas_boundary_tokens"]`` on
-        ``/generate``), or None."""
+    def _request_recompute(req: Req) -> dict[str, float]:
+        """The request's own recompute knobs (``custom_params`` on ``/generate``:
+        ``kvcmas_boundary_tokens``, ``kvcmas_mass_fraction``); bad values are ignored."""
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-        k = custom.get(BOUNDARY_FIELD) if isinstance(custom, dict) else None
-        if k is None:
-            return None
-        try:
-            k = int(k)
-            if k >= 0:
-                return k
-        except (TypeError, ValueError):
-            pass
-        logger.warning("sglang-kvcmas: request %s: bad %s=%r; deployment default used",
-                       req.rid, BOUNDARY_FIELD, k)
-        return None
+        out: dict[str, float] = {}
+        if not isinstance(custom, dict):
+            return out
+        for key, field_name, kind in ((BOUNDARY_FIELD, "boundary_tokens", int),
+                                      (MASS_FIELD, "mass_fraction", float)):
+            if key not in custom:
+                continue
+            try:
+                out[field_name] = kind(custom[key])
+                replace(RecomputeConfig(), **{field_name: out[field_name]})  # validates
+            except (TypeError, ValueError):
+                out.pop(field_name, None)
+                logger.warning("sglang-kvcmas: request %s: bad %s=%r; deployment default used",
+                               req.rid, key, custom[key])
+        return out
 
     def _recompute_config_of(self, req: Req) -> RecomputeConfig:
-        k = self._boundary_of(req)
-        if k is None:
-            return self.recompute_config
-        return replace(self.recompute_config, boundary_tokens=k)
+        return replace(self.recompute_config, **self._request_recompute(req))
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle) -> tuple[int, ...]:
         """Borrowed offsets this request recomputes (``policy/recompute.py``), or none when the
         extend could be chunked or the request asks for logprobs of prompt tokens whose
         computation order changes."""
+        config = self._recompute_config_of(req)
         spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in self._pieces(handle)]
-        exact = {t.offset for t in self._borrowed(handle) if not t.foreign}
-        offsets = tuple(o for o in boundary_offsets(spans, self._recompute_config_of(req))
-                        if o not in exact)
+        tokens = self._borrowed(handle)
+        exact = {t.offset for t in tokens if not t.foreign}
+        offsets = tuple(o for o in boundary_offsets(spans, config) if o not in exact)
+        deviating = [t for t in tokens if t.foreign or t.from_leaf]
+        offsets = mass_offsets([t.offset for t in deviating], [t.mass for t in deviating],
+                               exact, offsets, len(tokens), config)
         if not offsets:
             return ()
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
@@ -376,6 +403,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
         if split is not None and covered < split.shared_end:
+            PROBES.set(req.kv.req_pool_idx, HeadMassProbe.for_row(
+                min(self.head_preamble, split.head_len), split.head_len, split.shared_end))
             ns = _namespace(req.extra_key, req.cache_salt)
             shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
@@ -425,15 +454,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             leaf = node.deltas.get(agent) if use_leaves else None
             own = leaf.lookup() if leaf is not None and leaf.reader_start == (
                 head + piece.offset) else {}
-            slots = node.slots.tolist()
+            slots, mass = node.slots.tolist(), node.mass().tolist()
             for offset in range(lo, hi):
                 if offset in skip:
                     continue
                 i = offset - piece.offset
                 if i in own:
-                    out.append(_Token(offset, own[i], 0, False, True))
+                    out.append(_Token(offset, own[i], 0, False, True, mass[i]))
                 else:
-                    out.append(_Token(offset, slots[i], shift, foreign, False))
+                    out.append(_Token(offset, slots[i], shift, foreign, False, mass[i]))
         return out
 
     def _row_spans(self, req: Req, handle: SharedPrefixHandle) -> tuple[RowSpans, int]:
@@ -499,7 +528,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         anchor = found.last_device_node
         slots = self.path_device_indices(anchor)[split.head_len + known : end]
         self.shared.insert(
-            ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor
+            ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor,
+            head_mass=self._recorded_mass(req, split.head_len + known, end),
         )
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
@@ -528,6 +558,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req.last_node = replace(handle, recompute=())
         req.kv.cache_protected_len = start
 
+    @staticmethod
+    def _recorded_mass(req: Req, start: int, end: int) -> torch.Tensor | None:
+        """[end - start] head mass the backend recorded for the request's row indices
+        ``start .. end - 1`` (rows after any recomputed ones: row index = position), or None."""
+        kv = getattr(req, "kv", None)
+        probe = PROBES.get(kv.req_pool_idx) if kv is not None and kv.req_pool_idx is not None \
+            else None
+        return None if probe is None else probe.mean(start, end)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one pool slot holds (all layers, K and V); 0 when there is no pool."""
@@ -551,7 +590,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[start:end].to(torch.int64).cpu()
         _, node = self.shared.insert(
-            handle.namespace, tokens, handle.shared_end, slots, split.agent, start, anchor=None
+            handle.namespace, tokens, handle.shared_end, slots, split.agent, start, anchor=None,
+            head_mass=self._recorded_mass(req, start, end),
         )
         if node is None:
             return  # another request registered these tokens first: ours are freed at release
@@ -564,6 +604,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        PROBES.clear(getattr(req.kv, "req_pool_idx", None))
         slots = getattr(req, "_kvcmas_release_slots", None)
         if slots is not None:
             self._free_slots(slots)

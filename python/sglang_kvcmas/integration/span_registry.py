@@ -94,16 +94,57 @@ class RowSpans:
         return torch.cat([self.positions, torch.arange(have, n)])
 
 
+@dataclass
+class HeadMassProbe:
+    """Records, for a row's extended tokens, their attention mass on the row's agent head.
+
+    The attention backend adds, at each probe layer, the mass every extended token puts on key
+    rows ``[head_from, head_to)`` (softmax mass, mean over query heads); the tree cache reads the
+    mean when it registers the tokens as shared (``policy/recompute.py`` uses it to choose what a
+    reader recomputes).
+
+    Attributes:
+        head_from: first head row that can differ across agents (the shared chat preamble and
+            the attention sink before it do not).
+        head_to: one past the last head row.
+        sums: [row_len] float32 summed mass per row index (rows never extended stay 0).
+        counts: [row_len] float32 probe layers summed per row index.
+    """
+
+    head_from: int
+    head_to: int
+    sums: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def for_row(cls, head_from: int, head_to: int, row_len: int) -> HeadMassProbe:
+        return cls(head_from, head_to, torch.zeros(row_len), torch.zeros(row_len))
+
+    def add(self, start: int, mass: torch.Tensor) -> None:
+        """mass: [n] float for row indices ``start .. start + n - 1``."""
+        end = min(start + mass.shape[0], self.sums.shape[0])
+        self.sums[start:end] += mass[: end - start].float().cpu()
+        self.counts[start:end] += 1
+
+    def mean(self, start: int, end: int) -> torch.Tensor:
+        """[end - start] mean mass of row indices ``start .. end - 1`` (0 where unprobed)."""
+        out = torch.zeros(max(0, end - start))
+        lo, hi = max(start, 0), min(end, self.sums.shape[0])
+        if hi > lo:
+            out[lo - start : hi - start] = self.sums[lo:hi] / self.counts[lo:hi].clamp(min=1)
+        return out
+
+
 class SpanRegistry:
-    """``req_pool_idx -> RowSpans`` for the rows that read shared spans."""
+    """``req_pool_idx -> value`` for the rows the attention backend must treat specially."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, RowSpans] = {}
+        self._rows: dict[int, object] = {}
 
-    def set(self, req_pool_idx: int, spans: RowSpans) -> None:
+    def set(self, req_pool_idx: int, spans: object) -> None:
         self._rows[int(req_pool_idx)] = spans
 
-    def get(self, req_pool_idx: int) -> RowSpans | None:
+    def get(self, req_pool_idx: int):
         return self._rows.get(int(req_pool_idx))
 
     def clear(self, req_pool_idx: int | None) -> None:
@@ -118,4 +159,7 @@ class SpanRegistry:
 
 
 SPANS = SpanRegistry()
-"""The registry of this process (one scheduler per process)."""
+"""``req_pool_idx -> RowSpans`` of this process (one scheduler per process)."""
+
+PROBES = SpanRegistry()
+"""``req_pool_idx -> HeadMassProbe`` for the rows whose new shared tokens are recorded."""

@@ -1,19 +1,26 @@
 """Which borrowed shared-context tokens a reader recomputes exactly (sparse correction).
 
 A reader agent reads another agent's KV for the shared transcript re-positioned to its own
-positions. The deviation of that KV from what the reader would have computed is largest on the
-first tokens of each borrowed span: they attended most to the context that differs (the other
-agent's head, RESEARCH.md §7: deep-layer V deviation 0.29 on tokens 1–4 vs 0.06 after 256). The
-serving path recomputes those tokens in the reader's own context, in the same forward pass as the
-reader's new tokens (the lab's sparse exact-token correction, ``correction/kvcmas.py``), and reads
-the rest of the span re-positioned.
+positions. The serving path recomputes a few of those tokens in the reader's own context, in the
+same forward pass as the reader's new tokens (the lab's sparse exact-token correction), and reads
+the rest re-positioned. Two signals pick them, neither needing a reference prefill or a probe:
+
+- **boundary**: the first tokens of each borrowed span deviate most (they attended most to the
+  other agent's head; RESEARCH.md §7: deep-layer V deviation 0.29 on tokens 1–4 vs 0.06 after
+  256);
+- **owner head mass**: a shared token's attention output is λ·o_head + (1 − λ)·o_rest, so
+  changing the head moves it in proportion to λ, its attention mass on the head (RESEARCH.md §2).
+  The owner's own pass records λ (``span_registry.HeadMassProbe``); the tokens with the largest
+  λ are recomputed (``benchmark/lab/owner_mass_study.py`` measures the selector against random
+  and the true-deviation oracle; inside the server, ``benchmark/serving/recompute_fidelity.py``:
+  boundary 16 alone recovers 0.24 of naive reuse's KL, + the top 20% by mass 0.75).
 
 Pure function over plain values; the tree cache (``integration/shared_tree_cache.py``) applies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -42,16 +49,21 @@ class RecomputeConfig:
     """Knobs of the boundary policy.
 
     Attributes:
-        boundary_tokens: tokens recomputed at the start of every foreign span (0: naive reuse).
+        boundary_tokens: tokens recomputed at the start of every foreign span (0: none).
+        mass_fraction: share of the borrowed foreign tokens recomputed in addition, largest owner
+            head mass first (0: none).
         max_fraction: cap on the recomputed share of the borrowed tokens, so a transcript of
             many short spans never degenerates into a full prefill.
     """
 
     boundary_tokens: int = 16
+    mass_fraction: float = 0.2
     max_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.boundary_tokens < 0 or not 0.0 <= self.max_fraction <= 1.0:
+        if self.boundary_tokens < 0 or not (
+            0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
+        ):
             raise ValueError(f"bad recompute config {self}")
 
 
@@ -75,3 +87,45 @@ def boundary_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> 
             break
         out.extend(range(span.begin, span.begin + take))
     return tuple(out)
+
+
+def mass_offsets(
+    candidates: Sequence[int],
+    mass: Sequence[float],
+    exact: Collection[int],
+    chosen: Sequence[int],
+    num_borrowed: int,
+    config: RecomputeConfig,
+) -> tuple[int, ...]:
+    """Offsets to recompute: ``chosen`` (the boundary) plus, among the other borrowed tokens, the
+    ``mass_fraction`` (of all borrowed) with the largest owner head mass that are not already
+    exact — within ``max_fraction`` recomputed.
+
+    Ranking includes the tokens the reader already holds exactly (its delta leaves), so over a
+    growing transcript the exact set stays the top share by mass and each turn recomputes only
+    the top tokens of what is new.
+
+    Args:
+        candidates: shared offsets of borrowed tokens that deviate unless exact: foreign ones and
+            ones the reader's delta leaves hold.
+        mass: the owner's head mass of each candidate (0 where the owner recorded none).
+        exact: candidates the reader already holds exactly (never recomputed).
+        chosen: offsets already chosen (kept first; never dropped).
+        num_borrowed: all borrowed tokens (the base of both fractions).
+    Returns:
+        sorted, distinct offsets.
+    """
+    if len(candidates) != len(mass):
+        raise ValueError(f"{len(candidates)} candidates but {len(mass)} masses")
+    out = set(chosen)
+    room = int(config.max_fraction * num_borrowed) - len(out)
+    top = int(round(config.mass_fraction * num_borrowed))
+    ranked = [i for i in sorted(range(len(candidates)), key=lambda i: -mass[i])
+              if candidates[i] not in out]  # the boundary comes on top of the mass share
+    for i in ranked[:top]:
+        if room <= 0 or mass[i] <= 0.0:
+            break  # over budget, or no signal left: the rest stays borrowed
+        if candidates[i] not in exact:
+            out.add(candidates[i])
+            room -= 1
+    return tuple(sorted(out))
