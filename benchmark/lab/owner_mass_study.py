@@ -31,10 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.lab.common import make_reference, teacher_forced_logits  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.correction.fidelity import teacher_forced  # noqa: E402
 from sglang_kvcmas.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
+
+from benchmark.lab.common import make_reference, teacher_forced_logits  # noqa: E402
+from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_LAYERS = (2, 6, 10, 14, 18, 22, 26)
@@ -101,10 +102,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "owner_mass_study")
     args = ap.parse_args()
     torch.manual_seed(0)
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     path = resolve_model_path(None)
     tok = AutoTokenizer.from_pretrained(path)

@@ -108,10 +108,9 @@ def main() -> int:
     args = ap.parse_args()
     configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.configs.split(",")]
 
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     questions = [q.question for q in gsm8k()[: args.questions]]

@@ -5,13 +5,20 @@ exact radix match of its own tokens (head, and any of the transcript it computed
 continued by the shared tree's match of the rest of the shared context by tokens alone::
 
     reader row (req_to_token[req_pool_idx])
-    index  0 ........ h ........ m_r ................... h+L ............ n
-           | own head | own exact | borrowed shared span | own new tokens |
-           |<-- radix path slots ->|<- shared path slots ->|<- allocated ->|
-           |       reused exact    |  reused corrected    |  recomputed    |
+    index  0 ........ h ........ m_r ............... h+L-r .......... h+L ............ n
+           | own head | own exact | borrowed shared span | recomputed | own new tokens |
+           |<-- radix path slots ->|<- shared slots -->|<------- allocated -------->|
+           |       reused exact    |  reused corrected |        recomputed          |
                                     owner position = reader position - shift
-    prefix_len = h + L                     (SGLang extends from here)
-    cache_protected_len = h + L            (release never frees borrowed slots)
+    prefix_len = h + L - r                 (SGLang extends from here)
+    cache_protected_len = h + L - r        (release never frees borrowed slots)
+
+The ``r`` recomputed tokens are borrowed shared tokens the reader computes in its own context
+(``policy/recompute.py``: span boundaries and the owner's largest head-mass tokens); they sit
+after the borrowed slots in the row and the attention backend gives them their true positions
+(``span_registry.RecomputedTokens``). After the prefill they become the reader's delta leaves on
+the shared nodes (exact overrides in the pool) and the protected length moves to ``h + L``.
+Tokens a leaf already holds are read from it (exact, no shift) and not recomputed.
 
 ``req.last_node`` is then a :class:`SharedPrefixHandle` (radix node + deepest shared node);
 ``lock``/``unlock``/``prefix_device_indices``/``resolve_node_handle`` understand it. When the row
@@ -55,8 +62,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas import envs
 from sglang_kvcmas.attention.batch import SharedSpan
 from sglang_kvcmas.integration import reuse_accounting
-from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
+from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
 from sglang_kvcmas.integration.span_registry import (
@@ -533,9 +540,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         )
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
-        """Keep the boundary tokens a reader recomputed as its delta leaves on the shared nodes
-        (its later turns read them exactly, without recomputing); the row's protected prefix then
-        covers them, and the slots a leaf already held are freed at release."""
+        """Keep the tokens a reader recomputed as its delta leaves on the shared nodes (its later
+        turns read them exactly, without recomputing); the row's protected prefix then covers
+        them, and the slots a leaf already held are freed at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:

@@ -119,7 +119,7 @@ def mass_offsets(
         raise ValueError(f"{len(candidates)} candidates but {len(mass)} masses")
     out = set(chosen)
     room = int(config.max_fraction * num_borrowed) - len(out)
-    top = int(round(config.mass_fraction * num_borrowed))
+    top = round(config.mass_fraction * num_borrowed)
     ranked = [i for i in sorted(range(len(candidates)), key=lambda i: -mass[i])
               if candidates[i] not in out]  # the boundary comes on top of the mass share
     for i in ranked[:top]:
