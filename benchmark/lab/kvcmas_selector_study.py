@@ -12,6 +12,7 @@ turn's correction is measured (no chain). Per turn it prints:
 
     python benchmark/lab/kvcmas_selector_study.py --answer-tokens 40 --rounds 2
     python benchmark/lab/kvcmas_selector_study.py --answer-tokens 128 --rounds 2
+    python benchmark/lab/kvcmas_selector_study.py --workload chain --answer-tokens 40
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import teacher_forced_logits  # noqa: E402
 from kvcmas_lab import make_transcript  # noqa: E402
-from kvcmas_workloads import debate  # noqa: E402
+from kvcmas_workloads import debate, reviewer_chain  # noqa: E402
 
 from sglang_kvcmas.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
 from sglang_kvcmas.correction.fidelity import teacher_forced  # noqa: E402
@@ -78,6 +79,9 @@ def isolated_request(tr, ti: int, bases) -> ReadRequest | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=("debate", "chain"), default="debate",
+                    help="chain: one long essay read first (RESEARCH.md section 7's setting)")
+    ap.add_argument("--essay-chars", type=int, default=2000)
     ap.add_argument("--instance", type=int, default=2)
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
@@ -89,8 +93,9 @@ def main(argv=None) -> int:
     folder = resolve_model_path()
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = RefLlama.from_pretrained(folder, torch.float32)
-    tr = make_transcript(model, tok, debate(args.instance, args.agents, args.rounds),
-                         args.answer_tokens, 32, lambda m: None)
+    wl = (debate(args.instance, args.agents, args.rounds) if args.workload == "debate"
+          else reviewer_chain(args.instance, args.essay_chars))
+    tr = make_transcript(model, tok, wl, args.answer_tokens, 32, lambda m: None)
     bases = owner_bases(model, tr)
     L = model.spec.num_layers
     kls: dict[str, list[float]] = {}
@@ -99,8 +104,10 @@ def main(argv=None) -> int:
         tf = teacher_forced_logits(model, cache, last, turn.ref.cont_ids)
         return teacher_forced(turn.ref.tf_logits, tf).mean_kl
 
-    print(f"debate #{args.instance}: {args.agents} agents x {args.rounds} rounds, "
-          f"{args.answer_tokens}-token answers (isolated turns: exact prefix, exact owner bases)")
+    shape = (f"{args.agents} agents x {args.rounds} rounds" if args.workload == "debate"
+             else f"writer -> 2 reviewers -> editor, essay {args.essay_chars} chars")
+    print(f"{wl.name} #{args.instance}: {shape}, {args.answer_tokens}-token answers "
+          "(isolated turns: exact prefix, exact owner bases)")
     for ti, turn in enumerate(tr.turns):
         req = isolated_request(tr, ti, bases)
         if req is None:
