@@ -79,7 +79,7 @@ KVCMAS_RECOMPUTE_BOUNDARY = EnvVar(
 )
 KVCMAS_RECOMPUTE_MASS_FRACTION = EnvVar(
     "KVCMAS_RECOMPUTE_MASS_FRACTION",
-    "0.2",
+    "0.1",
     "With sharing on, a reader also recomputes this share of its borrowed tokens, those with the "
     "largest attention mass on their owner's head (recorded in the owner's pass).",
 )
