@@ -293,12 +293,17 @@ def main() -> int:
     ap.add_argument("--chains", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--arms", default="radix,no_cache,kvcmas")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="KV pool size of every arm (default: the launcher's 16384); make it "
+                         "larger than the radix arm's demand to measure peak KV unclipped")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
     ap.add_argument("--sequential", action="store_true",
                     help="one arm at a time (default: all arms side by side, same machine load)")
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
+    pool_args = ([] if args.max_total_tokens is None
+                 else ["--max-total-tokens", str(args.max_total_tokens)])
     args.out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -331,7 +336,7 @@ def main() -> int:
 
     if args.sequential:
         for arm in arms:
-            with ArmServer(arm, args.out / f"server_{arm}.log") as server:
+            with ArmServer(arm, args.out / f"server_{arm}.log", pool_args) as server:
                 stream_generate(server.url, tok.encode("Warm up."), 4)
                 measure(arm, server)
                 if arm == "kvcmas":
@@ -340,7 +345,8 @@ def main() -> int:
         # Side by side: every arm's server is up and its workload runs at the same time, so all
         # arms see the same (shared, noisy) machine load.
         with ExitStack() as stack:
-            servers = {a: stack.enter_context(ArmServer(a, args.out / f"server_{a}.log"))
+            servers = {a: stack.enter_context(ArmServer(a, args.out / f"server_{a}.log",
+                                                        pool_args))
                        for a in arms}
             for server in servers.values():
                 stream_generate(server.url, tok.encode("Warm up."), 4)
