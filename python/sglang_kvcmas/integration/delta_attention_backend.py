@@ -12,8 +12,8 @@ SDPA, following ``attention/reference.py``::
 Nothing is written back to the pool: the owner's KV stays exact and shared. Rows without spans
 (every exact request, every request when sharing is off) take the parent's code path unchanged.
 
-Recomputed tokens (``span_registry.RecomputedTokens``): a reader recomputes the first tokens of
-each borrowed span in its own context. The tree cache leaves them out of the row's prefix, so
+Recomputed tokens (``span_registry.RecomputedTokens``): a reader recomputes some borrowed tokens
+(span boundaries, the owner's largest head-mass tokens; ``policy/recompute.py``) in its own context. The tree cache leaves them out of the row's prefix, so
 SGLang extends the row from a prefix that is that many tokens shorter; before the model runs,
 :meth:`DeltaAttnBackend.init_forward_metadata` writes their ids and true positions into the
 first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
