@@ -143,3 +143,12 @@ def test_head_mass_equals_softmax_mass_on_the_head():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert dab.head_mass(torch.randn(2, 0, 4), torch.randn(1, 3, 4), torch.arange(0),
                          torch.arange(3), 1.0, 0, 1).shape == (0,)
+
+
+def test_head_mass_probe_keeps_only_rows_of_the_shared_context():
+    from sglang_kvcmas.integration.span_registry import HeadMassProbe
+
+    probe = HeadMassProbe.for_row(3, 10, 20)
+    probe.add(15, torch.full((8,), 0.5))  # rows 15..22: only 15..19 exist
+    probe.add(25, torch.full((48,), 0.9))  # an extend that starts past the shared context
+    assert probe.mean(14, 21).tolist() == [0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0]

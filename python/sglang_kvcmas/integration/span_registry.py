@@ -123,6 +123,8 @@ class HeadMassProbe:
     def add(self, start: int, mass: torch.Tensor) -> None:
         """mass: [n] float for row indices ``start .. start + n - 1``."""
         end = min(start + mass.shape[0], self.sums.shape[0])
+        if end <= start:
+            return  # rows past the shared context (suffix, a resumed request): nothing to keep
         self.sums[start:end] += mass[: end - start].float().cpu()
         self.counts[start:end] += 1
 
