@@ -393,10 +393,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         prompt = len(req.origin_input_ids)
         correction = "none"
         if handle is not None:
-            row, corrected = self._row_spans(req, handle)
+            tokens = self._borrowed(handle)
+            row, corrected = self._row_spans(req, handle, tokens)
             SPANS.set(req.kv.req_pool_idx, row)
             exact = req.prefix_len - corrected
-            correction = self._correction_label(handle)
+            correction = self._correction_label(handle, tokens)
         else:
             exact, corrected = req.prefix_len, 0
         if getattr(req, "_kvcmas_accounted", False) is False:
@@ -416,9 +417,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
 
-    def _correction_label(self, handle: SharedPrefixHandle) -> str:
-        """How the request's borrowed tokens were corrected, for its reuse record."""
-        from_leaves = sum(t.from_leaf for t in self._borrowed(handle))
+    @staticmethod
+    def _correction_label(handle: SharedPrefixHandle, tokens: list[_Token]) -> str:
+        """How the request's borrowed tokens (``_borrowed(handle)``) were corrected, for its
+        reuse record."""
+        from_leaves = sum(t.from_leaf for t in tokens)
         parts = [f"boundary_recompute:{len(handle.recompute)}"] if handle.recompute else []
         if from_leaves:
             parts.append(f"delta_leaf:{from_leaves}")
@@ -472,15 +475,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                     out.append(_Token(offset, slots[i], shift, foreign, False, mass[i]))
         return out
 
-    def _row_spans(self, req: Req, handle: SharedPrefixHandle) -> tuple[RowSpans, int]:
-        """The row's borrowed spans in row coordinates (recomputed tokens left out), the
-        recomputed tokens with their true positions; and how many borrowed tokens are read from
-        another context (what the accounting calls corrected reuse)."""
+    @staticmethod
+    def _row_spans(req: Req, handle: SharedPrefixHandle,
+                   tokens: list[_Token]) -> tuple[RowSpans, int]:
+        """The row's borrowed spans in row coordinates from ``tokens = _borrowed(handle)``
+        (recomputed tokens left out), the recomputed tokens with their true positions; and how
+        many borrowed tokens are read from another context (what the accounting calls corrected
+        reuse)."""
         head = handle.split.head_len
         spans: list[list[int]] = []  # [row start, length, shift]
         positions = list(range(handle.radix_len))
         foreign = 0
-        for tok in self._borrowed(handle):
+        for tok in tokens:
             row = len(positions)
             positions.append(head + tok.offset)
             foreign += tok.foreign
