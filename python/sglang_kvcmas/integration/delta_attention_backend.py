@@ -40,6 +40,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from sglang_kvcmas.attention.shifted_query import shift_runs, shifted_query_decode
 from sglang_kvcmas.integration.span_registry import PROBES, SPANS, HeadMassProbe, RowSpans
 
 if TYPE_CHECKING:
@@ -146,8 +147,10 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         self.inv_freq = rope_inv_freq(head_dim, theta)
         self._layer_id = 0
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._groups: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
 
     def init_forward_metadata(self, forward_batch):
+        self._groups.clear()  # per forward: rows and lengths change between forwards
         if forward_batch.forward_mode.is_extend() and len(SPANS):
             self._place_recomputed(forward_batch)
         super().init_forward_metadata(forward_batch)
@@ -250,7 +253,10 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
         sliding_window_size: Optional[int] = None,
     ):
-        rows = self._rows(req_pool_indices)
+        # Decode needs no position mask (every cached token precedes the query): only rows
+        # with a shift or a delta differ from the parent.
+        rows = [r if r is not None and any(d.span.shift or d.factors is not None for d in r.reads)
+                else None for r in self._rows(req_pool_indices)]
         if encoder_lens is not None or sliding_window_size is not None or not any(rows):
             return super()._run_sdpa_forward_decode(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -260,13 +266,31 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         for i in range(seq_lens.shape[0]):
             n_kv = int(seq_lens[i])
             q = q_all[:, i : i + 1, :]
-            k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
-            out = scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
-            ).squeeze(0).movedim(query.dim() - 2, 0)
-            output[i : i + 1] = out
+            row = rows[i]
+            if row is not None and all(r.factors is None for r in row.reads):
+                # Re-positioning only: rotate the query per shift instead of every key.
+                tokens = req_to_token[req_pool_indices[i], :n_kv]
+                shifts, runs = self._shift_runs(int(req_pool_indices[i]), n_kv, row)
+                out = shifted_query_decode(
+                    q, k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1), shifts,
+                    runs, self.inv_freq, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                )
+            else:
+                k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, row)
+                out = scaled_dot_product_attention(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                    enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+                ).squeeze(0)
+            output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
+
+    def _shift_runs(self, req_pool_idx: int, n_kv: int, row: RowSpans):
+        key = (req_pool_idx, n_kv)
+        if key not in self._groups:
+            self._groups[key] = shift_runs(
+                n_kv, [(r.span.start, r.span.end, r.span.shift) for r in row.reads]
+            )
+        return self._groups[key]
 
     def _gather(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row):
         """[H_kv, n_kv, d] keys and values of one row, spans transformed (transient copies)."""

@@ -1,0 +1,89 @@
+"""Decode attention over re-positioned shared spans by rotating the query, not the keys.
+
+A reader's row holds borrowed keys rotated at the owner's positions; the span's read key is
+``R(δ)·k`` (``attention/rope.py``). Rotations are orthogonal, so the score against it is
+
+    q · R(δ)·k = (R(−δ)·q) · k
+
+For one decode query that turns a rotation of every borrowed key, at every layer and step, into
+one rotation of the query per distinct shift (a few per row); each contiguous run of keys of
+one shift is scored with its rotated query. The query-key products are the same as without
+shifts, so a shifted row decodes at plain-attention cost.
+
+The reference is :func:`sglang_kvcmas.integration.delta_attention_backend.transform_spans`
+followed by SDPA; ``test/serving/test_shifted_query.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvcmas.attention.rope import rope_cos_sin
+
+
+def shift_runs(
+    n_kv: int, spans: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
+    """A row's keys as contiguous runs of one shift each.
+
+    Args:
+        n_kv: number of keys in the row.
+        spans: ``(start, end, shift)`` row ranges, sorted and disjoint; keys outside every span
+            have shift 0.
+    Returns:
+        (shifts, runs): shifts [S] int64 distinct shifts with ``shifts[0] == 0``; runs
+        ``(start, end, i)`` covering ``[0, n_kv)`` in order, adjacent runs of one shift merged,
+        ``i`` indexing ``shifts``.
+    """
+    distinct = [0] + sorted({s for _, _, s in spans if s != 0})
+    runs: list[list[int]] = []
+    at = 0
+    for start, end, shift in [*spans, (n_kv, n_kv, 0)]:
+        start, end = min(start, n_kv), min(end, n_kv)
+        for lo, hi, i in ((at, start, 0), (start, end, distinct.index(shift))):
+            if hi <= lo:
+                continue
+            if runs and runs[-1][2] == i:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, i])
+        at = max(at, end)
+    return torch.tensor(distinct, dtype=torch.int64), tuple(tuple(r) for r in runs)
+
+
+def shifted_query_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shifts: torch.Tensor,
+    runs: tuple[tuple[int, int, int], ...],
+    inv_freq: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per head over keys read at per-run shifts.
+
+    Args:
+        q: [H, 1, d] query (RoPE applied at the reader's position).
+        k: [H_kv, n_kv, d] keys as the pool stores them (owner positions); H % H_kv == 0.
+        v: [H_kv, n_kv, d] values.
+        shifts: [S] int64 distinct shifts (``shift_runs``).
+        runs: ``(start, end, i)`` runs covering ``[0, n_kv)``, keys of run read at ``shifts[i]``.
+        inv_freq: [d // 2] float32 RoPE frequencies.
+        scale: softmax scale.
+    Returns:
+        [H, 1, d] in ``q.dtype``; equals SDPA over keys rotated by their shift (every key
+        precedes the query, so no mask).
+    """
+    h, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
+    half, g = d // 2, h // hkv
+    cos, sin = rope_cos_sin(-shifts, inv_freq.to(q.device))  # [S, d/2] each
+    qf = q.reshape(hkv, g, d).to(torch.float32)
+    lo, hi = qf[..., :half], qf[..., half:]
+    c, s = cos[:, None, None, :].to(q.device), sin[:, None, None, :].to(q.device)
+    q_s = torch.cat([lo * c - hi * s, hi * c + lo * s], dim=-1) * scale  # [S, H_kv, g, d]
+    kf = k.to(torch.float32)
+    scores = torch.empty((hkv, g, k.shape[1]), dtype=torch.float32, device=q.device)
+    for start, end, i in runs:
+        scores[:, :, start:end] = q_s[i] @ kf[:, start:end].transpose(1, 2)
+    out = torch.softmax(scores, dim=-1) @ v.to(torch.float32)  # [H_kv, g, d]
+    return out.reshape(h, 1, d).to(q.dtype)

@@ -1,0 +1,77 @@
+"""Query-rotation decode equals the reference: rotate the borrowed keys, then SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_kvcmas.attention.batch import SharedSpan
+from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.shifted_query import shift_runs, shifted_query_decode
+from sglang_kvcmas.integration.delta_attention_backend import transform_spans
+from sglang_kvcmas.integration.span_registry import RowSpans, SpanRead
+
+
+def test_shift_runs_cover_the_row_and_merge_equal_neighbours():
+    shifts, runs = shift_runs(20, [(2, 5, -3), (5, 9, -3), (12, 30, 7)])
+    assert shifts.tolist() == [0, -3, 7]
+    assert runs == ((0, 2, 0), (2, 9, 1), (9, 12, 0), (12, 20, 2))
+    assert shift_runs(6, [])[1] == ((0, 6, 0),)
+    assert shift_runs(6, [(6, 9, 4)])[1] == ((0, 6, 0),)  # a span past the row is ignored
+
+
+CASES = [
+    # n_kv, heads, kv heads, spans (start, length, shift)
+    (1, 3, 3, []),
+    (17, 9, 3, [(2, 7, -5)]),
+    (130, 6, 2, [(5, 40, 11), (45, 50, -29), (95, 35, 11)]),
+    (257, 4, 1, [(0, 100, 3), (100, 1, -1), (200, 80, 250)]),  # last span clipped by n_kv
+]
+
+
+@pytest.mark.parametrize("n_kv,h,hkv,spans", CASES)
+def test_shifted_query_decode_equals_rotated_keys(n_kv, h, hkv, spans):
+    torch.manual_seed(n_kv)
+    d, inv = 64, rope_inv_freq(64, 1e5)
+    q = torch.randn(h, 1, d)
+    k, v = torch.randn(n_kv, hkv, d), torch.randn(n_kv, hkv, d)
+    row = RowSpans("r", tuple(SpanRead(SharedSpan(*s)) for s in spans))
+    k_ref, v_ref = transform_spans(k.clone(), v.clone(), row, 0, inv)
+    ref = scaled_dot_product_attention(
+        q[None], k_ref.movedim(0, 1)[None], v_ref.movedim(0, 1)[None], enable_gqa=True
+    )[0]
+    shifts, runs = shift_runs(n_kv, [(s[0], s[0] + s[1], s[2]) for s in spans])
+    out = shifted_query_decode(q, k.movedim(0, 1), v.movedim(0, 1), shifts, runs, inv, d**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_backend_decode_takes_the_query_rotation_path_and_matches_the_reference():
+    from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
+    from sglang_kvcmas.integration.span_registry import SPANS
+
+    torch.manual_seed(0)
+    be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
+    be.inv_freq, be._layer_id, be._cos_sin, be._groups = rope_inv_freq(64, 1e5), 0, {}, {}
+    d, h, hkv, lens = 64, 6, 2, [40, 75]
+    k_cache, v_cache = torch.randn(256, hkv, d), torch.randn(256, hkv, d)
+    req_to_token = torch.zeros(4, 128, dtype=torch.int64)
+    req_to_token[1, :40], req_to_token[3, :75] = torch.randperm(256)[:40], torch.randperm(256)[:75]
+    query = torch.randn(2, h, d)
+    row = RowSpans("r", (SpanRead(SharedSpan(3, 30, -8)), SpanRead(SharedSpan(33, 20, 5))))
+    SPANS.set(3, row)  # row 1 has no spans: the parent's plain path
+    try:
+        out = torch.empty_like(query)
+        be._run_sdpa_forward_decode(query, out, k_cache, v_cache, req_to_token,
+                                    torch.tensor([1, 3]), torch.tensor(lens), scaling=d**-0.5,
+                                    enable_gqa=True)
+    finally:
+        SPANS.clear(3)
+    for i, (idx, n, r) in enumerate([(1, 40, None), (3, 75, row)]):
+        k, v = k_cache[req_to_token[idx, :n]], v_cache[req_to_token[idx, :n]]
+        if r is not None:
+            k, v = transform_spans(k, v, r, 0, be.inv_freq)
+        ref = scaled_dot_product_attention(query[i][:, None][None], k.movedim(0, 1)[None],
+                                           v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)
+    assert (3, 75) in be._groups  # the shifted row went through the query rotation
