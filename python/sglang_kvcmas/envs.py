@@ -57,8 +57,9 @@ KVCMAS_TURN_ORDER = EnvVar(
 )
 KVCMAS_TURN_MAX_WAIT_S = EnvVar(
     "KVCMAS_TURN_MAX_WAIT_S",
-    "20",
-    "Longest a request is held back waiting for another agent to compute its shared segment.",
+    "60",
+    "Longest a request is held back (counted from when it is first held) waiting for another "
+    "agent to compute its shared segment; a safety bound, the leader normally publishes first.",
 )
 KVCMAS_TURN_MIN_GAIN = EnvVar(
     "KVCMAS_TURN_MIN_GAIN",

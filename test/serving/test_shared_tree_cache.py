@@ -331,3 +331,35 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     assert spans.recomputed is None
     assert b3.customized_info["kvcmas_reuse"][0]["correction"] == f"delta_leaf:{2 + n_mass}"
     assert_slots_conserved(h)
+
+
+def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
+    """The wait bound counts from the first hold, not from arrival: a reader that queued for
+    longer than the bound before its leader showed up still waits for the leader, and is
+    released once it has been held for the bound."""
+    from sglang_kvcmas.integration import turn_order_hook
+
+    h = Harness()
+    a, b, t2 = head(50, 20), head(60, 8), list(range(200, 260))
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)  # b's head is cached: b can borrow
+    leader, reader = Req("a2", a + T1 + t2 + SUFFIX), Req("b2", b + T1 + t2 + SUFFIX)
+    clock = [0.0]
+    monkeypatch.setattr(turn_order_hook.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    max_wait = float(turn_order_hook.envs.KVCMAS_TURN_MAX_WAIT_S.get())
+    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[])
+    seen = []
+
+    def build_batch(s):
+        seen.append([r.rid for r in s.waiting_queue])
+
+    # (time, queue): alone (nobody to wait for), then with its leader for longer than the bound
+    after = []
+    for t, queue in ((0.0, [reader]), (max_wait + 5, [leader, reader]),
+                     (2 * max_wait + 4, [leader, reader]), (2 * max_wait + 6, [leader, reader])):
+        clock[0], scheduler.waiting_queue = t, list(queue)
+        turn_order_hook.turn_order_around(build_batch, scheduler)
+        after.append([r.rid for r in scheduler.waiting_queue])
+    assert seen == [["b2"], ["a2"], ["a2"], ["a2", "b2"]]  # what each prefill decision saw
+    assert after == [["b2"], ["b2", "a2"], ["b2", "a2"], ["a2", "b2"]]  # held: back in front

@@ -25,7 +25,7 @@ class TurnCandidate:
         agent: agent id.
         shared: the request's shared-context token ids.
         available: how many of ``shared`` the shared tree already holds (a reader reuses these).
-        waited_s: seconds since the request arrived.
+        waited_s: seconds since the request was first held back (0 if never).
     """
 
     rid: str
@@ -52,12 +52,12 @@ class TurnConfig:
     Attributes:
         policy: ``"leader"`` or ``"fifo"``.
         min_gain: fewest extra shared tokens a wait must buy.
-        max_wait_s: a request that has waited this long is never held back again.
+        max_wait_s: a request held back this long in total is never held back again.
     """
 
     policy: str = "leader"
     min_gain: int = 32
-    max_wait_s: float = 20.0
+    max_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("leader", "fifo"):
