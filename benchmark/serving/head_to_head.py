@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
+from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import Workflow, debate, reviewer_chain  # noqa: E402
 
@@ -297,6 +299,9 @@ def main() -> int:
                     help="KV pool size of every arm (default: the launcher's 16384); make it "
                          "larger than the radix arm's demand to measure peak KV unclipped")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+    ap.add_argument("--profile", action="store_true",
+                    help="sample each arm's scheduler with py-spy during its workload and write "
+                         "profile_<arm>.txt (where the time goes)")
     ap.add_argument("--sequential", action="store_true",
                     help="one arm at a time (default: all arms side by side, same machine load)")
     args = ap.parse_args()
@@ -323,8 +328,12 @@ def main() -> int:
         flows = build_workflows(args.debates, args.chains)
         sampler = KvSampler(server.url)
         sampler.start()
+        spy = (SchedulerProfile(server.proc.pid, args.out / f"profile_{arm}.raw").start()
+               if args.profile else None)
         turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
         results[arm] = (turns, makespan, sampler.stop())
+        if spy is not None and (raw := spy.stop()) is not None:
+            (args.out / f"profile_{arm}.txt").write_text(profile_report(raw))
         pools[arm] = sampler.pool_tokens
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
