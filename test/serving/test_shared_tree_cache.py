@@ -363,3 +363,18 @@ def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
         after.append([r.rid for r in scheduler.waiting_queue])
     assert seen == [["b2"], ["a2"], ["a2"], ["a2", "b2"]]  # what each prefill decision saw
     assert after == [["b2"], ["b2", "a2"], ["b2", "a2"], ["a2", "b2"]]  # held: back in front
+
+
+def test_a_request_can_ask_to_read_no_other_agents_kv():
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    b2.sampling_params.custom_params = {"kvcmas_exact": True}
+    spans, _ = h.serve(b2, 3)
+    assert spans is None and not isinstance(b2.last_node, SharedPrefixHandle)
+    assert b2.prefix_len == len(b) + len(T1)  # only its own exact prefix, as the radix cache
+    assert not h.cache.wants_exact(SimpleNamespace(  # only a JSON true asks
+        sampling_params=SimpleNamespace(custom_params={"kvcmas_exact": "yes"})))

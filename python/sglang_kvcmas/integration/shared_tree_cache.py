@@ -91,6 +91,9 @@ BOUNDARY_FIELD = "kvcmas_boundary_tokens"
 """``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
 MASS_FIELD = "kvcmas_mass_fraction"
 """``custom_params`` key of ``/generate`` that sets one request's head-mass recompute share."""
+EXACT_FIELD = "kvcmas_exact"
+"""``custom_params`` key of ``/generate``: true makes the request read no other agent's KV (it
+computes its context exactly, as under SGLang's radix cache, and may own new shared segments)."""
 
 
 @dataclass(eq=False)
@@ -282,8 +285,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not self.share_context or self.disable or req is None or self.page_size != 1:
             return base
         split = self.split_of(req)
-        if split is None or base.device_prefix_len < split.head_len:
-            return base  # unknown agent head: compute it (and be an exact owner)
+        if split is None or base.device_prefix_len < split.head_len or self.wants_exact(req):
+            return base  # unknown agent head, or asked to: compute it (and be an exact owner)
         key = params.key
         limit = min(len(key), split.shared_end)
         shared_tokens = key.token_ids[split.head_len : limit]
@@ -298,6 +301,12 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = replace(handle, use_leaves=not self._request_recompute(req))
         handle = replace(handle, recompute=self._recompute_for(req, handle))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
+
+    @staticmethod
+    def wants_exact(req: Req) -> bool:
+        """Whether the request asked to read no other agent's KV (``custom_params``)."""
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        return isinstance(custom, dict) and custom.get(EXACT_FIELD) is True
 
     @staticmethod
     def _request_recompute(req: Req) -> dict[str, float]:

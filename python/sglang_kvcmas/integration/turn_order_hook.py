@@ -39,8 +39,8 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
     out = []
     for req in waiting:
         split = cache.split_of(req)
-        if split is None or not cache.head_cached(req, split):
-            continue  # cannot borrow anyway: never held back
+        if split is None or cache.wants_exact(req) or not cache.head_cached(req, split):
+            continue  # cannot (or will not) borrow anyway: never held back
         ns = (req.extra_key, req.cache_salt or None)
         shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
         available, _ = cache.shared.match(ns, shared, split=False)
