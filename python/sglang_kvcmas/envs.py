@@ -49,6 +49,12 @@ KVCMAS_SHARE_CONTEXT = EnvVar(
     "Opt-in, per deployment: let agents read each other's KV for their common transcript "
     "(shared-context tree). Off: the kvcmas tree cache behaves exactly like SGLang's RadixCache.",
 )
+KVCMAS_MIN_BORROWED = EnvVar(
+    "KVCMAS_MIN_BORROWED",
+    "256",
+    "Fewest tokens of other agents' KV a reader borrows; a reader that would borrow fewer "
+    "computes them exactly (borrowing them saves little and risks a flipped token).",
+)
 KVCMAS_TURN_ORDER = EnvVar(
     "KVCMAS_TURN_ORDER",
     "leader",
@@ -92,6 +98,7 @@ KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
 
 ALL = ALL + (
     KVCMAS_SHARE_CONTEXT,
+    KVCMAS_MIN_BORROWED,
     KVCMAS_TURN_ORDER,
     KVCMAS_TURN_MAX_WAIT_S,
     KVCMAS_TURN_MIN_GAIN,

@@ -52,3 +52,13 @@ def test_mass_offsets_count_what_the_reader_already_holds_exactly():
     mass = [0.1, 0.9, 0.0, 0.5, 0.7, 0.2]
     cfg = RecomputeConfig(boundary_tokens=0, mass_fraction=0.3, max_fraction=1.0)
     assert mass_offsets(cand, mass, {11, 14}, (), 10, cfg) == (13,)
+
+
+def test_borrow_pays_only_from_min_borrowed_foreign_tokens():
+    from sglang_kvcmas.policy.recompute import borrow_pays
+
+    cfg = RecomputeConfig(min_borrowed=256)
+    assert not borrow_pays(255, cfg) and borrow_pays(256, cfg)
+    assert borrow_pays(1, RecomputeConfig(min_borrowed=0))
+    with pytest.raises(ValueError):
+        RecomputeConfig(min_borrowed=-1)

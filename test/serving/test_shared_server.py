@@ -24,9 +24,21 @@ SB = ("You are Ben, a skeptical reviewer who looks for the one most likely mista
       "other agents' answers before agreeing.")
 T1 = ("Question: A farmer has 17 sheep. He buys 5 more and then sells 3 of them at the market. "
       "How many sheep does the farmer have now? Explain your reasoning in two sentences.")
-T2 = T1 + ("\n\nRound 1 answers:\nAda: He has 17 + 5 = 22 sheep, then 22 - 3 = 19. Final answer: "
-           "19\nBen: I agree with the arithmetic; 19 sheep remain. Final answer: 19\n\nThis is "
-           "round 2. Considering the answers above, give your updated answer.")
+T2 = T1 + (
+    "\n\nRound 1 answers:\nAda: The farmer starts with 17 sheep. Buying 5 more gives 17 + 5 = 22 "
+    "sheep, because buying adds to the flock. Selling 3 of them removes 3, so 22 - 3 = 19 sheep "
+    "remain. I checked both steps again: the purchase happens before the sale, and nothing else "
+    "changes the number of sheep, so the order of the steps does not matter for the total. "
+    "Final answer: 19\nBen: I looked for the most likely mistake, which would be adding the sold "
+    "sheep instead of subtracting them, or forgetting the purchase. Ada did neither: 17 plus 5 is "
+    "22, and 22 minus 3 is 19. Another check: the net change is 5 - 3 = 2, and 17 + 2 = 19, the "
+    "same number. The question asks how many he has now, not how many he bought or sold, so the "
+    "answer is the final count. Final answer: 19\nCleo: Both of you agree and both computations "
+    "are consistent. I would only add that the problem gives no reason to doubt the numbers: no "
+    "sheep are born, lost or given away, and the market sale is the only reduction. So the flock "
+    "is 17 at the start, 22 after the purchase and 19 after the sale. Final answer: 19\n\nThis is "
+    "round 2. Considering the answers above, give your updated answer.")
+"""Round 2's transcript: more than ``KVCMAS_MIN_BORROWED`` (256) new tokens, so a reader borrows."""
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +96,7 @@ def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
     ids = chat_ids(tok, SB, T2)
     exact = post(server.url + "/generate", {
         "input_ids": ids, "cache_salt": "exact", "sampling_params": {
-            "temperature": 0, "max_new_tokens": 24}})
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}})
     cont = tok.encode(exact["text"], add_special_tokens=False)
 
     def forced(boundary, salt=None, mass=0.0):

@@ -74,13 +74,14 @@ class Req:
 
 
 class Harness:
-    def __init__(self, share=True, boundary=0):
+    def __init__(self, share=True, boundary=0, min_borrowed=0):
         self.alloc, self.pool = Allocator(), Pool()
         self.cache = KvcmasSharedTreeCache(
             CacheInitParams(disable=False, req_to_token_pool=self.pool,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
             chat_ids=CHAT, share_context=share)
-        self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary)
+        self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary,
+                                                      min_borrowed=min_borrowed)
         self.next_slot, self.allocated = 1000, []
 
     def serve(self, req, row, mass=None):
@@ -308,7 +309,7 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     """The owner's pass records each new shared token's head mass on the shared node; a reader
     recomputes its boundary plus the largest-mass tokens (mass_fraction of what it borrows)."""
     h = Harness(boundary=2)
-    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.1,
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.1, min_borrowed=0,
                                                max_fraction=0.5)
     a, b = head(50, 20), head(60, 8)
     h.serve(Req("a1", a + T1 + SUFFIX), 0)
@@ -378,3 +379,26 @@ def test_a_request_can_ask_to_read_no_other_agents_kv():
     assert b2.prefix_len == len(b) + len(T1)  # only its own exact prefix, as the radix cache
     assert not h.cache.wants_exact(SimpleNamespace(  # only a JSON true asks
         sampling_params=SimpleNamespace(custom_params={"kvcmas_exact": "yes"})))
+
+
+def test_a_reader_computes_a_short_foreign_span_exactly():
+    """Below ``min_borrowed`` foreign tokens a reader borrows nothing (and a turn-order wait for
+    them would buy nothing); at or above it, it borrows."""
+    from sglang_kvcmas.integration import turn_order_hook
+
+    long_t2 = list(range(300, 360))
+    for t2, borrows in ((T2, False), (long_t2, True)):
+        h = Harness(min_borrowed=len(long_t2))
+        a, b = head(50, 20), head(60, 8)
+        h.serve(Req("a1", a + T1 + SUFFIX), 0)
+        h.serve(Req("b1", b + T1 + SUFFIX), 1)
+        leader, reader = Req("a2", a + T1 + t2 + SUFFIX), Req("b2", b + T1 + t2 + SUFFIX)
+        scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[leader, reader])
+        seen = []
+        turn_order_hook.turn_order_around(
+            lambda s: seen.append([r.rid for r in s.waiting_queue]), scheduler)
+        assert seen == [["a2"] if borrows else ["a2", "b2"]]
+        h.serve(leader, 2)
+        spans, _ = h.serve(reader, 3)
+        assert (spans is not None) == borrows
+        assert reader.prefix_len == len(b) + len(T1) + (len(t2) + END if borrows else 0)

@@ -77,6 +77,7 @@ from sglang_kvcmas.integration.span_registry import (
 from sglang_kvcmas.policy.recompute import (
     BorrowedSpan,
     RecomputeConfig,
+    borrow_pays,
     boundary_offsets,
     mass_offsets,
 )
@@ -196,6 +197,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             boundary_tokens=int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get()),
             mass_fraction=float(envs.KVCMAS_RECOMPUTE_MASS_FRACTION.get()),
             max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
+            min_borrowed=int(envs.KVCMAS_MIN_BORROWED.get()),
         )
         self._chunk_limit: int | None = None
         self._splits: dict[str, AgentSplit | None] = {}
@@ -298,7 +300,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
-        handle = replace(handle, use_leaves=not self._request_recompute(req))
+        own_knobs = self._request_recompute(req)
+        foreign = sum(p.end - p.begin for p in self._pieces(handle) if p.foreign)
+        if not own_knobs and not borrow_pays(foreign, self.recompute_config):
+            return base  # too little to borrow: compute it exactly
+        handle = replace(handle, use_leaves=not own_knobs)
         handle = replace(handle, recompute=self._recompute_for(req, handle))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from sglang_kvcmas import envs
@@ -60,6 +61,8 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     if not isinstance(cache, KvcmasSharedTreeCache) or not cache.share_context or not waiting:
         return original(scheduler, *args, **kwargs)
     config = turn_config()
+    # Waiting pays only for tokens the request will then borrow (``policy.recompute.borrow_pays``).
+    config = replace(config, min_gain=max(config.min_gain, cache.recompute_config.min_borrowed))
     now = time.monotonic()
     live = {r.rid for r in waiting}
     for rid in [r for r in _held_since if r not in live]:
