@@ -16,7 +16,8 @@ the rest re-positioned. Two signals pick them, neither needing a reference prefi
   boundary 16 alone recovers 0.24 of naive reuse's KL, + the top 10% by mass 0.61, + 20% 0.75).
 
 A reader borrows only when enough foreign tokens are at stake (``borrow_pays``); fewer are
-computed exactly. Pure functions over plain values; the tree cache (``integration/shared_tree_cache.py``) applies it.
+computed exactly. Pure functions over plain values; the tree cache
+(``integration/shared_tree_cache.py``) applies them.
 """
 
 from __future__ import annotations
