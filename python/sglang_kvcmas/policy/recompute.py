@@ -76,7 +76,7 @@ def borrow_pays(foreign_tokens: int, config: RecomputeConfig) -> bool:
 
     Borrowing saves prefill in proportion to the tokens borrowed, but any borrowed span risks a
     flipped greedy token. Below ``config.min_borrowed`` the saving is a fraction of a second
-    and the reader computes them exactly: in the full head-to-head, 5 of the 8 debates whose
+    and the reader computes them exactly: in a 16-debate head-to-head, 5 of the 8 debates whose
     final answers differed first diverged in round 1, where readers borrowed only the ~100-token
     question.
     """
