@@ -408,7 +408,13 @@ def main() -> int:
         "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
         "turns": fidelity,
     }
-    ttft_speedup = radix["nonowner_ttft_median_s"] / ours["nonowner_ttft_median_s"]
+    if ours["nonowner_ttft_median_s"] is None:
+        print("[head_to_head] warning: no kvcmas turn read another agent's KV (every borrowed "
+              "span was below KVCMAS_MIN_BORROWED?): no non-owner TTFT to compare",
+              file=sys.stderr)
+        ttft_speedup = float("nan")
+    else:
+        ttft_speedup = radix["nonowner_ttft_median_s"] / ours["nonowner_ttft_median_s"]
     kv_ratio = radix["peak_kv_bytes"] / max(1, ours["peak_kv_bytes"])
     print(f"{'=' * 18} Fidelity (kvcmas vs radix) {'=' * 18}")
     print(f"teacher-forced top-1, non-owner turns: {fid['tf_top1_nonowner']:.4f} "

@@ -51,7 +51,7 @@ KVCMAS_SHARE_CONTEXT = EnvVar(
 )
 KVCMAS_MIN_BORROWED = EnvVar(
     "KVCMAS_MIN_BORROWED",
-    "256",
+    "128",
     "Fewest tokens of other agents' KV a reader borrows; a reader that would borrow fewer "
     "computes them exactly (borrowing them saves little and risks a flipped token).",
 )
