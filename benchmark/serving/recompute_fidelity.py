@@ -6,7 +6,8 @@ teacher-forced over the continuation that an exact computation of its own prompt
 reference for every number is the same request under a fresh ``cache_salt`` (nothing shared,
 nothing cached: an exact prefill on the same server binary). What the reader recomputes is set per
 request — ``custom_params["kvcmas_boundary_tokens"]`` (first tokens of each borrowed span) and
-``["kvcmas_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass) — so every
+``["kvcmas_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass) and
+``["kvcmas_tail_tokens"]`` (the last borrowed tokens before the reader's suffix) — so every
 configuration reads the same owner KV (explicit knobs bypass the agent's delta leaves).
 
 Per configuration it reports, over reader turns: teacher-forced top-1 agreement with the exact
@@ -14,7 +15,7 @@ computation, mean KL on the exact computation's top-20 tokens (KL20: both distri
 renormalized there), mean |Δ log p| of the forced token, the server-side time to first token of the reader
 request, and the tokens recomputed.
 
-    python benchmark/serving/recompute_fidelity.py [--questions 4] [--configs 0:0,16:0,16:0.1]
+    python benchmark/serving/recompute_fidelity.py [--questions 4] [--configs 0:0,16:0,16:0.1:32]
 """
 
 from __future__ import annotations
@@ -53,12 +54,25 @@ def generate(url: str, ids: list[int], max_new: int, salt: str | None = None, **
     return post(url + "/generate", body)
 
 
+def parse_config(text: str) -> tuple[int, float, int]:
+    """``boundary:mass[:tail]`` -> (boundary tokens, mass fraction, tail tokens)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--configs: expected boundary:mass[:tail], got {text!r}")
+    return int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+
+
+def config_name(boundary: int, mass: float, tail: int) -> str:
+    return f"{boundary}:{float(mass)}" + (f":{tail}" if tail else "")
+
+
 def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
-           config: tuple[int, float] | None = None) -> dict:
+           config: tuple[int, float, int] | None = None) -> dict:
     """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs.
-    ``config``: (boundary tokens, mass fraction) the reader recomputes."""
+    ``config``: (boundary tokens, mass fraction, tail tokens) the reader recomputes."""
     sampling = {} if config is None else {"custom_params": {
-        "kvcmas_boundary_tokens": config[0], "kvcmas_mass_fraction": config[1]}}
+        "kvcmas_boundary_tokens": config[0], "kvcmas_mass_fraction": config[1],
+        "kvcmas_tail_tokens": config[2]}}
     t0 = time.perf_counter()
     res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids),
                    top_logprobs_num=TOP, sampling=sampling)
@@ -106,7 +120,7 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=64, help="tokens per debate answer")
     ap.add_argument("--out", type=Path, default=RESULTS / "recompute_fidelity")
     args = ap.parse_args()
-    configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.configs.split(",")]
+    configs = [parse_config(c) for c in args.configs.split(",")]
 
     from sglang_kvcmas.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
@@ -139,15 +153,15 @@ def main() -> int:
                     ids = prompts[a]
                     cont = tok.encode(answers[a], add_special_tokens=False)[: args.continuation]
                     ref = forced(url, ids, cont, salt=f"ref-{uuid.uuid4()}")
-                    for b, m in configs:
-                        got = forced(url, ids, cont, config=(b, m))
+                    for b, m, t in configs:
+                        got = forced(url, ids, cont, config=(b, m, t))
                         rec = {"question": qi, "round": step + 1, "agent": a, "boundary": b,
-                               "mass_fraction": m, "config": f"{b}:{m}",
+                               "mass_fraction": m, "tail": t, "config": config_name(b, m, t),
                                "prompt_tokens": len(ids), **compare(ref, got, cont),
                                "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
                                "ref_wall_s": ref["wall_s"], "reuse": got["reuse"]}
                         records.append(rec)
-                        print(f"q{qi} r{step + 1} {a:5s} config={b}:{m} top1={rec['top1']:.3f} "
+                        print(f"q{qi} r{step + 1} {a:5s} config={rec['config']} top1={rec['top1']:.3f} "
                               f"kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
                               f"recomputed={rec['reuse'].get('recomputed')} "
                               f"corrected={rec['reuse'].get('reused_corrected')}", flush=True)
@@ -160,13 +174,14 @@ def main() -> int:
     rows = []
     naive = [r["kl20"] for r in records if r["config"] == "0:0.0"]
     naive_kl = statistics.fmean(naive) if naive else None
-    for b, m in configs:
-        rs = [r for r in records if r["config"] == f"{b}:{m}" and r["reuse"].get("reused_corrected")]
+    for b, m, t in configs:
+        name = config_name(b, m, t)
+        rs = [r for r in records if r["config"] == name and r["reuse"].get("reused_corrected")]
         if not rs:
             continue
         kl = statistics.fmean(r["kl20"] for r in rs)
         rows.append({
-            "config": f"{b}:{m}", "boundary": b, "mass_fraction": m, "n": len(rs),
+            "config": name, "boundary": b, "mass_fraction": m, "tail": t, "n": len(rs),
             "top1": statistics.fmean(r["top1"] for r in rs),
             "kl20": kl, "kl_recovered": (1 - kl / naive_kl) if naive_kl else float("nan"),
             "dlogp": statistics.fmean(r["dlogp"] for r in rs),

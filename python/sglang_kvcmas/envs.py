@@ -90,6 +90,11 @@ KVCMAS_RECOMPUTE_MASS_FRACTION = EnvVar(
     "With sharing on, a reader also recomputes this share of its borrowed tokens, those with the "
     "largest attention mass on their owner's head (recorded in the owner's pass).",
 )
+KVCMAS_RECOMPUTE_TAIL = EnvVar(
+    "KVCMAS_RECOMPUTE_TAIL",
+    "0",
+    "Last foreign borrowed tokens (just before the reader's own suffix) a reader recomputes.",
+)
 KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
     "KVCMAS_RECOMPUTE_MAX_FRACTION",
     "0.5",
@@ -106,6 +111,7 @@ ALL = ALL + (
     KVCMAS_RECOMPUTE_BOUNDARY,
     KVCMAS_RECOMPUTE_MASS_FRACTION,
     KVCMAS_RECOMPUTE_MAX_FRACTION,
+    KVCMAS_RECOMPUTE_TAIL,
 )
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----

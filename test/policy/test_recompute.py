@@ -62,3 +62,14 @@ def test_borrow_pays_only_from_min_borrowed_foreign_tokens():
     assert borrow_pays(1, RecomputeConfig(min_borrowed=0))
     with pytest.raises(ValueError):
         RecomputeConfig(min_borrowed=-1)
+
+
+def test_tail_takes_the_last_foreign_tokens_across_spans():
+    from sglang_kvcmas.policy.recompute import tail_offsets
+
+    spans = [BorrowedSpan(0, 10, True), BorrowedSpan(10, 13, False), BorrowedSpan(13, 16, True)]
+    cfg = RecomputeConfig(tail_tokens=5, max_fraction=1.0)
+    assert tail_offsets(spans, cfg) == (8, 9, 13, 14, 15)  # the exact span in between is skipped
+    assert tail_offsets(spans, RecomputeConfig(tail_tokens=0)) == ()
+    capped = RecomputeConfig(tail_tokens=50, max_fraction=0.25)  # 4 of 16 borrowed tokens
+    assert tail_offsets(spans, capped) == (9, 13, 14, 15)

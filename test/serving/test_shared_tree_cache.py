@@ -402,3 +402,25 @@ def test_a_reader_computes_a_short_foreign_span_exactly():
         spans, _ = h.serve(reader, 3)
         assert (spans is not None) == borrows
         assert reader.prefix_len == len(b) + len(T1) + (len(t2) + END if borrows else 0)
+
+
+def test_reader_recomputes_the_tail_of_what_it_borrows():
+    """``tail_tokens``: the last borrowed tokens (just before the reader's suffix) are recomputed
+    at their true positions, on top of the boundary."""
+    h = Harness(boundary=2)
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.0,
+                                               min_borrowed=0, tail_tokens=3)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)
+    borrowed_at, shared = len(b) + len(T1), T2 + SUFFIX[:END]
+    moved = spans.recomputed
+    assert moved.token_ids == (*shared[:2], *shared[-3:])
+    n = len(shared)
+    assert moved.positions == (borrowed_at, borrowed_at + 1,
+                               *range(borrowed_at + n - 3, borrowed_at + n))
+    assert b2.customized_info["kvcmas_reuse"][0]["correction"] == "boundary_recompute:5"
+    assert_slots_conserved(h)

@@ -80,6 +80,7 @@ from sglang_kvcmas.policy.recompute import (
     borrow_pays,
     boundary_offsets,
     mass_offsets,
+    tail_offsets,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ BOUNDARY_FIELD = "kvcmas_boundary_tokens"
 """``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
 MASS_FIELD = "kvcmas_mass_fraction"
 """``custom_params`` key of ``/generate`` that sets one request's head-mass recompute share."""
+TAIL_FIELD = "kvcmas_tail_tokens"
+"""``custom_params`` key of ``/generate`` that sets one request's recomputed tail tokens."""
 EXACT_FIELD = "kvcmas_exact"
 """``custom_params`` key of ``/generate``: true makes the request read no other agent's KV (it
 computes its context exactly, as under SGLang's radix cache, and may own new shared segments)."""
@@ -198,6 +201,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             mass_fraction=float(envs.KVCMAS_RECOMPUTE_MASS_FRACTION.get()),
             max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
             min_borrowed=int(envs.KVCMAS_MIN_BORROWED.get()),
+            tail_tokens=int(envs.KVCMAS_RECOMPUTE_TAIL.get()),
         )
         self._chunk_limit: int | None = None
         self._splits: dict[str, AgentSplit | None] = {}
@@ -323,7 +327,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not isinstance(custom, dict):
             return out
         for key, field_name, kind in ((BOUNDARY_FIELD, "boundary_tokens", int),
-                                      (MASS_FIELD, "mass_fraction", float)):
+                                      (MASS_FIELD, "mass_fraction", float),
+                                      (TAIL_FIELD, "tail_tokens", int)):
             if key not in custom:
                 continue
             try:
@@ -346,7 +351,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in self._pieces(handle)]
         tokens = self._borrowed(handle)
         exact = {t.offset for t in tokens if not t.foreign}
-        offsets = tuple(o for o in boundary_offsets(spans, config) if o not in exact)
+        budget = int(config.max_fraction * len(tokens))
+        picked = dict.fromkeys([*boundary_offsets(spans, config), *tail_offsets(spans, config)])
+        offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))  # boundary first
         deviating = [t for t in tokens if t.foreign or t.from_leaf]
         offsets = mass_offsets([t.offset for t in deviating], [t.mass for t in deviating],
                                exact, offsets, len(tokens), config)

@@ -57,15 +57,18 @@ class RecomputeConfig:
         max_fraction: cap on the recomputed share of the borrowed tokens, so a transcript of
             many short spans never degenerates into a full prefill.
         min_borrowed: fewest foreign tokens worth borrowing (``borrow_pays``).
+        tail_tokens: the last foreign tokens before the reader's own suffix, recomputed (0:
+            none); a reader's first answer tokens attend most to them.
     """
 
     boundary_tokens: int = 16
     mass_fraction: float = 0.1
     max_fraction: float = 0.5
     min_borrowed: int = 128
+    tail_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.boundary_tokens < 0 or self.min_borrowed < 0 or not (
+        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or not (
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
         ):
             raise ValueError(f"bad recompute config {self}")
@@ -104,6 +107,23 @@ def boundary_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> 
             break
         out.extend(range(span.begin, span.begin + take))
     return tuple(out)
+
+
+def tail_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> tuple[int, ...]:
+    """Shared-context offsets to recompute: the last ``tail_tokens`` foreign borrowed tokens
+    (latest first, across spans), at most ``max_fraction`` of all borrowed tokens.
+
+    Returns:
+        sorted, distinct offsets, each inside one of ``spans``.
+    """
+    budget = min(config.tail_tokens, int(config.max_fraction * sum(s.end - s.begin for s in spans)))
+    out: list[int] = []
+    for span in sorted(spans, key=lambda s: -s.end):
+        if len(out) >= budget:
+            break
+        if span.foreign:
+            out.extend(range(span.end - 1, max(span.begin, span.end - (budget - len(out))) - 1, -1))
+    return tuple(sorted(out))
 
 
 def mass_offsets(
