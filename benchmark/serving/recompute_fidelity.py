@@ -161,8 +161,8 @@ def main() -> int:
                                "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
                                "ref_wall_s": ref["wall_s"], "reuse": got["reuse"]}
                         records.append(rec)
-                        print(f"q{qi} r{step + 1} {a:5s} config={rec['config']} top1={rec['top1']:.3f} "
-                              f"kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
+                        print(f"q{qi} r{step + 1} {a:5s} config={rec['config']} "
+                              f"top1={rec['top1']:.3f} kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
                               f"recomputed={rec['reuse'].get('recomputed')} "
                               f"corrected={rec['reuse'].get('reused_corrected')}", flush=True)
                 flow.record(step, answers)
