@@ -15,6 +15,9 @@ the rest re-positioned. Two signals pick them, neither needing a reference prefi
   and the true-deviation oracle; inside the server, ``benchmark/serving/recompute_fidelity.py``:
   boundary 16 alone recovers 0.24 of naive reuse's KL, + the top 10% by mass 0.61, + 20% 0.75).
 
+Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_offsets``); in the
+server it recovers less KL per recomputed token than head mass (``recompute_fidelity_tail.txt``).
+
 A reader borrows only when enough foreign tokens are at stake (``borrow_pays``); fewer are
 computed exactly. Pure functions over plain values; the tree cache
 (``integration/shared_tree_cache.py``) applies them.
