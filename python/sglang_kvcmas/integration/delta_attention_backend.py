@@ -13,7 +13,8 @@ Nothing is written back to the pool: the owner's KV stays exact and shared. Rows
 (every exact request, every request when sharing is off) take the parent's code path unchanged.
 
 Recomputed tokens (``span_registry.RecomputedTokens``): a reader recomputes some borrowed tokens
-(span boundaries, the owner's largest head-mass tokens; ``policy/recompute.py``) in its own context. The tree cache leaves them out of the row's prefix, so
+(span boundaries, the owner's largest head-mass tokens; ``policy/recompute.py``) in its own
+context. The tree cache leaves them out of the row's prefix, so
 SGLang extends the row from a prefix that is that many tokens shorter; before the model runs,
 :meth:`DeltaAttnBackend.init_forward_metadata` writes their ids and true positions into the
 first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
@@ -255,8 +256,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
     ):
         # Decode needs no position mask (every cached token precedes the query): only rows
         # with a shift or a delta differ from the parent.
-        rows = [r if r is not None and any(d.span.shift or d.factors is not None for d in r.reads)
-                else None for r in self._rows(req_pool_indices)]
+        rows = [r if r is not None and r.reads_transformed else None
+                for r in self._rows(req_pool_indices)]
         if encoder_lens is not None or sliding_window_size is not None or not any(rows):
             return super()._run_sdpa_forward_decode(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -269,11 +270,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             row = rows[i]
             if row is not None and all(r.factors is None for r in row.reads):
                 # Re-positioning only: rotate the query per shift instead of every key.
-                tokens = req_to_token[req_pool_indices[i], :n_kv]
+                k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, None)
                 shifts, runs = self._shift_runs(int(req_pool_indices[i]), n_kv, row)
                 out = shifted_query_decode(
-                    q, k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1), shifts,
-                    runs, self.inv_freq, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                    q, k, v, shifts, runs, self.inv_freq,
+                    scaling if scaling is not None else q.shape[-1] ** -0.5,
                 )
             else:
                 k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, row)

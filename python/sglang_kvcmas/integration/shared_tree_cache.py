@@ -305,11 +305,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
         own_knobs = self._request_recompute(req)
-        foreign = sum(p.end - p.begin for p in self._pieces(handle) if p.foreign)
+        pieces = self._pieces(handle)
+        foreign = sum(p.end - p.begin for p in pieces if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
         handle = replace(handle, use_leaves=not own_knobs)
-        handle = replace(handle, recompute=self._recompute_for(req, handle))
+        config = replace(self.recompute_config, **own_knobs)
+        handle = replace(handle, recompute=self._recompute_for(req, handle, config, pieces))
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     @staticmethod
@@ -321,7 +323,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     @staticmethod
     def _request_recompute(req: Req) -> dict[str, float]:
         """The request's own recompute knobs (``custom_params`` on ``/generate``:
-        ``kvcmas_boundary_tokens``, ``kvcmas_mass_fraction``); bad values are ignored."""
+        ``kvcmas_boundary_tokens``, ``kvcmas_mass_fraction``, ``kvcmas_tail_tokens``) as
+        ``RecomputeConfig`` fields; bad values are ignored."""
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
         out: dict[str, float] = {}
         if not isinstance(custom, dict):
@@ -340,15 +343,12 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                                req.rid, key, custom[key])
         return out
 
-    def _recompute_config_of(self, req: Req) -> RecomputeConfig:
-        return replace(self.recompute_config, **self._request_recompute(req))
-
-    def _recompute_for(self, req: Req, handle: SharedPrefixHandle) -> tuple[int, ...]:
-        """Borrowed offsets this request recomputes (``policy/recompute.py``), or none when the
-        extend could be chunked or the request asks for logprobs of prompt tokens whose
-        computation order changes."""
-        config = self._recompute_config_of(req)
-        spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in self._pieces(handle)]
+    def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
+                       pieces: list[_Piece]) -> tuple[int, ...]:
+        """Borrowed offsets this request recomputes under ``config`` (``policy/recompute.py``;
+        ``pieces = _pieces(handle)``), or none when the extend could be chunked or the request
+        asks for logprobs of prompt tokens whose computation order changes."""
+        spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in pieces]
         tokens = self._borrowed(handle)
         exact = {t.offset for t in tokens if not t.foreign}
         budget = int(config.max_fraction * len(tokens))

@@ -79,10 +79,14 @@ class RowSpans:
     positions: torch.Tensor | None = None
 
     @property
+    def reads_transformed(self) -> bool:
+        """Whether any borrowed span is read re-positioned or corrected (what decode must do)."""
+        return any(r.span.shift != 0 or r.factors is not None for r in self.reads)
+
+    @property
     def needs_transform(self) -> bool:
-        return self.positions is not None or any(
-            r.span.shift != 0 or r.factors is not None for r in self.reads
-        )
+        """Whether extend must differ from plain attention (spans, or a position mask)."""
+        return self.positions is not None or self.reads_transformed
 
     def positions_upto(self, n: int) -> torch.Tensor:
         """[n] int64 true positions of row indices ``0 .. n-1``."""
