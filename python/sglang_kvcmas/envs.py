@@ -90,6 +90,13 @@ KVCMAS_RECOMPUTE_MASS_FRACTION = EnvVar(
     "With sharing on, a reader also recomputes this share of its borrowed tokens, those with the "
     "largest attention mass on their owner's head (recorded in the owner's pass).",
 )
+KVCMAS_LEAF_MASS_FRACTION = EnvVar(
+    "KVCMAS_LEAF_MASS_FRACTION",
+    "",
+    "Share of its borrowed tokens, by owner head mass, a reader keeps as delta leaves after "
+    "recomputing them (empty: all it recomputes); the rest of KVCMAS_RECOMPUTE_MASS_FRACTION is "
+    "recomputed every turn, so leaf memory stays bounded.",
+)
 KVCMAS_RECOMPUTE_TAIL = EnvVar(
     "KVCMAS_RECOMPUTE_TAIL",
     "0",
@@ -112,6 +119,7 @@ ALL = ALL + (
     KVCMAS_RECOMPUTE_MASS_FRACTION,
     KVCMAS_RECOMPUTE_MAX_FRACTION,
     KVCMAS_RECOMPUTE_TAIL,
+    KVCMAS_LEAF_MASS_FRACTION,
 )
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----

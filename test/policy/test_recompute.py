@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kvcmas.policy.recompute import BorrowedSpan, RecomputeConfig, boundary_offsets
+from sglang_kvcmas.policy.recompute import (
+    BorrowedSpan,
+    RecomputeConfig,
+    boundary_offsets,
+    kept_offsets,
+    mass_offsets,
+)
 
 
 def test_first_tokens_of_each_foreign_span():
@@ -73,3 +79,21 @@ def test_tail_takes_the_last_foreign_tokens_across_spans():
     assert tail_offsets(spans, RecomputeConfig(tail_tokens=0)) == ()
     capped = RecomputeConfig(tail_tokens=50, max_fraction=0.25)  # 4 of 16 borrowed tokens
     assert tail_offsets(spans, capped) == (9, 13, 14, 15)
+
+
+def test_leaf_config_keeps_the_top_of_the_same_ranking():
+    cfg = RecomputeConfig(boundary_tokens=2, mass_fraction=0.4, leaf_mass_fraction=0.2,
+                          max_fraction=1.0)
+    assert not cfg.keeps_all
+    leaf = cfg.for_leaves()
+    assert (leaf.mass_fraction, leaf.leaf_mass_fraction, leaf.boundary_tokens) == (0.2, None, 2)
+    spans = [BorrowedSpan(0, 10, True)]
+    mass = [0.0, 0.0, 0.9, 0.1, 0.8, 0.2, 0.7, 0.3, 0.6, 0.05]
+    def pick(c):
+        return mass_offsets(list(range(10)), mass, set(), boundary_offsets(spans, c), 10, c)
+    assert pick(cfg) == (0, 1, 2, 4, 6, 8)
+    assert kept_offsets(pick(cfg), pick(leaf)) == (0, 1, 2, 4)
+    assert RecomputeConfig(mass_fraction=0.1, leaf_mass_fraction=0.2).keeps_all
+    assert RecomputeConfig().keeps_all and RecomputeConfig().for_leaves() == RecomputeConfig()
+    with pytest.raises(ValueError):
+        RecomputeConfig(leaf_mass_fraction=1.5)

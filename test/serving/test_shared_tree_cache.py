@@ -334,6 +334,39 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     assert_slots_conserved(h)
 
 
+def test_reader_keeps_only_the_leaf_share_of_what_it_recomputes():
+    """With leaf_mass_fraction below mass_fraction, a reader recomputes the boundary and the top
+    mass_fraction by owner head mass, keeps the boundary and the top leaf_mass_fraction as delta
+    leaves, and frees the rest at release; its next turn reads the leaves exactly and recomputes
+    only the band between the two shares."""
+    h = Harness()
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.2,
+                                               leaf_mass_fraction=0.1, min_borrowed=0,
+                                               max_fraction=0.5)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    t2_at = len(a) + len(T1)
+    ranked = [7, 20, 25, 11, 14, 29]  # owner head mass, largest first
+    mass = {t2_at + o: 0.9 - 0.1 * r for r, o in enumerate(ranked)}
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2, mass=lambda i: mass.get(i, 0.01))
+    borrowed = len(T2) + END  # 32: 6 by mass (20%), 3 of them kept (10%)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)
+    at = len(b) + len(T1)
+    assert spans.recomputed.positions == tuple(at + o for o in sorted([0, 1, *ranked]))
+    assert h.cache.shared.delta_tokens() == 2 + 3  # boundary + top 10%; the band was freed
+    assert_slots_conserved(h)
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])
+    spans, _ = h.serve(b3, 4)
+    assert spans.recomputed.positions == tuple(at + o for o in sorted(ranked[3:]))
+    rec = b3.customized_info["kvcmas_reuse"][0]
+    assert rec["correction"] == "boundary_recompute:3+delta_leaf:5"
+    assert rec["reused_corrected"] == borrowed - 8
+    assert h.cache.shared.delta_tokens() == 5  # the band is recomputed again, never kept
+    assert_slots_conserved(h)
+
+
 def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
     """The wait bound counts from the first hold, not from arrival: a reader that queued for
     longer than the bound before its leader showed up still waits for the leader, and is

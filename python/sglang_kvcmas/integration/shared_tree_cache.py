@@ -79,6 +79,7 @@ from sglang_kvcmas.policy.recompute import (
     RecomputeConfig,
     borrow_pays,
     boundary_offsets,
+    kept_offsets,
     mass_offsets,
     tail_offsets,
 )
@@ -116,6 +117,8 @@ class SharedPrefixHandle:
             own context instead of borrowing (left out of its prefix; see ``RecomputedTokens``).
         use_leaves: read the agent's delta leaves and keep what it recomputes as new ones (off
             for a request that sets its own boundary size: it measures the owner's KV alone).
+        keep: the recomputed offsets kept as delta leaves (None: all; the others are freed with
+            the request, ``RecomputeConfig.leaf_mass_fraction``).
     """
 
     radix_node: Any
@@ -127,6 +130,7 @@ class SharedPrefixHandle:
     namespace: tuple
     recompute: tuple[int, ...] = ()
     use_leaves: bool = True
+    keep: tuple[int, ...] | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -177,6 +181,11 @@ class PendingOwner:
     since: float
 
 
+def _optional_fraction(text: str | None) -> float | None:
+    """An environment fraction where empty means unset."""
+    return None if text is None or not str(text).strip() else float(text)
+
+
 def _namespace(extra_key: Any, cache_salt: Any) -> tuple:
     return (extra_key, cache_salt or None)
 
@@ -202,6 +211,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
             min_borrowed=int(envs.KVCMAS_MIN_BORROWED.get()),
             tail_tokens=int(envs.KVCMAS_RECOMPUTE_TAIL.get()),
+            leaf_mass_fraction=_optional_fraction(envs.KVCMAS_LEAF_MASS_FRACTION.get()),
         )
         self._chunk_limit: int | None = None
         self._splits: dict[str, AgentSplit | None] = {}
@@ -311,7 +321,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return base  # too little to borrow: compute it exactly
         handle = replace(handle, use_leaves=not own_knobs)
         config = replace(self.recompute_config, **own_knobs)
-        handle = replace(handle, recompute=self._recompute_for(req, handle, config, pieces))
+        recompute, keep = self._recompute_for(req, handle, config, pieces)
+        handle = replace(handle, recompute=recompute, keep=keep)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     @staticmethod
@@ -344,28 +355,36 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return out
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
-                       pieces: list[_Piece]) -> tuple[int, ...]:
+                       pieces: list[_Piece]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """Borrowed offsets this request recomputes under ``config`` (``policy/recompute.py``;
         ``pieces = _pieces(handle)``), or none when the extend could be chunked or the request
-        asks for logprobs of prompt tokens whose computation order changes."""
+        asks for logprobs of prompt tokens whose computation order changes; and the subset it
+        keeps as delta leaves afterwards (None: all of them)."""
         spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in pieces]
         tokens = self._borrowed(handle)
         exact = {t.offset for t in tokens if not t.foreign}
-        budget = int(config.max_fraction * len(tokens))
-        picked = dict.fromkeys([*boundary_offsets(spans, config), *tail_offsets(spans, config)])
-        offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))  # boundary first
         deviating = [t for t in tokens if t.foreign or t.from_leaf]
-        offsets = mass_offsets([t.offset for t in deviating], [t.mass for t in deviating],
-                               exact, offsets, len(tokens), config)
+
+        def select(cfg: RecomputeConfig) -> tuple[int, ...]:
+            budget = int(cfg.max_fraction * len(tokens))
+            picked = dict.fromkeys([*boundary_offsets(spans, cfg), *tail_offsets(spans, cfg)])
+            # boundary first, then tail, within the budget
+            offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))
+            return mass_offsets([t.offset for t in deviating], [t.mass for t in deviating],
+                                exact, offsets, len(tokens), cfg)
+
+        offsets = select(config)
         if not offsets:
-            return ()
+            return (), None
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
         if self.chunk_limit and extend + len(offsets) > self.chunk_limit:
-            return ()
+            return (), None
         start = getattr(req, "logprob_start_len", -1)
         if getattr(req, "return_logprob", False) and 0 <= start <= handle.prefix_len:
-            return ()
-        return offsets
+            return (), None
+        if config.keeps_all:
+            return offsets, None
+        return offsets, kept_offsets(offsets, select(config.for_leaves()))
 
     def prefix_device_indices(self, req: Req) -> torch.Tensor:
         handle = req.last_node
@@ -568,9 +587,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         )
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
-        """Keep the tokens a reader recomputed as its delta leaves on the shared nodes (its later
-        turns read them exactly, without recomputing); the row's protected prefix then covers
-        them, and the slots a leaf already held are freed at release."""
+        """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
+        the shared nodes (its later turns read them exactly, without recomputing); the row's
+        protected prefix then covers them, and the other recomputed slots and those a leaf
+        already held are freed at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
@@ -578,9 +598,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = dict(zip(handle.recompute,
                          row[handle.prefix_len : start].to(torch.int64).cpu().tolist()))
-        rejected = [] if handle.use_leaves else [torch.tensor(list(slots.values()))]
-        for piece in SharedTree.path(handle.shared_node) if handle.use_leaves else ():
-            mine = [o for o in handle.recompute if piece.offset <= o < piece.offset + len(piece.node)]
+        kept = set(handle.recompute if handle.keep is None else handle.keep)
+        if not handle.use_leaves:
+            kept = set()
+        transient = [slots[o] for o in handle.recompute if o not in kept]
+        rejected = [torch.tensor(transient, dtype=torch.int64)] if transient else []
+        for piece in SharedTree.path(handle.shared_node) if kept else ():
+            mine = [o for o in handle.recompute
+                    if o in kept and piece.offset <= o < piece.offset + len(piece.node)]
             if mine:
                 rejected.append(self.shared.add_overrides(
                     piece.node, handle.split.agent, torch.tensor(mine) - piece.offset,
@@ -590,7 +615,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         left = torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
         if left.numel():
             req._kvcmas_release_slots = left
-        req.last_node = replace(handle, recompute=())
+        req.last_node = replace(handle, recompute=(), keep=None)
         req.kv.cache_protected_len = start
 
     @staticmethod

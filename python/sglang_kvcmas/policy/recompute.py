@@ -26,7 +26,7 @@ computed exactly. Pure functions over plain values; the tree cache
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,12 @@ class RecomputeConfig:
         min_borrowed: fewest foreign tokens worth borrowing (``borrow_pays``).
         tail_tokens: the last foreign tokens before the reader's own suffix, recomputed (0:
             none); a reader's first answer tokens attend most to them.
+        leaf_mass_fraction: share of the borrowed tokens, by owner head mass, that a reader keeps
+            as delta leaves once it has recomputed them (its later turns read them exactly); the
+            other mass tokens it recomputes are freed with the request and recomputed on its
+            next turn. Boundary and tail tokens are always kept. None: keep all (leaf memory
+            grows with ``mass_fraction``); below ``mass_fraction`` it bounds leaf memory while
+            the recomputed share grows (``kept_offsets``).
     """
 
     boundary_tokens: int = 16
@@ -69,12 +75,25 @@ class RecomputeConfig:
     max_fraction: float = 0.5
     min_borrowed: int = 128
     tail_tokens: int = 0
+    leaf_mass_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        leaf = self.leaf_mass_fraction
         if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or not (
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
-        ):
+        ) or (leaf is not None and not 0.0 <= leaf <= 1.0):
             raise ValueError(f"bad recompute config {self}")
+
+    @property
+    def keeps_all(self) -> bool:
+        """Whether every recomputed token becomes a delta leaf."""
+        return self.leaf_mass_fraction is None or self.leaf_mass_fraction >= self.mass_fraction
+
+    def for_leaves(self) -> RecomputeConfig:
+        """The config whose selection a reader keeps as delta leaves (``kept_offsets``)."""
+        if self.keeps_all:
+            return self
+        return replace(self, mass_fraction=self.leaf_mass_fraction, leaf_mass_fraction=None)
 
 
 def borrow_pays(foreign_tokens: int, config: RecomputeConfig) -> bool:
@@ -169,3 +188,18 @@ def mass_offsets(
             out.add(candidates[i])
             room -= 1
     return tuple(sorted(out))
+
+
+def kept_offsets(recomputed: Sequence[int], leaf_selection: Sequence[int]) -> tuple[int, ...]:
+    """Recomputed offsets a reader keeps as delta leaves: those the leaf config
+    (``RecomputeConfig.for_leaves``) would also have recomputed, over the same borrowed tokens.
+
+    The leaf config differs only by a smaller mass share, so its selection is the boundary, the
+    tail and the top of the same mass ranking: the kept set is the top share by mass, as with
+    all leaves kept, and only the band between the two shares is recomputed every turn.
+
+    Returns:
+        sorted offsets, a subset of ``recomputed``.
+    """
+    keep = set(leaf_selection)
+    return tuple(o for o in sorted(recomputed) if o in keep)
