@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -179,11 +180,13 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
         cont = list(t["output_ids"] or [])
         if not cont:
             raise RuntimeError("the reference arm returned no output_ids")
+        # Logprobs from the last prompt token on: SGLang gives none for the token at
+        # logprob_start_len itself, so entry k + 1 is the prediction of cont[k].
         body = {"input_ids": t["prompt_ids"] + cont, "return_logprob": True,
-                "logprob_start_len": len(t["prompt_ids"]), "top_logprobs_num": 1,
+                "logprob_start_len": len(t["prompt_ids"]) - 1, "top_logprobs_num": 1,
                 "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
         res = post(url + "/generate", body)
-        tops = res["meta_info"]["input_top_logprobs"]
+        tops = res["meta_info"]["input_top_logprobs"][1:]
         agree = [bool(top) and top[0][1] == tok for top, tok in zip(tops, cont) if top]
         rec = (res["meta_info"].get("kvcmas_reuse") or [{}])[0]
         first_div = next((i for i, a in enumerate(agree) if not a), None)
@@ -201,6 +204,43 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
 
     with ThreadPoolExecutor(len(by_flow)) as pool:
         list(pool.map(flow, by_flow.values()))
+    return out
+
+
+def same_number(a: str | None, b: str | None) -> bool:
+    """Whether two extracted answers are the same number (``"18"`` == ``"18.0"``)."""
+    try:
+        return a is not None and b is not None and float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def first_divergent_turn(turns: list[dict], ref: dict[tuple, dict], wid: int) -> dict | None:
+    """The earliest turn of debate ``wid`` whose text differs from the reference arm's."""
+    return next((t for t in sorted(turns, key=lambda t: (t["step"], t["agent"]))
+                 if t["wid"] == wid and t["kind"] == "debate"
+                 and t["text"] != ref[(t["kind"], wid, t["step"], t["agent"])]["text"]), None)
+
+
+def divergence_detail(url: str, turn: dict, ref_turn: dict) -> dict:
+    """Where a turn first left the reference and how close the exact computation was to a tie
+    there: the output position of the first differing token, and the exact log-probability gap
+    between the reference's token and ours at that position (a fresh ``cache_salt``: nothing
+    shared or cached), when both prompts are the same."""
+    ours, theirs = list(turn["output_ids"] or []), list(ref_turn["output_ids"] or [])
+    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+               min(len(ours), len(theirs)))
+    out = {"step": turn["step"], "agent": turn["agent"], "position": pos, "exact_gap": None}
+    if turn["prompt_ids"] != ref_turn["prompt_ids"] or pos >= min(len(ours), len(theirs)):
+        return out  # an earlier turn changed the prompt, or one output is a prefix of the other
+    body = {"input_ids": turn["prompt_ids"] + theirs[:pos + 1], "return_logprob": True,
+            "logprob_start_len": len(turn["prompt_ids"]) + pos - 1, "top_logprobs_num": 20,
+            "cache_salt": f"exact-{uuid.uuid4()}",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    tops = post(url + "/generate", body)["meta_info"]["input_top_logprobs"]
+    top = {t: lp for lp, t, _ in (tops[-1] or [])}
+    if theirs[pos] in top and ours[pos] in top:  # else: our token is not among the top 20
+        out["exact_gap"] = top[theirs[pos]] - top[ours[pos]]
     return out
 
 
@@ -338,10 +378,21 @@ def main() -> int:
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
 
+    divergences: dict[int, dict] = {}
+
     def fidelity_pass(server: ArmServer) -> list[dict]:
         urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache", method="POST"),
                                timeout=60).read()
-        return teacher_forced(server.url, results["radix"][0])
+        forced = teacher_forced(server.url, results["radix"][0])
+        ours, ref_turns = results["kvcmas"][0], results["radix"][0]
+        ref = {(t["kind"], t["wid"], t["step"], t["agent"]): t for t in ref_turns}
+        for w in range(args.debates):
+            if final_answer(ours, "debate", w) != final_answer(ref_turns, "debate", w):
+                turn = first_divergent_turn(ours, ref, w)
+                if turn is not None:
+                    divergences[w] = divergence_detail(
+                        server.url, turn, ref[(turn["kind"], w, turn["step"], turn["agent"])])
+        return forced
 
     if args.sequential:
         for arm in arms:
@@ -388,6 +439,11 @@ def main() -> int:
     deb = [w for w in range(args.debates)]
     same = {w: final_answer(results["kvcmas"][0], "debate", w) ==
             final_answer(ref_turns, "debate", w) for w in deb}
+    from sglang_kvcmas.datasets import gsm8k
+
+    truth = [item.final for item in gsm8k()[: args.debates]]
+    correct = {arm: sum(same_number(final_answer(results[arm][0], "debate", w), truth[w])
+                        for w in deb) for arm in ("radix", "kvcmas")}
     tf_no = [f for f in fidelity if f["non_owner"]]
     tf_owner = [f for f in fidelity if not f["non_owner"]]
     fid = {
@@ -399,11 +455,9 @@ def main() -> int:
         "inconsistent_debates": [
             {"wid": w, "kvcmas": final_answer(results["kvcmas"][0], "debate", w),
              "radix": final_answer(ref_turns, "debate", w),
-             "first_divergent_turn": next(
-                 ((t["step"], t["agent"]) for t in sorted(results["kvcmas"][0],
-                  key=lambda t: (t["step"], t["agent"])) if t["wid"] == w and
-                  t["text"] != ref[(t["kind"], w, t["step"], t["agent"])]["text"]), None)}
+             "first_divergence": divergences.get(w)}
             for w, ok in same.items() if not ok],
+        "gsm8k_correct": correct, "debates": len(deb),
         "one_copy_ideal_tokens": ideal,
         "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
         "turns": fidelity,
@@ -419,8 +473,16 @@ def main() -> int:
     print(f"{'=' * 18} Fidelity (kvcmas vs radix) {'=' * 18}")
     print(f"teacher-forced top-1, non-owner turns: {fid['tf_top1_nonowner']:.4f} "
           f"(n={len(tf_no)}); owner turns: {fid['tf_top1_owner']:.4f} (n={len(tf_owner)})")
-    print(f"debates with the same final answer: {fid['answer_consistency']:.3f}; "
-          f"others: {fid['inconsistent_debates']}")
+    print(f"debates with the same final answer: {fid['answer_consistency']:.3f}; GSM8K-correct "
+          f"final answers: radix {correct['radix']}/{len(deb)}, kvcmas {correct['kvcmas']}/"
+          f"{len(deb)}")
+    for d in fid["inconsistent_debates"]:
+        div = d["first_divergence"] or {}
+        gap = div.get("exact_gap")
+        print(f"  debate {d['wid']}: kvcmas {d['kvcmas']} vs radix {d['radix']}; first diverged "
+              f"in step {div.get('step')} ({div.get('agent')}) at output token "
+              f"{div.get('position')}, where the exact log-prob gap between the two tokens was "
+              + ("n/a" if gap is None else f"{gap:.3f}"))
     print(f"peak KV: kvcmas/radix {1 / kv_ratio:.3f}; kvcmas / one-copy ideal "
           f"({ideal} tokens) {fid['kv_ratio_to_ideal']:.3f}")
     meta = {"commit": commit, "machine": machine, "debates": args.debates, "chains": args.chains,

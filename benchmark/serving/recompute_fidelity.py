@@ -74,12 +74,14 @@ def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
         "kvcmas_boundary_tokens": config[0], "kvcmas_mass_fraction": config[1],
         "kvcmas_tail_tokens": config[2]}}
     t0 = time.perf_counter()
-    res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids),
+    # From the last prompt token on: SGLang gives no logprob for the token at logprob_start_len
+    # itself, so entry k + 1 is the prediction of cont[k] (cont[0] included).
+    res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids) - 1,
                    top_logprobs_num=TOP, sampling=sampling)
     wall = time.perf_counter() - t0
     meta = res["meta_info"]
-    tops = [{t: lp for lp, t, _ in (top or [])} for top in meta["input_top_logprobs"]]
-    chosen = [x[0] for x in meta["input_token_logprobs"]]
+    tops = [{t: lp for lp, t, _ in (top or [])} for top in meta["input_top_logprobs"][1:]]
+    chosen = [x[0] for x in meta["input_token_logprobs"][1:]]
     n = min(len(cont), len(tops))
     return {"tops": tops[:n], "chosen": chosen[:n], "wall_s": wall,
             "ttft_s": meta.get("first_token_latency"),
@@ -97,17 +99,36 @@ def kl_on_support(ref: dict[int, float], got: dict[int, float]) -> float:
 
 
 def compare(ref: dict, got: dict, cont: list[int]) -> dict:
-    top1, kl, dlp = [], [], []
+    """Top-1 agreement, KL20 and |Δ log p| over the forced positions; and at every position the
+    exact computation's top-2 gap (log p1 − log p2 of its two best tokens) and how far the
+    reader moved that gap, with the flipped positions listed (a flip needs the move to exceed
+    the gap, so the two together say how much closer a correction must get)."""
+    top1, kl, dlp, gaps, moves, flips = [], [], [], [], [], []
     for i, tok in enumerate(cont[: len(ref["tops"])]):
         r, g = ref["tops"][i], got["tops"][i]
         if not r or not g:
             continue
-        top1.append(max(r, key=r.get) == max(g, key=g.get))
+        same = max(r, key=r.get) == max(g, key=g.get)
+        top1.append(same)
         kl.append(kl_on_support(r, g))
         if ref["chosen"][i] is not None and got["chosen"][i] is not None:
             dlp.append(abs(ref["chosen"][i] - got["chosen"][i]))
+        if len(r) >= 2:
+            (t1, l1), (t2, l2) = sorted(r.items(), key=lambda kv: -kv[1])[:2]
+            floor = min(g.values())
+            gap, moved = l1 - l2, (l1 - l2) - (g.get(t1, floor) - g.get(t2, floor))
+            gaps.append(gap)
+            moves.append(abs(moved))
+            if not same:
+                flips.append({"pos": i, "gap": gap, "move": moved})
     return {"top1": statistics.fmean(top1), "kl20": statistics.fmean(kl),
-            "dlogp": statistics.fmean(dlp), "n": len(top1)}
+            "dlogp": statistics.fmean(dlp), "n": len(top1), "gaps": gaps, "gap_moves": moves,
+            "flips": flips}
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def main() -> int:
@@ -161,10 +182,14 @@ def main() -> int:
                                "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
                                "ref_wall_s": ref["wall_s"], "reuse": got["reuse"]}
                         records.append(rec)
+                        flips = " ".join(f"@{f['pos']}(gap {f['gap']:.3f}, moved {f['move']:+.3f})"
+                                         for f in rec["flips"])
                         print(f"q{qi} r{step + 1} {a:5s} config={rec['config']} "
-                              f"top1={rec['top1']:.3f} kl20={rec['kl20']:.2e} dlogp={rec['dlogp']:.4f} "
+                              f"top1={rec['top1']:.3f} kl20={rec['kl20']:.2e} "
+                              f"dlogp={rec['dlogp']:.4f} "
                               f"recomputed={rec['reuse'].get('recomputed')} "
-                              f"corrected={rec['reuse'].get('reused_corrected')}", flush=True)
+                              f"corrected={rec['reuse'].get('reused_corrected')}"
+                              + (f" flips {flips}" if flips else ""), flush=True)
                 flow.record(step, answers)
     run_s = time.perf_counter() - t_start
 
@@ -187,13 +212,27 @@ def main() -> int:
             "dlogp": statistics.fmean(r["dlogp"] for r in rs),
             "recomputed": statistics.fmean(r["reuse"]["recomputed"] for r in rs),
             "wall_ratio_vs_exact": statistics.median(r["wall_s"] / r["ref_wall_s"] for r in rs),
+            "flips": sum(len(r["flips"]) for r in rs),
+            "positions": sum(len(r["gaps"]) for r in rs),
+            "gap_move_p50": quantile([m for r in rs for m in r["gap_moves"]], 0.5),
+            "gap_move_p99": quantile([m for r in rs for m in r["gap_moves"]], 0.99),
         })
     lines = [f"{'boundary:mass':>13} {'n':>3} {'top1':>6} {'kl20':>9} {'kl_recov':>8} "
-             f"{'dlogp':>7} {'recomputed':>10} {'wall/exact':>10}"]
+             f"{'dlogp':>7} {'recomputed':>10} {'wall/exact':>10} {'flips':>9} "
+             f"{'gap_move50':>10} {'gap_move99':>10}"]
     for r in rows:
         lines.append(f"{r['config']:>13} {r['n']:>3} {r['top1']:>6.3f} {r['kl20']:>9.2e} "
                      f"{r['kl_recovered']:>8.3f} {r['dlogp']:>7.4f} {r['recomputed']:>10.1f} "
-                     f"{r['wall_ratio_vs_exact']:>10.3f}")
+                     f"{r['wall_ratio_vs_exact']:>10.3f} {r['flips']:>4}/{r['positions']:<4} "
+                     f"{r['gap_move_p50']:>10.4f} {r['gap_move_p99']:>10.4f}")
+    gaps = sorted({(r["question"], r["round"], r["agent"]): r["gaps"] for r in records
+                   if r["reuse"].get("reused_corrected")}.values(), key=len)
+    gaps = [g for gs in gaps for g in gs]
+    if gaps:
+        lines.append("exact top-2 gap (log p1 - log p2) over the forced positions: "
+                     + ", ".join(f"< {t}: {sum(g < t for g in gaps) / len(gaps):.3f}"
+                                 for t in (0.02, 0.05, 0.1, 0.2, 0.5))
+                     + f" (n={len(gaps)}); a flip needs the reader to move the gap past it")
     lines.append(f"run time {run_s:.0f} s; command: python benchmark/serving/recompute_fidelity.py "
                  + " ".join(sys.argv[1:]))
     summary = "\n".join(lines)
