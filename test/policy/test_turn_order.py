@@ -9,13 +9,23 @@ from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnConfig, TurnLeade
 T = tuple(range(100))
 
 
-def cand(rid, shared=T, available=0, waited=0.0, ns="n", agent=None):
-    return TurnCandidate(rid, ns, agent or rid, shared, available, waited)
+def cand(rid, shared=T, available=0, waited=0.0, ns="n", agent=None, own=0):
+    return TurnCandidate(rid, ns, agent or rid, shared, available, waited, own)
 
 
 def test_one_leader_others_wait():
     plan = plan_turns([cand("a"), cand("b"), cand("c")], [], TurnConfig())
     assert plan.deferred == {"b", "c"} and plan.leader_of == {"b": "a", "c": "a"}
+
+
+def test_the_agent_holding_most_of_the_transcript_exactly_leads():
+    """The previous step's leader holds the transcript exactly: it leads again, wherever it is
+    in the queue; ties keep queue order."""
+    plan = plan_turns([cand("b", own=40), cand("c", own=40), cand("a", own=70)], [],
+                      TurnConfig())
+    assert plan.leader_of == {"b": "a", "c": "a"}
+    plan = plan_turns([cand("b", own=40), cand("c", own=40)], [], TurnConfig())
+    assert plan.leader_of == {"c": "b"}
 
 
 def test_fifo_baseline_never_waits():

@@ -399,6 +399,29 @@ def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
     assert after == [["b2"], ["b2", "a2"], ["b2", "a2"], ["a2", "b2"]]  # held: back in front
 
 
+def test_turn_order_lets_the_agent_holding_the_transcript_exactly_lead(monkeypatch):
+    """a computed t2 itself, b borrowed it: over the next segment a leads even when b's request
+    is first in the queue, so a's turn reads nothing approximate."""
+    from sglang_kvcmas.integration import turn_order_hook
+
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    t2, t3 = list(range(200, 260)), list(range(300, 360))
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)  # b's head is cached: b can borrow
+    h.serve(Req("a2", a + T1 + t2 + SUFFIX), 2)
+    h.serve(Req("b2", b + T1 + t2 + SUFFIX), 3)  # b borrows t2 from a
+    monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    ahead, behind = Req("b3", b + T1 + t2 + t3 + SUFFIX), Req("a3", a + T1 + t2 + t3 + SUFFIX)
+    assert h.cache.radix_peek(behind, len(a + T1 + t2)) == len(a + T1 + t2)
+    assert h.cache.radix_peek(ahead, len(b + T1 + t2)) == len(b + T1)
+    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[ahead, behind])
+    seen = []
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen == [["a3"]]
+
+
 def test_a_request_can_ask_to_read_no_other_agents_kv():
     h = Harness()
     a, b = head(50, 20), head(60, 8)
@@ -457,3 +480,16 @@ def test_reader_recomputes_the_tail_of_what_it_borrows():
                                *range(borrowed_at + n - 3, borrowed_at + n))
     assert b2.customized_info["kvcmas_reuse"][0]["correction"] == "boundary_recompute:5"
     assert_slots_conserved(h)
+
+
+def test_leaf_share_is_read_from_the_environment(monkeypatch):
+    def config():
+        return KvcmasSharedTreeCache(
+            CacheInitParams(disable=False, req_to_token_pool=Pool(),
+                            token_to_kv_pool_allocator=Allocator(), page_size=1),
+            chat_ids=CHAT, share_context=True).recompute_config
+
+    monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "0.1")
+    assert config().leaf_mass_fraction == 0.1
+    monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "")
+    assert config().keeps_all and config().leaf_mass_fraction is None

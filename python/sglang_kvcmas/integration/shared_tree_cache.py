@@ -272,18 +272,22 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def head_cached(self, req: Req, split: AgentSplit) -> bool:
         """Whether the radix tree holds the request's agent head (a peek: nothing is split)."""
-        key = RadixKey(req.origin_input_ids[: split.head_len], req.extra_key,
-                       cache_salt=req.cache_salt)
+        return self.radix_peek(req, split.head_len) >= split.head_len
+
+    def radix_peek(self, req: Req, n: int) -> int:
+        """How many of the request's first ``n`` tokens the radix tree holds: its own exact
+        prefix (a peek: nothing is split, locked or touched)."""
+        key = RadixKey(req.origin_input_ids[:n], req.extra_key, cache_salt=req.cache_salt)
         node, pos = self.root_node, 0
         while pos < len(key):
             child = node.children.get(key.child_key_at(pos))
             if child is None or child.evicted:
-                return False
-            n = child.key.match_at(key, pos)
-            if n < len(child.key):
-                return pos + n >= len(key)
-            pos, node = pos + n, child
-        return True
+                return pos
+            m = child.key.match_at(key, pos)
+            if m < len(child.key):
+                return pos + m
+            pos, node = pos + m, child
+        return pos
 
     def reset(self) -> None:
         super().reset()

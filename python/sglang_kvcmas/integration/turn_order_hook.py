@@ -45,9 +45,10 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
         ns = (req.extra_key, req.cache_salt or None)
         shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
         available, _ = cache.shared.match(ns, shared, split=False)
+        own = cache.radix_peek(req, split.shared_end) - split.head_len
         out.append(
             TurnCandidate(req.rid, ns, split.agent, shared, available,
-                          now - _held_since.get(req.rid, now))
+                          now - _held_since.get(req.rid, now), max(0, own))
         )
     return out
 

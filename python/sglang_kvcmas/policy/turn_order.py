@@ -26,6 +26,8 @@ class TurnCandidate:
         shared: the request's shared-context token ids.
         available: how many of ``shared`` the shared tree already holds (a reader reuses these).
         waited_s: seconds since the request was first held back (0 if never).
+        own: how many of ``shared`` the request's agent holds exactly in its own context (its
+            radix path); the candidate with the most leads (``plan_turns``).
     """
 
     rid: str
@@ -34,6 +36,7 @@ class TurnCandidate:
     shared: tuple[int, ...]
     available: int
     waited_s: float
+    own: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,18 +91,22 @@ def plan_turns(
     in_flight: Sequence[TurnLeader],
     config: TurnConfig,
 ) -> TurnPlan:
-    """Decide who waits, in queue order.
+    """Decide who waits.
 
-    A candidate waits when an in-flight request, or an earlier candidate that does not wait,
-    shares at least ``config.min_gain`` more of its shared context than the tree already holds
-    for it — and it has not waited ``config.max_wait_s`` yet. Candidates that do not wait become
-    leaders for the ones after them.
+    A candidate waits when an in-flight request, or a candidate taken before it that does not
+    wait, shares at least ``config.min_gain`` more of its shared context than the tree already
+    holds for it — and it has not waited ``config.max_wait_s`` yet. Candidates that do not wait
+    become leaders for the ones after them. Candidates are taken by how much of their shared
+    context their agent holds exactly (``own``, most first), then in queue order: the agent that
+    led a workflow's previous step holds all of the transcript exactly, so it leads again and
+    its turns read nothing approximate, where a new leader would compute the new segment over
+    the part it had borrowed, and every later reader would inherit that approximation.
     """
     if config.policy == "fifo":
         return TurnPlan(frozenset(), {})
     leaders = list(in_flight)
     deferred: dict[str, str] = {}
-    for cand in waiting:
+    for cand in sorted(waiting, key=lambda c: -c.own):  # stable: queue order among equals
         best, best_rid = 0, None
         if cand.waited_s < config.max_wait_s:
             for lead in leaders:
