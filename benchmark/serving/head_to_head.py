@@ -207,6 +207,23 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
     return out
 
 
+def leader_runs(turns: list[dict]) -> tuple[int, int]:
+    """(steps whose single exact agent also led the step before, steps after the first with one
+    exact agent) over the debates of the kvcmas arm: how often leadership stayed put."""
+    owners = owners_of(turns)
+    led: dict[tuple, list[str]] = {}
+    for kind, wid, step, agent in owners:
+        if kind == "debate":
+            led.setdefault((wid, step), []).append(agent)
+    kept = total = 0
+    for (wid, step), agents in led.items():
+        before = led.get((wid, step - 1))
+        if step >= 2 and len(agents) == 1 and before is not None and len(before) == 1:
+            total += 1
+            kept += agents == before
+    return kept, total
+
+
 def same_number(a: str | None, b: str | None) -> bool:
     """Whether two extracted answers are the same number (``"18"`` == ``"18.0"``)."""
     try:
@@ -458,6 +475,7 @@ def main() -> int:
              "first_divergence": divergences.get(w)}
             for w, ok in same.items() if not ok],
         "gsm8k_correct": correct, "debates": len(deb),
+        "leader_kept": leader_runs(results["kvcmas"][0]),
         "one_copy_ideal_tokens": ideal,
         "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
         "turns": fidelity,
@@ -476,6 +494,8 @@ def main() -> int:
     print(f"debates with the same final answer: {fid['answer_consistency']:.3f}; GSM8K-correct "
           f"final answers: radix {correct['radix']}/{len(deb)}, kvcmas {correct['kvcmas']}/"
           f"{len(deb)}")
+    kept, total = fid["leader_kept"]
+    print(f"debate steps led by the previous step's leader: {kept} of {total}")
     for d in fid["inconsistent_debates"]:
         div = d["first_divergence"] or {}
         gap = div.get("exact_gap")
