@@ -208,8 +208,9 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
 
 
 def leader_runs(turns: list[dict]) -> tuple[int, int]:
-    """(steps whose single exact agent also led the step before, steps after the first with one
-    exact agent) over the debates of the kvcmas arm: how often leadership stayed put."""
+    """How often a debate's leader stayed put in the kvcmas arm: (steps whose one exact agent
+    also led the step before, steps with one exact agent after one) from the third step on (in
+    the first step every agent computes the short question exactly)."""
     owners = owners_of(turns)
     led: dict[tuple, list[str]] = {}
     for kind, wid, step, agent in owners:

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.serving.head_to_head import post  # noqa: E402
+from benchmark.serving.head_to_head import pct, post  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS, debate  # noqa: E402
 
@@ -126,11 +126,6 @@ def compare(ref: dict, got: dict, cont: list[int]) -> dict:
             "flips": flips}
 
 
-def quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=4)
@@ -214,8 +209,8 @@ def main() -> int:
             "wall_ratio_vs_exact": statistics.median(r["wall_s"] / r["ref_wall_s"] for r in rs),
             "flips": sum(len(r["flips"]) for r in rs),
             "positions": sum(len(r["gaps"]) for r in rs),
-            "gap_move_p50": quantile([m for r in rs for m in r["gap_moves"]], 0.5),
-            "gap_move_p99": quantile([m for r in rs for m in r["gap_moves"]], 0.99),
+            "gap_move_p50": pct([m for r in rs for m in r["gap_moves"]], 0.5),
+            "gap_move_p99": pct([m for r in rs for m in r["gap_moves"]], 0.99),
         })
     lines = [f"{'boundary:mass':>13} {'n':>3} {'top1':>6} {'kl20':>9} {'kl_recov':>8} "
              f"{'dlogp':>7} {'recomputed':>10} {'wall/exact':>10} {'flips':>9} "
@@ -225,9 +220,9 @@ def main() -> int:
                      f"{r['kl_recovered']:>8.3f} {r['dlogp']:>7.4f} {r['recomputed']:>10.1f} "
                      f"{r['wall_ratio_vs_exact']:>10.3f} {r['flips']:>4}/{r['positions']:<4} "
                      f"{r['gap_move_p50']:>10.4f} {r['gap_move_p99']:>10.4f}")
-    gaps = sorted({(r["question"], r["round"], r["agent"]): r["gaps"] for r in records
-                   if r["reuse"].get("reused_corrected")}.values(), key=len)
-    gaps = [g for gs in gaps for g in gs]
+    per_turn = {(r["question"], r["round"], r["agent"]): r["gaps"] for r in records
+                if r["reuse"].get("reused_corrected")}  # the exact gaps: the same in every config
+    gaps = [g for gs in per_turn.values() for g in gs]
     if gaps:
         lines.append("exact top-2 gap (log p1 - log p2) over the forced positions: "
                      + ", ".join(f"< {t}: {sum(g < t for g in gaps) / len(gaps):.3f}"
