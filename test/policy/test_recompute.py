@@ -89,6 +89,7 @@ def test_leaf_config_keeps_the_top_of_the_same_ranking():
     assert (leaf.mass_fraction, leaf.leaf_mass_fraction, leaf.boundary_tokens) == (0.2, None, 2)
     spans = [BorrowedSpan(0, 10, True)]
     mass = [0.0, 0.0, 0.9, 0.1, 0.8, 0.2, 0.7, 0.3, 0.6, 0.05]
+
     def pick(c):
         return mass_offsets(list(range(10)), mass, set(), boundary_offsets(spans, c), 10, c)
     assert pick(cfg) == (0, 1, 2, 4, 6, 8)
