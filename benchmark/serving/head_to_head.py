@@ -157,6 +157,16 @@ def owners_of(turns: list[dict]) -> set[tuple]:
     return out
 
 
+def turn_key(t: dict) -> tuple:
+    """(kind, wid, step, agent): one agent turn, the same in every arm."""
+    return (t["kind"], t["wid"], t["step"], t["agent"])
+
+
+def final_answers(turns: list[dict], n_debates: int) -> list[str | None]:
+    """The final answer of debates ``0 .. n_debates - 1`` (``final_answer``)."""
+    return [final_answer(turns, "debate", w) for w in range(n_debates)]
+
+
 def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
     from sglang_kvcmas.datasets import last_number
 
@@ -237,7 +247,7 @@ def first_divergent_turn(turns: list[dict], ref: dict[tuple, dict], wid: int) ->
     """The earliest turn of debate ``wid`` whose text differs from the reference arm's."""
     return next((t for t in sorted(turns, key=lambda t: (t["step"], t["agent"]))
                  if t["wid"] == wid and t["kind"] == "debate"
-                 and t["text"] != ref[(t["kind"], wid, t["step"], t["agent"])]["text"]), None)
+                 and t["text"] != ref[turn_key(t)]["text"]), None)
 
 
 def divergence_detail(url: str, turn: dict, ref_turn: dict) -> dict:
@@ -403,13 +413,11 @@ def main() -> int:
                                timeout=60).read()
         forced = teacher_forced(server.url, results["radix"][0])
         ours, ref_turns = results["kvcmas"][0], results["radix"][0]
-        ref = {(t["kind"], t["wid"], t["step"], t["agent"]): t for t in ref_turns}
-        for w in range(args.debates):
-            if final_answer(ours, "debate", w) != final_answer(ref_turns, "debate", w):
-                turn = first_divergent_turn(ours, ref, w)
-                if turn is not None:
-                    divergences[w] = divergence_detail(
-                        server.url, turn, ref[(turn["kind"], w, turn["step"], turn["agent"])])
+        ref = {turn_key(t): t for t in ref_turns}
+        pairs = zip(final_answers(ours, args.debates), final_answers(ref_turns, args.debates))
+        for w, (mine, theirs) in enumerate(pairs):
+            if mine != theirs and (turn := first_divergent_turn(ours, ref, w)) is not None:
+                divergences[w] = divergence_detail(server.url, turn, ref[turn_key(turn)])
         return forced
 
     if args.sequential:
@@ -440,7 +448,7 @@ def main() -> int:
     summaries = [{**summarize(a, *results[a], non_owner), "kv_pool_tokens": pools.get(a)}
                  for a in arms]
     ref_turns = results["radix"][0]
-    ref = {(t["kind"], t["wid"], t["step"], t["agent"]): t for t in ref_turns}
+    ref = {turn_key(t): t for t in ref_turns}
     for s, arm in zip(summaries, arms):
         same_prompt = [(t, ref[k]) for t in results[arm][0]
                        if (k := (t["kind"], t["wid"], t["step"], t["agent"])) in ref
@@ -455,13 +463,13 @@ def main() -> int:
     ours = next(s for s in summaries if s["arm"] == "kvcmas")
     radix = summaries[0]
     deb = [w for w in range(args.debates)]
-    same = {w: final_answer(results["kvcmas"][0], "debate", w) ==
-            final_answer(ref_turns, "debate", w) for w in deb}
+    answers = {arm: final_answers(results[arm][0], args.debates) for arm in ("radix", "kvcmas")}
+    same = {w: answers["kvcmas"][w] == answers["radix"][w] for w in deb}
     from sglang_kvcmas.datasets import gsm8k
 
     truth = [item.final for item in gsm8k()[: args.debates]]
-    correct = {arm: sum(same_number(final_answer(results[arm][0], "debate", w), truth[w])
-                        for w in deb) for arm in ("radix", "kvcmas")}
+    correct = {arm: sum(same_number(a, t) for a, t in zip(answers[arm], truth))
+               for arm in answers}
     tf_no = [f for f in fidelity if f["non_owner"]]
     tf_owner = [f for f in fidelity if not f["non_owner"]]
     fid = {
@@ -471,8 +479,7 @@ def main() -> int:
         "nonowner_turns": len(tf_no), "owner_turns": len(tf_owner),
         "answer_consistency": sum(same.values()) / max(1, len(same)),
         "inconsistent_debates": [
-            {"wid": w, "kvcmas": final_answer(results["kvcmas"][0], "debate", w),
-             "radix": final_answer(ref_turns, "debate", w),
+            {"wid": w, "kvcmas": answers["kvcmas"][w], "radix": answers["radix"][w],
              "first_divergence": divergences.get(w)}
             for w, ok in same.items() if not ok],
         "gsm8k_correct": correct, "debates": len(deb),

@@ -76,10 +76,10 @@ def shifted_query_decode(
     """
     h, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
     half, g = d // 2, h // hkv
-    cos, sin = rope_cos_sin(-shifts, inv_freq.to(q.device))  # [S, d/2] each
+    cos, sin = rope_cos_sin(-shifts.to(q.device), inv_freq.to(q.device))  # [S, d/2] each
     qf = q.reshape(hkv, g, d).to(torch.float32)
     lo, hi = qf[..., :half], qf[..., half:]
-    c, s = cos[:, None, None, :].to(q.device), sin[:, None, None, :].to(q.device)
+    c, s = cos[:, None, None, :], sin[:, None, None, :]
     q_s = torch.cat([lo * c - hi * s, hi * c + lo * s], dim=-1) * scale  # [S, H_kv, g, d]
     kf = k.to(torch.float32)
     scores = torch.empty((hkv, g, k.shape[1]), dtype=torch.float32, device=q.device)

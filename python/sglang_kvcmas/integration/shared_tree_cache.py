@@ -270,10 +270,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 self._splits[req.rid] = None
         return self._splits[req.rid]
 
-    def head_cached(self, req: Req, split: AgentSplit) -> bool:
-        """Whether the radix tree holds the request's agent head (a peek: nothing is split)."""
-        return self.radix_peek(req, split.head_len) >= split.head_len
-
     def radix_peek(self, req: Req, n: int) -> int:
         """How many of the request's first ``n`` tokens the radix tree holds: its own exact
         prefix (a peek: nothing is split, locked or touched)."""
@@ -602,9 +598,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = dict(zip(handle.recompute,
                          row[handle.prefix_len : start].to(torch.int64).cpu().tolist()))
-        kept = set(handle.recompute if handle.keep is None else handle.keep)
-        if not handle.use_leaves:
-            kept = set()
+        kept = (set() if not handle.use_leaves
+                else set(handle.recompute if handle.keep is None else handle.keep))
         transient = [slots[o] for o in handle.recompute if o not in kept]
         rejected = [torch.tensor(transient, dtype=torch.int64)] if transient else []
         for piece in SharedTree.path(handle.shared_node) if kept else ():

@@ -40,15 +40,17 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
     out = []
     for req in waiting:
         split = cache.split_of(req)
-        if split is None or cache.wants_exact(req) or not cache.head_cached(req, split):
-            continue  # cannot (or will not) borrow anyway: never held back
+        if split is None or cache.wants_exact(req):
+            continue  # not an agent request, or asked not to borrow: never held back
+        exact = cache.radix_peek(req, split.shared_end)  # its own exact prefix
+        if exact < split.head_len:
+            continue  # its head is not cached: it cannot borrow anyway
         ns = (req.extra_key, req.cache_salt or None)
         shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
         available, _ = cache.shared.match(ns, shared, split=False)
-        own = cache.radix_peek(req, split.shared_end) - split.head_len
         out.append(
             TurnCandidate(req.rid, ns, split.agent, shared, available,
-                          now - _held_since.get(req.rid, now), max(0, own))
+                          now - _held_since.get(req.rid, now), exact - split.head_len)
         )
     return out
 

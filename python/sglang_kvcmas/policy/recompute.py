@@ -12,8 +12,9 @@ the rest re-positioned. Two signals pick them, neither needing a reference prefi
   changing the head moves it in proportion to λ, its attention mass on the head (RESEARCH.md §2).
   The owner's own pass records λ (``span_registry.HeadMassProbe``); the tokens with the largest
   λ are recomputed (``benchmark/lab/owner_mass_study.py`` measures the selector against random
-  and the true-deviation oracle; inside the server, ``benchmark/serving/recompute_fidelity.py``:
-  boundary 16 alone recovers 0.24 of naive reuse's KL, + the top 10% by mass 0.61, + 20% 0.75).
+  and the true-deviation oracle; inside the server, ``benchmark/serving/recompute_fidelity.py``,
+  scoring from each reader's first answer token: boundary 16 + the top 10% by mass recovers 0.59
+  of naive reuse's KL, + 20% 0.81, + 50% 0.88; ``recompute_fidelity_gaps.txt``).
 
 Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_offsets``); in the
 server it recovers less KL per recomputed token than head mass (``recompute_fidelity_tail.txt``).
