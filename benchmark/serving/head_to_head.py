@@ -153,7 +153,7 @@ def owners_of(turns: list[dict]) -> set[tuple]:
     for t in turns:
         rec = (t["meta"].get("kvcmas_reuse") or [{}])[0]
         if rec.get("reused_corrected", 0) == 0:
-            out.add((t["kind"], t["wid"], t["step"], t["agent"]))
+            out.add(turn_key(t))
     return out
 
 
@@ -274,7 +274,7 @@ def divergence_detail(url: str, turn: dict, ref_turn: dict) -> dict:
 
 def summarize(arm: str, turns: list[dict], makespan: float, peak: int, non_owner: set) -> dict:
     ttft = [t["ttft"] for t in turns]
-    no = [t["ttft"] for t in turns if (t["kind"], t["wid"], t["step"], t["agent"]) in non_owner]
+    no = [t["ttft"] for t in turns if turn_key(t) in non_owner]
     out_tok = sum(t["meta"].get("completion_tokens", 0) for t in turns)
     in_tok = sum(t["meta"].get("prompt_tokens", 0) for t in turns)
     cached = sum(t["meta"].get("cached_tokens", 0) for t in turns)
@@ -443,7 +443,7 @@ def main() -> int:
                     servers[a].stop()
             fidelity = fidelity_pass(servers["kvcmas"])
 
-    non_owner = {(t["kind"], t["wid"], t["step"], t["agent"]) for t in results["kvcmas"][0]}
+    non_owner = {turn_key(t) for t in results["kvcmas"][0]}
     non_owner -= owners_of(results["kvcmas"][0])
     summaries = [{**summarize(a, *results[a], non_owner), "kv_pool_tokens": pools.get(a)}
                  for a in arms]
@@ -451,7 +451,7 @@ def main() -> int:
     ref = {turn_key(t): t for t in ref_turns}
     for s, arm in zip(summaries, arms):
         same_prompt = [(t, ref[k]) for t in results[arm][0]
-                       if (k := (t["kind"], t["wid"], t["step"], t["agent"])) in ref
+                       if (k := turn_key(t)) in ref
                        and ref[k]["prompt_ids"] == t["prompt_ids"]]
         s["greedy_agreement"] = (sum(t["text"] == r["text"] for t, r in same_prompt)
                                  / max(1, len(same_prompt)))
