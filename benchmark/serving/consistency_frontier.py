@@ -1,0 +1,214 @@
+"""What exactness costs: TTFT, KV and same-answer rate of our backend by what readers recompute.
+
+The head-to-head's debate workload (``head_to_head.run_workload``: N concurrent 3-agent GSM8K
+debates, 3 rounds, one server at a time) runs once on SGLang's radix cache (the reference), then
+once per recompute configuration on a kvcmas server whose readers recompute ``boundary`` tokens
+at the start of every borrowed span plus the ``mass`` share of borrowed tokens with the largest
+owner head mass (``policy/recompute.py``; set through ``KVCMAS_RECOMPUTE_*``, with the cap
+``KVCMAS_RECOMPUTE_MAX_FRACTION`` raised to the mass share where it is above the default 0.5).
+``100000:1.0`` recomputes every borrowed token: a reader then reads nothing approximate, which is
+the exact end of the curve (the control of ``recompute_fidelity_all_recomputed.txt``).
+
+Per configuration: non-owner median TTFT (radix / ours, on the turns that read another agent's
+KV in that run), makespan, peak KV (vs radix and vs the one-copy ideal), the share of borrowed
+tokens recomputed, greedy agreement with radix on turns whose prompts were identical, and the
+share of debates whose final (majority) answer is radix's, with the first divergent turn of
+each other debate. One table, ``consistency_frontier.jsonl`` and a plot of same-answer rate
+against TTFT speedup and KV, with the issue's targets drawn in.
+
+    python benchmark/serving/consistency_frontier.py [--debates 16] [--max-new-tokens 64] \
+        [--configs 16:0.1,16:0.2,16:0.5,100000:1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving.head_to_head import (  # noqa: E402
+    KV_BYTES_PER_TOKEN,
+    KvSampler,
+    build_workflows,
+    final_answers,
+    first_divergent_turn,
+    one_copy_ideal,
+    owners_of,
+    run_workload,
+    stream_generate,
+    turn_key,
+)
+from benchmark.serving.recompute_fidelity import config_name, parse_config  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TTFT_TARGET, KV_IDEAL_TARGET, SAME_TARGET = 2.0, 1.25, 0.9
+
+
+def config_env(boundary: int, mass: float, tail: int) -> dict[str, str]:
+    """The kvcmas server's environment for one recompute configuration."""
+    return {"KVCMAS_RECOMPUTE_BOUNDARY": str(boundary),
+            "KVCMAS_RECOMPUTE_MASS_FRACTION": str(mass),
+            "KVCMAS_RECOMPUTE_TAIL": str(tail),
+            "KVCMAS_RECOMPUTE_MAX_FRACTION": str(max(0.5, mass))}
+
+
+def run_arm(arm: str, env: dict[str, str], args, tok, log: Path) -> dict:
+    """One server, one workload: its turns, makespan and peak KV slots."""
+    with ArmServer(arm, log, ["--max-total-tokens", str(args.max_total_tokens)], env) as server:
+        stream_generate(server.url, tok.encode("Warm up."), 4)
+        sampler = KvSampler(server.url)
+        sampler.start()
+        turns, makespan = run_workload(server.url, build_workflows(args.debates, 0), tok,
+                                       args.max_new_tokens)
+        return {"turns": turns, "makespan_s": makespan, "peak_kv_tokens": sampler.stop()}
+
+
+def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
+    """One configuration's row against the radix run."""
+    non_owner = {turn_key(t) for t in ours["turns"]} - owners_of(ours["turns"])
+    ref = {turn_key(t): t for t in radix["turns"]}
+
+    def median_ttft(turns: list[dict]) -> float | None:
+        xs = [t["ttft"] for t in turns if turn_key(t) in non_owner]
+        return statistics.median(xs) if xs else None
+
+    mine, theirs = median_ttft(ours["turns"]), median_ttft(radix["turns"])
+    reuse = [(t["meta"].get("kvcmas_reuse") or [{}])[0] for t in ours["turns"]
+             if turn_key(t) in non_owner]
+    corrected = sum(r.get("reused_corrected", 0) for r in reuse)
+    recomputed = sum(r.get("recomputed", 0) for r in reuse)
+    same_prompt = [(t, ref[turn_key(t)]) for t in ours["turns"]
+                   if ref[turn_key(t)]["prompt_ids"] == t["prompt_ids"]]
+    a_ours = final_answers(ours["turns"], n_debates)
+    a_ref = final_answers(radix["turns"], n_debates)
+    diverged = []
+    for w in range(n_debates):
+        if a_ours[w] != a_ref[w] and (t := first_divergent_turn(ours["turns"], ref, w)):
+            diverged.append({"wid": w, "kvcmas": a_ours[w], "radix": a_ref[w],
+                             "step": t["step"], "agent": t["agent"]})
+    ideal = one_copy_ideal(ours["turns"])
+    return {
+        "config": name, "nonowner_turns": len(non_owner),
+        "nonowner_ttft_median_s": mine, "radix_nonowner_ttft_median_s": theirs,
+        "ttft_speedup_vs_radix": (theirs / mine) if mine and theirs else None,
+        "makespan_s": ours["makespan_s"], "radix_makespan_s": radix["makespan_s"],
+        "peak_kv_tokens": ours["peak_kv_tokens"], "radix_peak_kv_tokens": radix["peak_kv_tokens"],
+        "peak_kv_bytes": ours["peak_kv_tokens"] * KV_BYTES_PER_TOKEN,
+        "kv_ratio_vs_radix": ours["peak_kv_tokens"] / max(1, radix["peak_kv_tokens"]),
+        "one_copy_ideal_tokens": ideal, "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
+        "recomputed_share": recomputed / max(1, recomputed + corrected),
+        "greedy_agreement": (sum(t["text"] == r["text"] for t, r in same_prompt)
+                             / max(1, len(same_prompt))),
+        "greedy_compared_turns": len(same_prompt),
+        "answer_consistency": 1 - len(diverged) / max(1, n_debates),
+        "inconsistent_debates": diverged,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'config':>12} {'recomp':>7} {'TTFT no (s)':>11} {'x radix':>8} {'makespan':>9} "
+            f"{'KV/radix':>9} {'KV/ideal':>9} {'greedy':>7} {'same ans':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        sp = r["ttft_speedup_vs_radix"]
+        print(f"{r['config']:>12} {r['recomputed_share']:>7.2f} "
+              f"{r['nonowner_ttft_median_s'] or float('nan'):>11.2f} "
+              f"{sp if sp is not None else float('nan'):>8.2f} {r['makespan_s']:>9.1f} "
+              f"{r['kv_ratio_vs_radix']:>9.2f} {r['kv_ratio_to_ideal']:>9.2f} "
+              f"{r['greedy_agreement']:>7.3f} {r['answer_consistency']:>9.3f}")
+    for r in rows:
+        steps = [d["step"] for d in r["inconsistent_debates"]]
+        print(f"  {r['config']}: {len(steps)} debates differ; first divergent step (0-based) of "
+              f"each: {steps}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, target, label in ((a, "ttft_speedup_vs_radix", TTFT_TARGET,
+                                    "non-owner median TTFT, radix / ours"),
+                                   (b, "kv_ratio_to_ideal", KV_IDEAL_TARGET,
+                                    "peak KV / one-copy ideal")):
+        xs = [r[key] or 0.0 for r in rows]
+        ys = [r["answer_consistency"] for r in rows]
+        ax.plot(xs, ys, "o-", color="C0")
+        for x, y, r in zip(xs, ys, rows):
+            ax.annotate(f"{r['config']} ({r['recomputed_share']:.0%})", (x, y),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.axvline(target, color="C3", ls="--", lw=1)
+        ax.axhline(SAME_TARGET, color="C3", ls="--", lw=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("debates with radix's final answer")
+        ax.set_ylim(0, 1.05)
+    a.set_title("same answer vs TTFT (target: up and right of the dashes)")
+    b.set_title("same answer vs memory (target: up and left of the dashes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--debates", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--configs", default="16:0.1,16:0.2,16:0.5,100000:1.0",
+                    help="boundary:mass[:tail] per kvcmas run")
+    ap.add_argument("--max-total-tokens", type=int, default=40000,
+                    help="KV pool of every server: above the radix arm's demand, so peak KV is "
+                         "not clipped")
+    ap.add_argument("--out", type=Path, default=RESULTS / "consistency_frontier")
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    meta = {"commit": commit, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "debates": args.debates, "max_new_tokens": args.max_new_tokens}
+    t0 = time.perf_counter()
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "consistency_frontier"
+    logs.mkdir(parents=True, exist_ok=True)
+    radix = run_arm("radix", {}, args, tok, logs / "server_radix.log")
+    print(f"[frontier] radix measured at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+          flush=True)
+    rows = []
+    for cfg in configs:
+        name = config_name(*cfg)
+        ours = run_arm("kvcmas", config_env(*cfg), args, tok, logs / f"server_{name}.log")
+        rows.append({**meta, **compare(name, ours, radix, args.debates)})
+        print(f"[frontier] {name} measured at {time.perf_counter() - t0:.0f} s: same answer "
+              f"{rows[-1]['answer_consistency']:.3f}, TTFT x{rows[-1]['ttft_speedup_vs_radix']}",
+              file=sys.stderr, flush=True)
+    print(f"# {args.debates} concurrent 3-agent debates, {args.max_new_tokens} new tokens per turn,"
+          f" one server at a time; radix non-owner TTFT median per row is over that row's "
+          f"non-owner turns")
+    print_table(rows)
+    with args.out.with_suffix(".jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"[frontier] {meta['machine']}; total {time.perf_counter() - t0:.0f} s; results in "
+          f"{args.out.with_suffix('.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
