@@ -44,6 +44,7 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
         "model_runner",),
     ("sglang.srt.managers.schedule_batch", "Req"): None,
+    ("sglang.srt.managers.schedule_policy", "AddReqResult"): None,
     ("sglang.srt.mem_cache.base_prefix_cache", "EvictParams"): ("num_tokens",),
     ("sglang.srt.mem_cache.base_prefix_cache", "EvictResult"): ("num_tokens_evicted",),
     ("sglang.srt.mem_cache.base_prefix_cache", "MatchPrefixParams"): ("key",),
@@ -156,6 +157,21 @@ def test_radix_cache_api_used_by_backend_and_tests():
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     assert "cache_salt" in _params(RadixKey)
+
+
+def test_admission_hook_target():
+    """``admission_hook`` wraps the admission choice: first argument the request, a result
+    with ``is_chunked`` or an ``AddReqResult``; it reads the adder's batch and tree cache."""
+    from sglang.srt.managers import schedule_policy
+
+    from sglang_kvcmas.integration.admission_hook import TARGET
+
+    method = pkgutil.resolve_name(TARGET)
+    assert _params(method)[0] == "req"
+    assert "is_chunked" in {f.name for f in dataclasses.fields(schedule_policy._PrefillAdmission)}
+    assert schedule_policy.AddReqResult.OTHER
+    init = inspect.getsource(schedule_policy.PrefillAdder.__init__)
+    assert "self.can_run_list" in init and "self.tree_cache" in init
 
 
 def test_hook_registry_api():

@@ -1,12 +1,15 @@
-"""End to end on SGLang's server with the shared-context path (one server for the module):
-two agents' chat requests over one transcript show corrected reuse in their ``usage``; the owner's
-logits are bit-identical to a from-scratch computation; ``cache_salt`` isolates tenants."""
+"""End to end on SGLang's server with the shared-context path (one server for the module, one
+more with a small prefill chunk): two agents' chat requests over one transcript show corrected
+reuse in their ``usage``; the owner's logits are bit-identical to a from-scratch computation;
+``cache_salt`` isolates tenants; readers released together under chunked prefill each recompute
+in one piece."""
 
 from __future__ import annotations
 
 import json
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -164,3 +167,38 @@ def test_owner_is_bit_identical_and_salt_isolates(server):
         x[0] for x in fresh["input_token_logprobs"]]
     assert [x[0] for x in shared["output_token_logprobs"]] == [
         x[0] for x in fresh["output_token_logprobs"]]
+
+
+CHUNK = 64
+SC = SA.replace("Ada, a careful mathematician who checks every step of an argument",
+                "Cleo, a patient teacher who explains every step of an argument in plain words")
+
+
+@pytest.fixture(scope="module")
+def chunked_server(tmp_path_factory):
+    from benchmark.serving.server_arms import ArmServer
+
+    log = tmp_path_factory.mktemp("kvcmas_chunked") / "server.log"
+    with ArmServer("kvcmas", log, ["--chunked-prefill-size", str(CHUNK)]) as s:
+        yield s, log
+
+
+def test_readers_released_together_each_recompute_whole(chunked_server):
+    """A reader's recomputed tokens sit at the front of its extend, so the extend must run in
+    one piece. Two readers released together after their leader share a prefill batch whose
+    chunk budget holds only one of them: SGLang would truncate the second (a scheduler
+    exception). It must go whole in a later batch and recompute what the first does."""
+    server, log = chunked_server
+    for system in (SA, SB, SC):
+        chat(server, system, T1)  # every head cached, T1 held exactly by each agent
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda s: chat(server, s, T2), (SA, SB, SC)))
+    details = [o["usage"]["prompt_tokens_details"] for o in outs]
+    readers = [d for d in details if d["kvcmas_reused_corrected"] > 0]
+    assert len(readers) == 2, details
+    assert all(d["kvcmas_correction"].startswith("boundary_recompute:") for d in readers), details
+    assert 2 * min(d["kvcmas_recomputed"] for d in readers) > CHUNK, "they fit one chunk"
+    text = log.read_text()
+    assert "Scheduler hit an exception" not in text
+    assert "waits for a batch that holds its extend whole" in text, "no reader was cut: untested"
+    assert chat(server, SB, T1 + " Be brief.")["usage"]["prompt_tokens"] > 0  # still serving

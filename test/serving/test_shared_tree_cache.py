@@ -493,3 +493,75 @@ def test_leaf_share_is_read_from_the_environment(monkeypatch):
     assert config().leaf_mass_fraction == 0.1
     monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "")
     assert config().keeps_all and config().leaf_mass_fraction is None
+
+
+def test_a_chunked_leader_stays_pending_until_its_last_chunk(monkeypatch):
+    """SGLang checkpoints a chunked prefill after every chunk: the leader's first chunks
+    publish part of the new segment, and its readers must still wait for the rest."""
+    from sglang_kvcmas.integration import turn_order_hook
+
+    h = Harness()
+    a, b, t2 = head(50, 20), head(60, 8), list(range(200, 460))
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    leader, reader = Req("a2", a + T1 + t2 + SUFFIX), Req("b2", b + T1 + t2 + SUFFIX)
+    n = len(leader.origin_input_ids)
+    res = h.cache.match_prefix(MatchPrefixParams(
+        key=RadixKey(leader.origin_input_ids, None, limit=n - 1), req=leader))
+    leader.prefix_len, leader.last_node = res.device_prefix_len, res.last_device_node
+    leader.kv.cache_protected_len = leader.prefix_len
+    leader.lock = h.cache.lock(leader.last_node)
+    prefix = h.cache.prefix_device_indices(leader)
+    h.pool.req_to_token[2, :n] = torch.cat([prefix, torch.arange(5000, 5000 + n - len(prefix))])
+    leader.kv.req_pool_idx = 2
+    monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[])
+    seen = []
+    for chunk_end in (leader.prefix_len + 64, leader.prefix_len + 128, n):
+        h.cache.maybe_hand_to_session(leader)  # SGLang hands the row over at every chunk
+        h.cache.checkpoint(leader, up_to=chunk_end)
+        scheduler.waiting_queue = [reader]
+        turn_order_hook.turn_order_around(
+            lambda s: seen.append([r.rid for r in s.waiting_queue]), scheduler)
+    assert seen == [[], [], ["b2"]]  # held while a2 has t2 left to compute, then released
+    assert "a2" not in h.cache.pending_owners
+
+
+def test_a_reader_that_recomputes_is_admitted_whole_or_not_at_all():
+    """``admission_hook``: a reader whose extend SGLang would cut ends the batch before it
+    when the batch holds others, and drops its recompute when even an empty batch would cut
+    it (its prefix then ends at the shared context's end); other admissions pass through."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sglang_kvcmas.integration.admission_hook import admission_around
+
+    k = 4
+    h = Harness(boundary=k)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    n = len(b2.origin_input_ids)
+    res = h.cache.match_prefix(MatchPrefixParams(
+        key=RadixKey(b2.origin_input_ids, None, limit=n - 1), req=b2))
+    b2.prefix_len, b2.last_node = res.device_prefix_len, res.last_device_node
+    b2.kv.cache_protected_len = b2.num_matched_prefix_tokens = b2.prefix_len
+    assert h.cache.recomputes(b2)
+    calls = []
+
+    def select(adder, req, budget):
+        calls.append(req.prefix_len)
+        return SimpleNamespace(is_chunked=n - req.prefix_len > budget)
+
+    whole = SimpleNamespace(tree_cache=h.cache, can_run_list=[])
+    assert not admission_around(select, whole, b2, n).is_chunked  # fits: untouched
+    busy = SimpleNamespace(tree_cache=h.cache, can_run_list=["other"])
+    assert admission_around(select, busy, b2, 2) is AddReqResult.OTHER
+    assert h.cache.recomputes(b2) and b2.prefix_len == calls[0]
+    before = b2.prefix_len
+    assert admission_around(select, whole, b2, 2).is_chunked  # cut as a plain reader
+    assert not h.cache.recomputes(b2)
+    assert b2.prefix_len == b2.kv.cache_protected_len == b2.num_matched_prefix_tokens == before + k
+    assert b2.prefix_len == len(b + T1 + T2) + END
+    assert calls == [before, before, before, before + k]

@@ -8,7 +8,8 @@ registers — no model load, no device initialisation, no environment changes:
   the default, it behaves exactly like SGLang's ``RadixCache``);
 - attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning and recomputed
   tokens), also added to ``--attention-backend``'s choices;
-- scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``) and the
+- scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``), whole
+  reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``) and the
   ``/server_info`` readback of the tree cache actually built;
 - OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details`` (and its JSON).
 
@@ -26,7 +27,7 @@ from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radi
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-from sglang_kvcmas.integration import reuse_accounting, turn_order_hook
+from sglang_kvcmas.integration import admission_hook, reuse_accounting, turn_order_hook
 from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as ATTN_NAME
 from sglang_kvcmas.integration.delta_attention_backend import create_delta_backend
 from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME
@@ -79,6 +80,7 @@ def register_all() -> None:
     register_attention_backend_once()
     _register_hook(INTERNAL_STATE_TARGET, add_tree_cache_to_internal_state, HookType.AFTER)
     _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
+    _register_hook(admission_hook.TARGET, admission_hook.admission_around, HookType.AROUND)
     _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
     _register_hook(reuse_accounting.JSON_RESPONSE_TARGET, reuse_accounting.json_response_around,
                    HookType.AROUND)

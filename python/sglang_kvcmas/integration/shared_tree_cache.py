@@ -386,6 +386,25 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return offsets, None
         return offsets, kept_offsets(offsets, select(config.for_leaves()))
 
+    @staticmethod
+    def recomputes(req: Req) -> bool:
+        """Whether the request's matched prefix leaves borrowed tokens for it to recompute."""
+        handle = req.last_node
+        return isinstance(handle, SharedPrefixHandle) and bool(handle.recompute)
+
+    @staticmethod
+    def drop_recompute(req: Req) -> None:
+        """Read the tokens the request was to recompute borrowed instead (its extend will be
+        chunked: ``admission_hook``), and move what SGLang took from the match along: the
+        prefix, and its protected length, now end at the shared context's end."""
+        handle: SharedPrefixHandle = req.last_node
+        moved = len(handle.recompute)
+        if req.kv.cache_protected_len == req.prefix_len:
+            req.kv.cache_protected_len += moved
+        req.last_node = replace(handle, recompute=(), keep=None)
+        req.prefix_len += moved
+        req.num_matched_prefix_tokens += moved
+
     def prefix_device_indices(self, req: Req) -> torch.Tensor:
         handle = req.last_node
         if not isinstance(handle, SharedPrefixHandle):
@@ -561,7 +580,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             super().checkpoint(req, up_to=up_to, **kwargs)
             if split is not None:
                 self._register_exact(req, split, up_to)
-        self.pending_owners.pop(req.rid, None)
+        if split is None or req.finished() or up_to >= split.shared_end:
+            # A chunked owner stays pending until its last chunk: its readers wait for all of
+            # the segment rather than start on the part its first chunks published.
+            self.pending_owners.pop(req.rid, None)
 
     def _register_exact(self, req: Req, split: AgentSplit, up_to: int) -> None:
         """Share the transcript tokens an exact request computed, anchored on its radix path."""
