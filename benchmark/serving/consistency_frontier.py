@@ -9,12 +9,14 @@ owner head mass (``policy/recompute.py``; set through ``KVCMAS_RECOMPUTE_*``, wi
 ``100000:1.0`` recomputes every borrowed token: a reader then reads nothing approximate, which is
 the exact end of the curve (the control of ``recompute_fidelity_all_recomputed.txt``).
 
-Per configuration: non-owner median TTFT (radix / ours, on the turns that read another agent's
-KV in that run), makespan, peak KV (vs radix and vs the one-copy ideal), the share of borrowed
-tokens recomputed, greedy agreement with radix on turns whose prompts were identical, and the
-share of debates whose final (majority) answer is radix's, with the first divergent turn of
-each other debate. One table, ``consistency_frontier.jsonl`` and a plot of same-answer rate
-against TTFT speedup and KV, with the issue's targets drawn in.
+Per configuration: non-owner median TTFT (radix / ours, on the turns that read through the
+shared tree in that run: borrowed tokens, recomputed or not), makespan, peak KV (vs radix and vs
+the one-copy ideal), the share of those turns' borrowed tokens they recomputed, greedy
+agreement with radix on turns whose prompts were identical, and the share of debates whose
+final (majority) answer is radix's, with the first divergent turn of each other debate. One
+table, ``consistency_frontier.jsonl`` and a plot of same-answer rate against TTFT speedup and
+KV, with the issue's targets drawn in. Every run's turns are kept under ``--turns`` (default a
+temporary folder), and ``--from-turns`` recomputes the table from them without a server.
 
     python benchmark/serving/consistency_frontier.py [--debates 16] [--max-new-tokens 64] \
         [--configs 16:0.1,16:0.2,16:0.5,100000:1.0]
@@ -29,6 +31,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +45,6 @@ from benchmark.serving.head_to_head import (  # noqa: E402
     final_answers,
     first_divergent_turn,
     one_copy_ideal,
-    owners_of,
     run_workload,
     stream_generate,
     turn_key,
@@ -62,20 +64,51 @@ def config_env(boundary: int, mass: float, tail: int) -> dict[str, str]:
             "KVCMAS_RECOMPUTE_MAX_FRACTION": str(max(0.5, mass))}
 
 
-def run_arm(arm: str, env: dict[str, str], args, tok, log: Path) -> dict:
-    """One server, one workload: its turns, makespan and peak KV slots."""
+def run_arm(arm: str, env: dict[str, str], args, tok, name: str) -> dict:
+    """One server, one workload: its turns, makespan and peak KV slots (also written to
+    ``args.turns / f"{name}.json"``)."""
+    log = args.turns / f"server_{name}.log"
     with ArmServer(arm, log, ["--max-total-tokens", str(args.max_total_tokens)], env) as server:
         stream_generate(server.url, tok.encode("Warm up."), 4)
         sampler = KvSampler(server.url)
         sampler.start()
         turns, makespan = run_workload(server.url, build_workflows(args.debates, 0), tok,
                                        args.max_new_tokens)
-        return {"turns": turns, "makespan_s": makespan, "peak_kv_tokens": sampler.stop()}
+        out = {"turns": turns, "makespan_s": makespan, "peak_kv_tokens": sampler.stop()}
+    (args.turns / f"{name}.json").write_text(json.dumps(out))
+    return out
+
+
+def load_arm(args, name: str) -> dict:
+    path = args.from_turns / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"--from-turns: no {path} (run the frontier with --turns first)")
+    return json.loads(path.read_text())
+
+
+def reuse_of(turn: dict) -> dict:
+    return (turn["meta"].get("kvcmas_reuse") or [{}])[0]
+
+
+def recomputed_borrowed(turn: dict) -> int:
+    """Borrowed tokens the turn recomputed (its reuse record's ``boundary_recompute:N``)."""
+    parts = dict(p.split(":") for p in reuse_of(turn).get("correction", "none").split("+")
+                 if ":" in p)
+    return int(parts.get("boundary_recompute", 0))
+
+
+def readers_of(turns: list[dict]) -> set[tuple]:
+    """Turns that read through the shared tree: they borrowed tokens, read corrected or
+    recomputed (with every borrowed token recomputed a reader reads nothing corrected, so
+    ``head_to_head.owners_of`` would count it an owner)."""
+    return {turn_key(t) for t in turns
+            if reuse_of(t).get("reused_corrected", 0) or reuse_of(t).get("correction", "none")
+            != "none"}
 
 
 def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
     """One configuration's row against the radix run."""
-    non_owner = {turn_key(t) for t in ours["turns"]} - owners_of(ours["turns"])
+    non_owner = readers_of(ours["turns"])
     ref = {turn_key(t): t for t in radix["turns"]}
 
     def median_ttft(turns: list[dict]) -> float | None:
@@ -83,10 +116,9 @@ def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
         return statistics.median(xs) if xs else None
 
     mine, theirs = median_ttft(ours["turns"]), median_ttft(radix["turns"])
-    reuse = [(t["meta"].get("kvcmas_reuse") or [{}])[0] for t in ours["turns"]
-             if turn_key(t) in non_owner]
-    corrected = sum(r.get("reused_corrected", 0) for r in reuse)
-    recomputed = sum(r.get("recomputed", 0) for r in reuse)
+    readers = [t for t in ours["turns"] if turn_key(t) in non_owner]
+    corrected = sum(reuse_of(t).get("reused_corrected", 0) for t in readers)
+    recomputed = sum(recomputed_borrowed(t) for t in readers)
     same_prompt = [(t, ref[turn_key(t)]) for t in ours["turns"]
                    if ref[turn_key(t)]["prompt_ids"] == t["prompt_ids"]]
     a_ours = final_answers(ours["turns"], n_debates)
@@ -171,7 +203,15 @@ def main() -> int:
                     help="KV pool of every server: above the radix arm's demand, so peak KV is "
                          "not clipped")
     ap.add_argument("--out", type=Path, default=RESULTS / "consistency_frontier")
+    ap.add_argument("--turns", type=Path, default=None,
+                    help="folder for every run's turns and server log (default: a new "
+                         "temporary folder)")
+    ap.add_argument("--from-turns", type=Path, default=None,
+                    help="recompute the table from a --turns folder; starts no server")
     args = ap.parse_args()
+    if args.from_turns is None:
+        args.turns = args.turns or Path(tempfile.mkdtemp(prefix="consistency_frontier_"))
+        args.turns.mkdir(parents=True, exist_ok=True)
     configs = [parse_config(c) for c in args.configs.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
@@ -184,19 +224,22 @@ def main() -> int:
     meta = {"commit": commit, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
             "debates": args.debates, "max_new_tokens": args.max_new_tokens}
     t0 = time.perf_counter()
-    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "consistency_frontier"
-    logs.mkdir(parents=True, exist_ok=True)
-    radix = run_arm("radix", {}, args, tok, logs / "server_radix.log")
+    print(f"[frontier] turns and server logs in {args.from_turns or args.turns}", file=sys.stderr,
+          flush=True)
+    radix = (load_arm(args, "radix") if args.from_turns
+             else run_arm("radix", {}, args, tok, "radix"))
     print(f"[frontier] radix measured at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
           flush=True)
     rows = []
     for cfg in configs:
         name = config_name(*cfg)
-        ours = run_arm("kvcmas", config_env(*cfg), args, tok, logs / f"server_{name}.log")
+        ours = (load_arm(args, name) if args.from_turns
+                else run_arm("kvcmas", config_env(*cfg), args, tok, name))
         rows.append({**meta, **compare(name, ours, radix, args.debates)})
+        sp = rows[-1]["ttft_speedup_vs_radix"]
         print(f"[frontier] {name} measured at {time.perf_counter() - t0:.0f} s: same answer "
-              f"{rows[-1]['answer_consistency']:.3f}, TTFT x{rows[-1]['ttft_speedup_vs_radix']}",
-              file=sys.stderr, flush=True)
+              f"{rows[-1]['answer_consistency']:.3f}, non-owner TTFT "
+              + ("n/a" if sp is None else f"{sp:.2f}x radix"), file=sys.stderr, flush=True)
     print(f"# {args.debates} concurrent 3-agent debates, {args.max_new_tokens} new tokens per turn,"
           f" one server at a time; radix non-owner TTFT median per row is over that row's "
           f"non-owner turns")
