@@ -168,13 +168,16 @@ def final_answers(turns: list[dict], n_debates: int) -> list[str | None]:
 
 
 def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
+    """The majority of the last step's answers (each reply's last number); a tie goes to the
+    agent first by name, so the vote is the same in every process (a vote over a ``set`` broke
+    ties by string hash order, which changes from one Python process to the next)."""
     from sglang_kvcmas.datasets import last_number
 
     last = max(t["step"] for t in turns if t["wid"] == wid)
     answers = [last_number(t["text"]) for t in sorted(turns, key=lambda t: t["agent"])
                if t["wid"] == wid and t["step"] == last]
     answers = [a for a in answers if a is not None]
-    return max(set(answers), key=answers.count) if answers else None
+    return max(answers, key=answers.count) if answers else None  # first of the most common
 
 
 def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
@@ -241,6 +244,11 @@ def same_number(a: str | None, b: str | None) -> bool:
         return a is not None and b is not None and float(a) == float(b)
     except ValueError:
         return a == b
+
+
+def same_answer(a: str | None, b: str | None) -> bool:
+    """Whether two debates' final answers agree: the same number, or no number in both."""
+    return (a is None and b is None) or same_number(a, b)
 
 
 def first_divergent_turn(turns: list[dict], ref: dict[tuple, dict], wid: int) -> dict | None:
@@ -416,7 +424,7 @@ def main() -> int:
         ref = {turn_key(t): t for t in ref_turns}
         pairs = zip(final_answers(ours, args.debates), final_answers(ref_turns, args.debates))
         for w, (mine, theirs) in enumerate(pairs):
-            if mine != theirs and (turn := first_divergent_turn(ours, ref, w)) is not None:
+            if not same_answer(mine, theirs) and (turn := first_divergent_turn(ours, ref, w)):
                 divergences[w] = divergence_detail(server.url, turn, ref[turn_key(turn)])
         return forced
 
@@ -464,7 +472,7 @@ def main() -> int:
     radix = summaries[0]
     deb = [w for w in range(args.debates)]
     answers = {arm: final_answers(results[arm][0], args.debates) for arm in ("radix", "kvcmas")}
-    same = {w: answers["kvcmas"][w] == answers["radix"][w] for w in deb}
+    same = {w: same_answer(answers["kvcmas"][w], answers["radix"][w]) for w in deb}
     from sglang_kvcmas.datasets import gsm8k
 
     truth = [item.final for item in gsm8k()[: args.debates]]
