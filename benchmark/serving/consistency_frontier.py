@@ -80,8 +80,8 @@ def run_arm(arm: str, env: dict[str, str], args, tok, name: str) -> dict:
     return out
 
 
-def load_arm(args, name: str) -> dict:
-    path = args.from_turns / f"{name}.json"
+def load_arm(folder: Path, name: str) -> dict:
+    path = folder / f"{name}.json"
     if not path.is_file():
         raise SystemExit(f"--from-turns: no {path} (run the frontier with --turns first)")
     return json.loads(path.read_text())
@@ -198,6 +198,62 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def pooled(runs: list[list[dict]]) -> list[dict]:
+    """Rows of several runs of the same configurations, one per configuration: same-answer
+    rate and greedy agreement over all their debates / turns, the other ratios averaged."""
+    out = []
+    for rows in zip(*runs):
+        n = sum(r["debates"] for r in rows)
+
+        def mean(key: str) -> float | None:
+            xs = [r[key] for r in rows if r[key] is not None]
+            return statistics.fmean(xs) if xs else None
+
+        compared = sum(r["greedy_compared_turns"] for r in rows)
+        out.append({
+            **{k: mean(k) for k in ("nonowner_ttft_median_s", "radix_nonowner_ttft_median_s",
+                                    "ttft_speedup_vs_radix", "makespan_s", "radix_makespan_s",
+                                    "kv_ratio_vs_radix", "kv_ratio_to_ideal",
+                                    "recomputed_share")},
+            "config": rows[0]["config"], "runs": len(rows), "debates": n,
+            "peak_kv_tokens": mean("peak_kv_tokens"),
+            "radix_peak_kv_tokens": mean("radix_peak_kv_tokens"),
+            "one_copy_ideal_tokens": mean("one_copy_ideal_tokens"),
+            "greedy_agreement": sum(r["greedy_agreement"] * r["greedy_compared_turns"]
+                                    for r in rows) / max(1, compared),
+            "greedy_compared_turns": compared,
+            "answer_consistency": sum(r["answer_consistency"] * r["debates"] for r in rows) / n,
+            "inconsistent_debates": [{**d, "run": i} for i, r in enumerate(rows)
+                                     for d in r["inconsistent_debates"]],
+        })
+    return out
+
+
+def one_run(args, configs, tok, meta: dict, source: Path | None) -> list[dict]:
+    """One radix run and one kvcmas run per configuration, measured now (``source`` None)
+    or read back from a ``--turns`` folder."""
+    t0 = time.perf_counter()
+    print(f"[frontier] turns and server logs in {source or args.turns}", file=sys.stderr,
+          flush=True)
+    radix = load_arm(source, "radix") if source else run_arm("radix", {}, args, tok, "radix")
+    if not source:
+        print(f"[frontier] radix measured at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+    rows = []
+    for cfg in configs:
+        name = config_name(*cfg)
+        ours = (load_arm(source, name) if source
+                else run_arm("kvcmas", config_env(*cfg), args, tok, name))
+        n = len({t["wid"] for t in ours["turns"]})
+        rows.append({**meta, **compare(name, ours, radix, n), "debates": n})
+        sp = rows[-1]["ttft_speedup_vs_radix"]
+        when = "" if source else f" measured at {time.perf_counter() - t0:.0f} s"
+        print(f"[frontier] {name}{when}: same answer {rows[-1]['answer_consistency']:.3f}, "
+              "non-owner TTFT " + ("n/a" if sp is None else f"{sp:.2f}x radix"),
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--debates", type=int, default=16)
@@ -211,8 +267,9 @@ def main() -> int:
     ap.add_argument("--turns", type=Path, default=None,
                     help="folder for every run's turns and server log (default: a new "
                          "temporary folder)")
-    ap.add_argument("--from-turns", type=Path, default=None,
-                    help="recompute the table from a --turns folder; starts no server")
+    ap.add_argument("--from-turns", default=None,
+                    help="recompute the table from --turns folders (comma-separated: their "
+                         "debates are pooled); starts no server")
     args = ap.parse_args()
     if args.from_turns is None:
         args.turns = args.turns or Path(tempfile.mkdtemp(prefix="consistency_frontier_"))
@@ -227,27 +284,16 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     meta = {"commit": commit, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-            "debates": args.debates, "max_new_tokens": args.max_new_tokens}
+            "max_new_tokens": args.max_new_tokens}
     t0 = time.perf_counter()
-    print(f"[frontier] turns and server logs in {args.from_turns or args.turns}", file=sys.stderr,
-          flush=True)
-    radix = (load_arm(args, "radix") if args.from_turns
-             else run_arm("radix", {}, args, tok, "radix"))
-    print(f"[frontier] radix measured at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-          flush=True)
-    rows = []
-    for cfg in configs:
-        name = config_name(*cfg)
-        ours = (load_arm(args, name) if args.from_turns
-                else run_arm("kvcmas", config_env(*cfg), args, tok, name))
-        rows.append({**meta, **compare(name, ours, radix, args.debates)})
-        sp = rows[-1]["ttft_speedup_vs_radix"]
-        print(f"[frontier] {name} measured at {time.perf_counter() - t0:.0f} s: same answer "
-              f"{rows[-1]['answer_consistency']:.3f}, non-owner TTFT "
-              + ("n/a" if sp is None else f"{sp:.2f}x radix"), file=sys.stderr, flush=True)
-    print(f"# {args.debates} concurrent 3-agent debates, {args.max_new_tokens} new tokens per turn,"
-          f" one server at a time; radix non-owner TTFT median per row is over that row's "
-          f"non-owner turns")
+    sources = [Path(d) for d in args.from_turns.split(",")] if args.from_turns else [None]
+    runs = [one_run(args, configs, tok, meta, src) for src in sources]
+    rows = runs[0] if len(runs) == 1 else [{**meta, **r} for r in pooled(runs)]
+    what = ("" if len(runs) == 1
+            else f"pooled over {len(runs)} runs ({rows[0]['debates']} debates), ")
+    print(f"# {what}{rows[0]['debates'] // len(runs)} concurrent 3-agent debates per run, "
+          f"{args.max_new_tokens} new tokens per turn, one server at a time; radix non-owner "
+          f"TTFT median per row is over that row's non-owner turns")
     print_table(rows)
     with args.out.with_suffix(".jsonl").open("w") as f:
         for r in rows:
