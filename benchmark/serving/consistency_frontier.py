@@ -16,7 +16,8 @@ agreement with radix on turns whose prompts were identical, and the share of deb
 final (majority) answer is radix's, with the first divergent turn of each other debate. One
 table, ``consistency_frontier.jsonl`` and a plot of same-answer rate against TTFT speedup and
 KV, with the issue's targets drawn in. Every run's turns are kept under ``--turns`` (default a
-temporary folder), and ``--from-turns`` recomputes the table from them without a server.
+temporary folder), and ``--from-turns`` recomputes the table from them without a server
+(several folders, comma-separated: their debates are pooled).
 
     python benchmark/serving/consistency_frontier.py [--debates 16] [--max-new-tokens 64] \
         [--configs 16:0.1,16:0.2,16:0.5,100000:1.0]
