@@ -45,6 +45,7 @@ from benchmark.serving.head_to_head import (  # noqa: E402
     build_workflows,
     final_answers,
     first_divergent_turn,
+    greedy_agreement,
     one_copy_ideal,
     run_workload,
     same_answer,
@@ -121,8 +122,7 @@ def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
     readers = [t for t in ours["turns"] if turn_key(t) in non_owner]
     corrected = sum(reuse_of(t).get("reused_corrected", 0) for t in readers)
     recomputed = sum(recomputed_borrowed(t) for t in readers)
-    same_prompt = [(t, ref[turn_key(t)]) for t in ours["turns"]
-                   if ref[turn_key(t)]["prompt_ids"] == t["prompt_ids"]]
+    greedy, compared = greedy_agreement(ours["turns"], ref)
     a_ours = final_answers(ours["turns"], n_debates)
     a_ref = final_answers(radix["turns"], n_debates)
     diverged = []
@@ -142,9 +142,7 @@ def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
         "kv_ratio_vs_radix": ours["peak_kv_tokens"] / max(1, radix["peak_kv_tokens"]),
         "one_copy_ideal_tokens": ideal, "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
         "recomputed_share": recomputed / max(1, recomputed + corrected),
-        "greedy_agreement": (sum(t["text"] == r["text"] for t, r in same_prompt)
-                             / max(1, len(same_prompt))),
-        "greedy_compared_turns": len(same_prompt),
+        "greedy_agreement": greedy, "greedy_compared_turns": compared,
         "answer_consistency": 1 - len(diverged) / max(1, n_debates),
         "inconsistent_debates": diverged,
     }

@@ -251,6 +251,15 @@ def same_answer(a: str | None, b: str | None) -> bool:
     return (a is None and b is None) or same_number(a, b)
 
 
+def greedy_agreement(turns: list[dict], ref: dict[tuple, dict]) -> tuple[float, int]:
+    """Share of turns whose greedy output is the reference arm's, over the turns whose prompts
+    are the reference's (``ref``: ``turn_key`` -> reference turn); and how many those are."""
+    same_prompt = [(t, ref[k]) for t in turns
+                   if (k := turn_key(t)) in ref and ref[k]["prompt_ids"] == t["prompt_ids"]]
+    return (sum(t["text"] == r["text"] for t, r in same_prompt) / max(1, len(same_prompt)),
+            len(same_prompt))
+
+
 def first_divergent_turn(turns: list[dict], ref: dict[tuple, dict], wid: int) -> dict | None:
     """The earliest turn of debate ``wid`` whose text differs from the reference arm's."""
     return next((t for t in sorted(turns, key=lambda t: (t["step"], t["agent"]))
@@ -458,15 +467,10 @@ def main() -> int:
     ref_turns = results["radix"][0]
     ref = {turn_key(t): t for t in ref_turns}
     for s, arm in zip(summaries, arms):
-        same_prompt = [(t, ref[k]) for t in results[arm][0]
-                       if (k := turn_key(t)) in ref
-                       and ref[k]["prompt_ids"] == t["prompt_ids"]]
-        s["greedy_agreement"] = (sum(t["text"] == r["text"] for t, r in same_prompt)
-                                 / max(1, len(same_prompt)))
-        s["greedy_compared_turns"] = len(same_prompt)
+        s["greedy_agreement"], s["greedy_compared_turns"] = greedy_agreement(results[arm][0], ref)
         print_arm(s)
         print(f"{'Greedy output agreement vs radix:':<40}{s['greedy_agreement']:>12.3f}"
-              f"  (n={len(same_prompt)} turns with identical prompts)")
+              f"  (n={s['greedy_compared_turns']} turns with identical prompts)")
     ideal = one_copy_ideal(results["kvcmas"][0])
     ours = next(s for s in summaries if s["arm"] == "kvcmas")
     radix = summaries[0]

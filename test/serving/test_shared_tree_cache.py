@@ -84,16 +84,21 @@ class Harness:
                                                       min_borrowed=min_borrowed)
         self.next_slot, self.allocated = 1000, []
 
-    def serve(self, req, row, mass=None):
-        """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler.
-
-        ``mass(i)`` stands in for the backend's head-mass probe: the mass of row index i."""
+    def match(self, req):
+        """Match the request's prefix and adopt it, as SGLang's ``match_kv_cache``."""
         n = len(req.origin_input_ids)
         res = self.cache.match_prefix(MatchPrefixParams(
             key=RadixKey(req.origin_input_ids, None, cache_salt=req.cache_salt, limit=n - 1),
             req=req))
         req.prefix_len, req.last_node = res.device_prefix_len, res.last_device_node
-        req.kv.cache_protected_len = req.prefix_len
+        req.kv.cache_protected_len = req.num_matched_prefix_tokens = req.prefix_len
+
+    def serve(self, req, row, mass=None):
+        """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler.
+
+        ``mass(i)`` stands in for the backend's head-mass probe: the mass of row index i."""
+        n = len(req.origin_input_ids)
+        self.match(req)
         req.lock = self.cache.lock(req.last_node)
         prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                   else torch.empty(0, dtype=torch.int64))
@@ -506,10 +511,7 @@ def test_a_chunked_leader_stays_pending_until_its_last_chunk(monkeypatch):
     h.serve(Req("b1", b + T1 + SUFFIX), 1)
     leader, reader = Req("a2", a + T1 + t2 + SUFFIX), Req("b2", b + T1 + t2 + SUFFIX)
     n = len(leader.origin_input_ids)
-    res = h.cache.match_prefix(MatchPrefixParams(
-        key=RadixKey(leader.origin_input_ids, None, limit=n - 1), req=leader))
-    leader.prefix_len, leader.last_node = res.device_prefix_len, res.last_device_node
-    leader.kv.cache_protected_len = leader.prefix_len
+    h.match(leader)
     leader.lock = h.cache.lock(leader.last_node)
     prefix = h.cache.prefix_device_indices(leader)
     h.pool.req_to_token[2, :n] = torch.cat([prefix, torch.arange(5000, 5000 + n - len(prefix))])
@@ -543,10 +545,7 @@ def test_a_reader_that_recomputes_is_admitted_whole_or_not_at_all():
     h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
     b2 = Req("b2", b + T1 + T2 + SUFFIX)
     n = len(b2.origin_input_ids)
-    res = h.cache.match_prefix(MatchPrefixParams(
-        key=RadixKey(b2.origin_input_ids, None, limit=n - 1), req=b2))
-    b2.prefix_len, b2.last_node = res.device_prefix_len, res.last_device_node
-    b2.kv.cache_protected_len = b2.num_matched_prefix_tokens = b2.prefix_len
+    h.match(b2)
     assert h.cache.recomputes(b2)
     calls = []
 
