@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the delta-attention kernels (issue 5). On a machine with a CUDA GPU:
+# One-shot GPU check for the delta-attention kernels. On a machine with a CUDA GPU:
 #   1. installs the GPU extras if missing (KVCMAS_GPU=1 scripts/install.sh),
 #   2. runs every kernel test on CUDA (test/kernels: Triton kernels vs. the torch reference in fp32
 #      and bf16, the extended grid, the FlashInfer variant, which JIT-compiles on first use),

@@ -98,7 +98,7 @@ def test_contract_lists_every_import():
 
 
 def test_only_integration_imports_sglang_srt():
-    """DESIGN.md §3: integration/ is the one adapter layer (examples use the frontend only)."""
+    """integration/ is the one adapter layer (examples use the frontend only)."""
     offenders = {
         rel: sorted(m for m, _ in imports if m.startswith("sglang.srt"))
         for rel, imports in _sglang_imports_by_file().items()

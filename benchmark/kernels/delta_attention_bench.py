@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import torch
-from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas.attention.reference import delta_attention, plain_attention
+from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.torch_delta import plan_torch_delta, run_torch_delta
+from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 NUM_AGENTS = 4
@@ -162,7 +162,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("results/kernels"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 import triton
-from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas.attention.plan import pack_delta_factors, plan_delta_batch
-from sglang_kvcmas.attention.reference import reader_kv
+from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas_lab.attention.plan import pack_delta_factors, plan_delta_batch
+from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.triton_delta import delta_decode_triton, delta_extend_triton
+from sglang_kvcmas_lab.attention.triton_delta import delta_decode_triton, delta_extend_triton
 
 H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention
 DTYPE = torch.bfloat16
@@ -125,7 +125,7 @@ def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> 
     # NOTE: the variant does O(head_dim·r) CUDA-core work per (query head, key) pair; extend
     # shapes here would take seconds per call, so it is timed on decode only.
     if with_variant and num_queries == 1:
-        from sglang_kvcmas.attention.flashinfer_delta import DeltaFlashInferWrapper
+        from sglang_kvcmas_lab.attention.flashinfer_delta import DeltaFlashInferWrapper
 
         w = DeltaFlashInferWrapper(workspace, DTYPE, D)
         w.plan(reqs, plan, H, H_KV)

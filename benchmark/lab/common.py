@@ -6,7 +6,7 @@ by the same code. The API below is stable; add, don't change.
 - ``Reference`` / ``make_reference``: no-sharing ground truth for one agent turn (dense prefill,
   teacher-forced continuation logits, greedy continuation).
 - ``fidelity_bundle``: a method's cache + first-token logits -> teacher-forced top-1 / KL, greedy
-  exact match and first divergence (shared metrics from ``sglang_kvcmas.correction.fidelity``).
+  exact match and first divergence (shared metrics from ``sglang_kvcmas_lab.correction.fidelity``).
 - ``time_call``: warmup + repeats, median.
 - ``JsonlWriter``: one record per (method, turn): ``{config, commit, machine, metrics}``.
 - ``summarize`` / ``format_table``: per-method medians/means; ``plot_methods``: pictures.
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_kvcmas.correction.fidelity import first_divergence, teacher_forced
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama
+from sglang_kvcmas_lab.correction.fidelity import first_divergence, teacher_forced
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
 __all__ = [
     "JsonlWriter",
@@ -167,7 +167,7 @@ def fast_greedy(model: RefLlama, past: KVCache, first_logits: torch.Tensor, n: i
     """
     import torch.nn.functional as F
 
-    from sglang_kvcmas.models.reference_llama import rotate
+    from sglang_kvcmas_lab.models.reference_llama import rotate
 
     s = model.spec
     ks = [rotate(k, past.positions, s.rope_theta) for k in past.k]

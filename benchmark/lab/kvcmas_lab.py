@@ -44,9 +44,9 @@ from common import (  # noqa: E402
 )
 from kvcmas_workloads import END, SUFFIX, Workload, debate, reviewer_chain  # noqa: E402
 
-from sglang_kvcmas.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
-from sglang_kvcmas.correction.fidelity import kv_relative_error  # noqa: E402
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama  # noqa: E402
+from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
+from sglang_kvcmas_lab.correction.fidelity import kv_relative_error  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
 from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
 
 CHOICE = {"estimator": "sparse", "rho": 0.25, "score": "attn", "num_first": 4}
@@ -372,7 +372,8 @@ def main(argv=None) -> int:
                          "(--quick: its QUICK_METHODS subset unless given)")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is faster than 2 on a shared 2-core machine")
-    ap.add_argument("--out", default="results/kvcmas_lab")
+    ap.add_argument("--out",
+                    default=str(Path(__file__).resolve().parent / "results" / "kvcmas_lab"))
     args = ap.parse_args(argv)
     if args.quick:
         # The serving benchmark's debate (3 agents x 3 rounds, 128-token answers), one measured

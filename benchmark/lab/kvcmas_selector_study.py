@@ -29,9 +29,9 @@ from common import teacher_forced_logits  # noqa: E402
 from kvcmas_lab import make_transcript  # noqa: E402
 from kvcmas_workloads import debate, reviewer_chain  # noqa: E402
 
-from sglang_kvcmas.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
-from sglang_kvcmas.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama  # noqa: E402
+from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
 from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
 
 METHODS = {
@@ -80,7 +80,7 @@ def isolated_request(tr, ti: int, bases) -> ReadRequest | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=("debate", "chain"), default="debate",
-                    help="chain: one long essay read first (RESEARCH.md section 7's setting)")
+                    help="chain: one long essay read first")
     ap.add_argument("--essay-chars", type=int, default=2000)
     ap.add_argument("--instance", type=int, default=2)
     ap.add_argument("--agents", type=int, default=3)

@@ -1,6 +1,6 @@
 """Study: can the owner's own pass tell which shared tokens deviate most for another agent?
 
-RESEARCH.md §2: at a layer, a shared token's attention output is λ·o_head + (1 − λ)·o_rest,
+At a layer, a shared token's attention output is λ·o_head + (1 − λ)·o_rest,
 where λ is its attention mass on the agent head. Changing the head changes the token by an amount
 that scales with λ. The owner's pass can record λ for free (it computes the attention anyway), so
 a reader could recompute the tokens with the largest owner-side head mass — no reference prefill,
@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sglang_kvcmas.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
 
 from benchmark.lab.common import make_reference, teacher_forced_logits  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402

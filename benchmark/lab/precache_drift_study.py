@@ -26,11 +26,11 @@ from precache_lab import build_transcript, cached_transcript, encode, fidelity, 
 
 from sglang_kvcmas.adapters import ROLES  # noqa: E402
 from sglang_kvcmas.adapters.role_data import TURN_OPENER  # noqa: E402
-from sglang_kvcmas.correction.lora_baselines import FIRST_READER  # noqa: E402
-from sglang_kvcmas.correction.lora_forward import AgentModel  # noqa: E402
-from sglang_kvcmas.correction.lora_weights import MEAN_AGENT  # noqa: E402
-from sglang_kvcmas.correction.precache_base import create_lora_method  # noqa: E402
-from sglang_kvcmas.correction.precache_drift import drift_pass  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
+from sglang_kvcmas_lab.correction.precache_base import create_lora_method  # noqa: E402
+from sglang_kvcmas_lab.correction.precache_drift import drift_pass  # noqa: E402
 from sglang_kvcmas.datasets import gsm8k  # noqa: E402
 
 MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values", "adapters"),
@@ -39,8 +39,8 @@ MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values
 
 def oracle_views(lora, segs, ranks) -> dict[str, list]:
     """Truncated SVD per segment of (exact - centroid-store view), per head (h) or joint (j)."""
-    from sglang_kvcmas.delta.leaf import LowRankFactors, svd_factors
-    from sglang_kvcmas.models.reference_llama import KVCache
+    from sglang_kvcmas_lab.delta.leaf import LowRankFactors, svd_factors
+    from sglang_kvcmas_lab.models.reference_llama import KVCache
 
     m = create_lora_method("rebase_mean")
     m.reset(lora)
@@ -95,7 +95,8 @@ def main() -> None:
     ap.add_argument("--bases", nargs="+", default=["mean", "neutral"])
     ap.add_argument("--oracle", nargs="*", default=[], help="e.g. h8 j32: per-head / joint rank")
     ap.add_argument("--modes", nargs="*", default=None, help="att,mlp pairs; default all")
-    ap.add_argument("--out", default="results/precache_lab")
+    ap.add_argument("--out",
+                    default=str(Path(__file__).resolve().parent / "results" / "precache_drift_study"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     out_dir = Path(args.out)

@@ -53,19 +53,19 @@ from common import (  # noqa: E402
 )
 from precache_throughput import batched_decode_throughput  # noqa: E402
 
-import sglang_kvcmas.correction.lora_baselines  # noqa: E402,F401  (registration)
-import sglang_kvcmas.correction.precache_block  # noqa: E402,F401  (registration)
-import sglang_kvcmas.correction.precache_delta  # noqa: E402,F401  (registration)
-import sglang_kvcmas.correction.precache_methods  # noqa: E402,F401  (registration)
+import sglang_kvcmas_lab.correction.lora_baselines  # noqa: E402,F401  (registration)
+import sglang_kvcmas_lab.correction.precache_block  # noqa: E402,F401  (registration)
+import sglang_kvcmas_lab.correction.precache_delta  # noqa: E402,F401  (registration)
+import sglang_kvcmas_lab.correction.precache_methods  # noqa: E402,F401  (registration)
 from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
 from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
-from sglang_kvcmas.correction.fidelity import kv_relative_error, teacher_forced  # noqa: E402
-from sglang_kvcmas.correction.lora_baselines import FIRST_READER  # noqa: E402
-from sglang_kvcmas.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
-from sglang_kvcmas.correction.lora_weights import AdapterSet  # noqa: E402
-from sglang_kvcmas.correction.precache_base import Segment, create_lora_method  # noqa: E402
+from sglang_kvcmas_lab.correction.fidelity import kv_relative_error, teacher_forced  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
+from sglang_kvcmas_lab.correction.lora_weights import AdapterSet  # noqa: E402
+from sglang_kvcmas_lab.correction.precache_base import Segment, create_lora_method  # noqa: E402
 from sglang_kvcmas.datasets import gsm8k  # noqa: E402
-from sglang_kvcmas.models.reference_llama import KVCache, RefLlama  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
 from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
 
 # label -> (registry name, kwargs); table order.
@@ -251,7 +251,7 @@ def main() -> None:
                     help="skip timing and throughput (exploring accuracy; no HEADLINE)")
     # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/precache_lab")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "precache_lab"))
     args = ap.parse_args()
     if args.quick:  # one question, and the variants that only answer design questions dropped
         args.questions, args.max_message = 1, min(args.max_message, 64)

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sglang_kvcmas.correction.precache_methods import LowRankShared
-from sglang_kvcmas.models.reference_llama import rotate
+from sglang_kvcmas_lab.correction.precache_methods import LowRankShared
+from sglang_kvcmas_lab.models.reference_llama import rotate
 
 __all__ = ["batched_decode_throughput"]
 

@@ -53,6 +53,7 @@ from benchmark.serving.head_to_head import (  # noqa: E402
     turn_key,
 )
 from benchmark.serving.recompute_fidelity import config_name, parse_config  # noqa: E402
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,23 +91,21 @@ def load_arm(folder: Path, name: str) -> dict:
 
 
 def reuse_of(turn: dict) -> dict:
-    return (turn["meta"].get("kvcmas_reuse") or [{}])[0]
+    return of_meta(turn["meta"])
 
 
 def recomputed_borrowed(turn: dict) -> int:
-    """Borrowed tokens the turn recomputed (its reuse record's ``boundary_recompute:N``)."""
-    parts = dict(p.split(":") for p in reuse_of(turn).get("correction", "none").split("+")
-                 if ":" in p)
-    return int(parts.get("boundary_recompute", 0))
+    """Borrowed tokens the turn recomputed in its own context."""
+    return reuse_of(turn).get("recomputed_borrowed", 0)
 
 
 def readers_of(turns: list[dict]) -> set[tuple]:
-    """Turns that read through the shared tree: they borrowed tokens, read corrected or
-    recomputed (with every borrowed token recomputed a reader reads nothing corrected, so
-    ``head_to_head.owners_of`` would count it an owner)."""
+    """Turns that read through the shared tree: they borrowed tokens, read from their exact
+    leaves or recomputed borrowed ones (with every borrowed token recomputed a reader reads
+    nothing borrowed, so ``head_to_head.owners_of`` would count it an owner)."""
     return {turn_key(t) for t in turns
-            if reuse_of(t).get("reused_corrected", 0) or reuse_of(t).get("correction", "none")
-            != "none"}
+            if any(reuse_of(t).get(k, 0) for k in ("borrowed", "recomputed_borrowed",
+                                                     "exact_from_leaves"))}
 
 
 def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
@@ -120,7 +119,7 @@ def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
 
     mine, theirs = median_ttft(ours["turns"]), median_ttft(radix["turns"])
     readers = [t for t in ours["turns"] if turn_key(t) in non_owner]
-    corrected = sum(reuse_of(t).get("reused_corrected", 0) for t in readers)
+    corrected = sum(reuse_of(t).get("borrowed", 0) for t in readers)
     recomputed = sum(recomputed_borrowed(t) for t in readers)
     greedy, compared = greedy_agreement(ours["turns"], ref)
     a_ours = final_answers(ours["turns"], n_debates)

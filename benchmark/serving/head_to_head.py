@@ -16,8 +16,9 @@ radix arm. Then fidelity of the kvcmas arm against the radix arm: the radix arm'
 greedy continuations are replayed on the kvcmas server step by step (so non-owners read shared
 KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
 
-Output: a summary on stdout, ``results/serving/head_to_head.jsonl`` (one record per arm + one
-fidelity record), a plot, and with ``--quick`` a final ``HEADLINE ...`` line.
+Output: a summary on stdout, ``head_to_head.jsonl`` (one record per arm + one fidelity record)
+and a plot under ``--out`` (default ``benchmark/serving/results/head_to_head/``), and with
+``--quick`` a final ``HEADLINE ...`` line.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
 from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
@@ -148,13 +150,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def owners_of(turns: list[dict]) -> set[tuple]:
-    """(kind, wid, step, agent) of owner turns in the kvcmas arm: no corrected reuse."""
-    out = set()
-    for t in turns:
-        rec = (t["meta"].get("kvcmas_reuse") or [{}])[0]
-        if rec.get("reused_corrected", 0) == 0:
-            out.add(turn_key(t))
-    return out
+    """(kind, wid, step, agent) of owner turns in the kvcmas arm: nothing borrowed."""
+    return {turn_key(t) for t in turns if of_meta(t["meta"]).get("borrowed", 0) == 0}
 
 
 def turn_key(t: dict) -> tuple:
@@ -201,11 +198,11 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
         res = post(url + "/generate", body)
         tops = res["meta_info"]["input_top_logprobs"][1:]
         agree = [bool(top) and top[0][1] == tok for top, tok in zip(tops, cont) if top]
-        rec = (res["meta_info"].get("kvcmas_reuse") or [{}])[0]
+        rec = of_meta(res["meta_info"])
         first_div = next((i for i, a in enumerate(agree) if not a), None)
         return {"kind": t["kind"], "wid": t["wid"], "step": t["step"], "agent": t["agent"],
                 "top1": sum(agree) / max(1, len(agree)), "n": len(agree),
-                "first_divergence": first_div, "non_owner": rec.get("reused_corrected", 0) > 0}
+                "first_divergence": first_div, "non_owner": rec.get("borrowed", 0) > 0}
 
     def flow(ts: list[dict]) -> None:
         for step in sorted({t["step"] for t in ts}):
@@ -334,7 +331,7 @@ def print_arm(s: dict) -> None:
 def one_copy_ideal(turns: list[dict]) -> int:
     """Tokens if each shared transcript were held once, plus agent heads, plus the live suffix
     and output of the largest concurrent step of each workflow."""
-    from sglang_kvcmas.integration.agent_split import ChatTemplateIds, detect_chatml_split
+    from sglang_kvcmas.tree.agent_split import ChatTemplateIds, detect_chatml_split
 
     chat = ChatTemplateIds(1, 2, 9690)
     heads: dict[str, int] = {}
@@ -383,7 +380,7 @@ def main() -> int:
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="KV pool size of every arm (default: the launcher's 16384); make it "
                          "larger than the radix arm's demand to measure peak KV unclipped")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "head_to_head")
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workload and write "
                          "profile_<arm>.txt (where the time goes)")

@@ -5,9 +5,9 @@ agent computes the shared transcript exactly (it owns it); each other agent then
 teacher-forced over the continuation that an exact computation of its own prompt generates. The
 reference for every number is the same request under a fresh ``cache_salt`` (nothing shared,
 nothing cached: an exact prefill on the same server binary). What the reader recomputes is set per
-request — ``custom_params["kvcmas_boundary_tokens"]`` (first tokens of each borrowed span) and
-``["kvcmas_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass) and
-``["kvcmas_tail_tokens"]`` (the last borrowed tokens before the reader's suffix) — so every
+request — ``custom_params["kvcmas_recompute_boundary"]`` (first tokens of each borrowed span) and
+``["kvcmas_recompute_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass)
+and ``["kvcmas_recompute_tail"]`` (the last borrowed tokens before the reader's suffix) — so every
 configuration reads the same owner KV (explicit knobs bypass the agent's delta leaves).
 
 Per configuration it reports, over reader turns: teacher-forced top-1 agreement with the exact
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.serving.head_to_head import pct, post  # noqa: E402
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS, debate  # noqa: E402
 
@@ -71,8 +72,8 @@ def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
     """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs.
     ``config``: (boundary tokens, mass fraction, tail tokens) the reader recomputes."""
     sampling = {} if config is None else {"custom_params": {
-        "kvcmas_boundary_tokens": config[0], "kvcmas_mass_fraction": config[1],
-        "kvcmas_tail_tokens": config[2]}}
+        "kvcmas_recompute_boundary": config[0], "kvcmas_recompute_mass_fraction": config[1],
+        "kvcmas_recompute_tail": config[2]}}
     t0 = time.perf_counter()
     # From the last prompt token on: SGLang gives no logprob for the token at logprob_start_len
     # itself, so entry k + 1 is the prediction of cont[k] (cont[0] included).
@@ -85,7 +86,7 @@ def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
     n = min(len(cont), len(tops))
     return {"tops": tops[:n], "chosen": chosen[:n], "wall_s": wall,
             "ttft_s": meta.get("first_token_latency"),
-            "reuse": (meta.get("kvcmas_reuse") or [{}])[0]}
+            "reuse": of_meta(meta)}
 
 
 def kl_on_support(ref: dict[int, float], got: dict[int, float]) -> float:
@@ -183,7 +184,7 @@ def main() -> int:
                               f"top1={rec['top1']:.3f} kl20={rec['kl20']:.2e} "
                               f"dlogp={rec['dlogp']:.4f} "
                               f"recomputed={rec['reuse'].get('recomputed')} "
-                              f"corrected={rec['reuse'].get('reused_corrected')}"
+                              f"borrowed={rec['reuse'].get('borrowed')}"
                               + (f" flips {flips}" if flips else ""), flush=True)
                 flow.record(step, answers)
     run_s = time.perf_counter() - t_start
@@ -196,7 +197,7 @@ def main() -> int:
     naive_kl = statistics.fmean(naive) if naive else None
     for b, m, t in configs:
         name = config_name(b, m, t)
-        rs = [r for r in records if r["config"] == name and r["reuse"].get("reused_corrected")]
+        rs = [r for r in records if r["config"] == name and r["reuse"].get("borrowed")]
         if not rs:
             continue
         kl = statistics.fmean(r["kl20"] for r in rs)
@@ -221,7 +222,7 @@ def main() -> int:
                      f"{r['wall_ratio_vs_exact']:>10.3f} {r['flips']:>4}/{r['positions']:<4} "
                      f"{r['gap_move_p50']:>10.4f} {r['gap_move_p99']:>10.4f}")
     per_turn = {(r["question"], r["round"], r["agent"]): r["gaps"] for r in records
-                if r["reuse"].get("reused_corrected")}  # the exact gaps: the same in every config
+                if r["reuse"].get("borrowed")}  # the exact gaps: the same in every config
     gaps = [g for gs in per_turn.values() for g in gs]
     if gaps:
         lines.append("exact top-2 gap (log p1 - log p2) over the forced positions: "

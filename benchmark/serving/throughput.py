@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("benchmark/serving/results/throughput.jsonl"))
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "throughput.jsonl")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="after '--': extra flags for sglang-kvcmas-server")
     args = p.parse_args(argv)

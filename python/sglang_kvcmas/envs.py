@@ -1,6 +1,8 @@
-"""Every environment variable sglang-kvcmas reads, declared once.
+"""The environment variables of the process, the install scripts and the tests, declared once.
 
-Each is read when asked for (not at import), so tests can set them with ``monkeypatch``.
+Serving knobs (``KVCMAS_SHARE_CONTEXT``, ``KVCMAS_RECOMPUTE_BOUNDARY``, ...) are not here: each is a
+typed field of ``config.ServingConfig``, which derives its variable, flag and request field.
+Each variable here is read when asked for (not at import), so tests can set it with ``monkeypatch``.
 """
 
 from __future__ import annotations
@@ -41,86 +43,6 @@ KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
 )
 
 ALL = (KVCMAS_CACHE_DIR, KVCMAS_ALLOW_SGL_KERNEL_STANDIN, KVCMAS_SGL_KERNEL_STANDIN_LOG)
-
-# ----- shared-context serving (issue 6) -----
-KVCMAS_SHARE_CONTEXT = EnvVar(
-    "KVCMAS_SHARE_CONTEXT",
-    "0",
-    "Opt-in, per deployment: let agents read each other's KV for their common transcript "
-    "(shared-context tree). Off: the kvcmas tree cache behaves exactly like SGLang's RadixCache.",
-)
-KVCMAS_MIN_BORROWED = EnvVar(
-    "KVCMAS_MIN_BORROWED",
-    "128",
-    "Fewest tokens of other agents' KV a reader borrows; a reader that would borrow fewer "
-    "computes them exactly (borrowing them saves little and risks a flipped token).",
-)
-KVCMAS_TURN_ORDER = EnvVar(
-    "KVCMAS_TURN_ORDER",
-    "leader",
-    "Agent-turn ordering policy when several agents' requests over one new shared segment wait "
-    "together: 'leader' (one computes it, the others wait and reuse it) or 'fifo' (no waiting).",
-)
-KVCMAS_TURN_MAX_WAIT_S = EnvVar(
-    "KVCMAS_TURN_MAX_WAIT_S",
-    "60",
-    "Longest a request is held back (counted from when it is first held) waiting for another "
-    "agent to compute its shared segment; a safety bound, the leader normally publishes first.",
-)
-KVCMAS_TURN_MIN_GAIN = EnvVar(
-    "KVCMAS_TURN_MIN_GAIN",
-    "32",
-    "Fewest shared tokens a waiting request must gain from a leader for it to wait.",
-)
-KVCMAS_CACHE_AGENT_OUTPUTS = EnvVar(
-    "KVCMAS_CACHE_AGENT_OUTPUTS",
-    "0",
-    "With sharing on, keep an agent request's generated tokens in the tree cache after it "
-    "finishes (off: only its prompt; outputs re-enter through the shared transcript).",
-)
-KVCMAS_RECOMPUTE_BOUNDARY = EnvVar(
-    "KVCMAS_RECOMPUTE_BOUNDARY",
-    "16",
-    "With sharing on, a reader recomputes the first N tokens of every span it borrows from "
-    "another context, in its own context and in the same forward pass (0: naive reuse).",
-)
-KVCMAS_RECOMPUTE_MASS_FRACTION = EnvVar(
-    "KVCMAS_RECOMPUTE_MASS_FRACTION",
-    "0.1",
-    "With sharing on, a reader also recomputes this share of its borrowed tokens, those with the "
-    "largest attention mass on their owner's head (recorded in the owner's pass).",
-)
-KVCMAS_LEAF_MASS_FRACTION = EnvVar(
-    "KVCMAS_LEAF_MASS_FRACTION",
-    "",
-    "Share of its borrowed tokens, by owner head mass, a reader keeps as delta leaves after "
-    "recomputing them (empty: all it recomputes); the rest of KVCMAS_RECOMPUTE_MASS_FRACTION is "
-    "recomputed every turn, so leaf memory stays bounded.",
-)
-KVCMAS_RECOMPUTE_TAIL = EnvVar(
-    "KVCMAS_RECOMPUTE_TAIL",
-    "0",
-    "Last foreign borrowed tokens (just before the reader's own suffix) a reader recomputes.",
-)
-KVCMAS_RECOMPUTE_MAX_FRACTION = EnvVar(
-    "KVCMAS_RECOMPUTE_MAX_FRACTION",
-    "0.5",
-    "Cap on the share of a reader's borrowed tokens that KVCMAS_RECOMPUTE_BOUNDARY recomputes.",
-)
-
-ALL = ALL + (
-    KVCMAS_SHARE_CONTEXT,
-    KVCMAS_MIN_BORROWED,
-    KVCMAS_TURN_ORDER,
-    KVCMAS_TURN_MAX_WAIT_S,
-    KVCMAS_TURN_MIN_GAIN,
-    KVCMAS_CACHE_AGENT_OUTPUTS,
-    KVCMAS_RECOMPUTE_BOUNDARY,
-    KVCMAS_RECOMPUTE_MASS_FRACTION,
-    KVCMAS_RECOMPUTE_MAX_FRACTION,
-    KVCMAS_RECOMPUTE_TAIL,
-    KVCMAS_LEAF_MASS_FRACTION,
-)
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----
 KVCMAS_KERNEL_TESTS_FULL = EnvVar(

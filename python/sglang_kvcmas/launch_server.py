@@ -11,18 +11,15 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
   --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static 0.1``,
   ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
   ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 1, see
-  ``server/options.py``) unless the
-  environment sets it.
+  ``config.py``) unless the environment sets it.
 - Always: ``--enable-cache-report``, ``--enable-metrics`` (when prometheus_client is installed),
   and ``--radix-cache-backend kvcmas`` (our tree cache). ``--kvcmas-stock-cache`` leaves the
   backend unset, i.e. SGLang's default tree cache (``UnifiedRadixCache``), for baselines.
 - ``--kvcmas-share-context`` (opt-in, per deployment): agents read each other's KV for their
   common transcript (the agent head, i.e. the system turn, stays per agent; never across
-  ``cache_salt``); implies ``--attention-backend kvcmas_delta``. ``--kvcmas-turn-order
-  {leader,fifo}``: when several agents' requests over one new transcript arrive together, one
-  computes it and the others wait for it (leader, default) or nobody waits (fifo). Without the
-  flag our tree cache behaves exactly like SGLang's ``RadixCache``. Environment knobs:
-  ``KVCMAS_RECOMPUTE_BOUNDARY`` and the rest of ``sglang_kvcmas/envs.py``.
+  ``cache_salt``); implies ``--attention-backend kvcmas_delta``. Every ``--kvcmas-*`` knob (listed
+  by ``--help``, defined once in ``sglang_kvcmas/config.py``) can also be set by its ``KVCMAS_*``
+  environment variable; the flag wins. A bad value fails here, before SGLang boots.
 
 The tree cache actually built is reported in the server log ("sglang-kvcmas: tree cache ... in
 use") and in ``/server_info`` → ``internal_states[i].kvcmas.tree_cache_class``.
@@ -35,7 +32,7 @@ import shlex
 import sys
 
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
-from sglang_kvcmas.server.options import build_sglang_argv, parse_launcher_args
+from sglang_kvcmas.server.options import build_sglang_argv, knobs_help, parse_launcher_args
 
 
 EXIT_BAD_MODEL = 2
@@ -46,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         # Our additions first; SGLang's parser then prints every SGLang flag and exits.
-        print(__doc__, "\nSGLang's own flags follow.\n", flush=True)
+        print(__doc__, "\nOur knobs:\n" + knobs_help(), "\n\nSGLang's own flags follow.\n",
+              flush=True)
     options = parse_launcher_args(argv)
     try:
         model_path = resolve_model_path(options.model)

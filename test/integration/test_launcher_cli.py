@@ -67,13 +67,15 @@ def test_share_context_flag_sets_delta_backend_and_server_env(monkeypatch):
     monkeypatch.delenv("KVCMAS_SHARE_CONTEXT", raising=False)
     opts = parse_launcher_args(["--kvcmas-share-context", "--kvcmas-turn-order", "fifo"])
     assert opts.share_context and "--kvcmas-share-context" not in opts.sglang_argv
-    assert opts.server_env() == {"KVCMAS_SHARE_CONTEXT": "1", "KVCMAS_TURN_ORDER": "fifo"}
+    env = opts.server_env()
+    assert env["KVCMAS_SHARE_CONTEXT"] == "1" and env["KVCMAS_TURN_ORDER"] == "fifo"
+    assert env["KVCMAS_RECOMPUTE_BOUNDARY"] == "16"  # every scheduler knob, parsed once here
     argv = build_sglang_argv(opts, "/models/m", set())
     assert _value(argv, "--attention-backend") == "kvcmas_delta"
     assert _value(argv, "--radix-cache-backend") == "kvcmas"
     gpu = parse_launcher_args(["--kvcmas-share-context", "--device", "cuda"])
     assert "attention_backend" in {f.dest for f in default_flags(gpu)}  # on every device
-    assert parse_launcher_args([]).server_env() == {"KVCMAS_SHARE_CONTEXT": "0"}
+    assert parse_launcher_args([]).server_env()["KVCMAS_SHARE_CONTEXT"] == "0"
     with pytest.raises(SystemExit):
         parse_launcher_args(["--kvcmas-share-context", "--kvcmas-stock-cache"])
     monkeypatch.setenv("KVCMAS_SHARE_CONTEXT", "1")  # the deployment's environment counts too
@@ -84,6 +86,29 @@ def test_cpu_threads_flag():
     assert parse_launcher_args(["--kvcmas-cpu-threads", "2"]).cpu_threads == 2
     with pytest.raises(SystemExit):
         parse_launcher_args(["--kvcmas-cpu-threads", "0"])
+
+
+@pytest.mark.parametrize("argv, env, names", [
+    (["--kvcmas-recompute-boundary", "x"], {}, "--kvcmas-recompute-boundary"),
+    (["--kvcmas-recompute-mass-fraction", "1.5"], {}, "--kvcmas-recompute-mass-fraction"),
+    (["--kvcmas-turn-order", "random"], {}, "--kvcmas-turn-order"),
+    ([], {"KVCMAS_MIN_BORROWED": "-3"}, "KVCMAS_MIN_BORROWED"),
+    ([], {"KVCMAS_SHARE_CONTEXT": "maybe"}, "KVCMAS_SHARE_CONTEXT"),
+    ([], {"KVCMAS_TURN_MAX_WAIT_S": "nan"}, "KVCMAS_TURN_MAX_WAIT_S"),
+])
+def test_bad_knob_fails_at_startup_naming_it(monkeypatch, capsys, argv, env, names):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        parse_launcher_args(argv)
+    assert names in str(e.value)
+
+
+def test_flag_wins_over_environment(monkeypatch):
+    monkeypatch.setenv("KVCMAS_RECOMPUTE_BOUNDARY", "4")
+    assert parse_launcher_args([]).config.recompute_boundary == 4
+    opts = parse_launcher_args(["--kvcmas-recompute-boundary", "8"])
+    assert opts.config.recompute_boundary == 8 and opts.server_env()["KVCMAS_RECOMPUTE_BOUNDARY"] == "8"
 
 
 def test_explicit_dests_follow_sglang_aliases():

@@ -13,10 +13,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME, KvcmasRadixCache
-from sglang_kvcmas.integration.shared_tree_cache import (
-    KvcmasSharedTreeCache,
-    build_shared_tree_cache,
-)
+from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
+from sglang_kvcmas.integration.tree_cache_factory import build_shared_tree_cache
 
 
 class RecordingAllocator:
@@ -111,7 +109,7 @@ def _ctx(**overrides) -> SimpleNamespace:
 
 def test_factory_builds_our_cache_and_logs_it(caplog, monkeypatch):
     monkeypatch.delenv("KVCMAS_SHARE_CONTEXT", raising=False)
-    with caplog.at_level("INFO", logger="sglang_kvcmas.integration.shared_tree_cache"):
+    with caplog.at_level("INFO", logger="sglang_kvcmas.integration.tree_cache_factory"):
         cache = build_shared_tree_cache(_ctx())
     assert type(cache) is KvcmasSharedTreeCache and not cache.share_context
     assert "KvcmasSharedTreeCache in use (radix cache backend 'kvcmas'" in caplog.text

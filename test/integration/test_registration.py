@@ -12,7 +12,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_kvcmas import plugin
 from sglang_kvcmas.integration import registration
-from sglang_kvcmas.integration.shared_tree_cache import build_shared_tree_cache
+from sglang_kvcmas.integration.tree_cache_factory import build_shared_tree_cache
 from sglang_kvcmas.integration.server_state import (
     INTERNAL_STATE_TARGET,
     add_tree_cache_to_internal_state,

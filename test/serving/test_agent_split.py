@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kvcmas.integration.agent_split import (
+from sglang_kvcmas.tree.agent_split import (
     ChatTemplateIds,
     detect_chatml_split,
     explicit_split,
     split_request,
 )
+from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
 
 CHAT = ChatTemplateIds(im_start=1, im_end=2, system=9690)
 # <|im_start|>system\nYou are A.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n
@@ -31,11 +32,26 @@ def test_same_system_prompt_is_same_agent():
 
 def test_no_system_turn_is_not_an_agent():
     assert detect_chatml_split(IDS[9:], CHAT) is None
-    assert split_request(IDS[9:], None, CHAT) is None
+    assert split_request(IDS[9:], RequestOptions(), CHAT) is None
+
+
+def _opts(**fields) -> RequestOptions:
+    return RequestOptions.parse(fields)
 
 
 def test_explicit_fields_win_and_are_checked():
-    s = split_request(IDS, {"kvcmas_agent": "solver", "kvcmas_head_len": 5}, CHAT)
-    assert (s.agent, s.head_len, s.shared_end) == ("name:solver", 5, len(IDS))
-    with pytest.raises(ValueError):
-        explicit_split(IDS, {"kvcmas_head_len": 99})
+    s = split_request(IDS, _opts(kvcmas_agent="solver", kvcmas_head_len=5), CHAT)
+    assert s.agent.startswith("name:solver/head:") and (s.head_len, s.shared_end) == (5, len(IDS))
+    with pytest.raises(RequestOptionError, match="kvcmas_head_len=99 is past the prompt"):
+        explicit_split(IDS, _opts(kvcmas_head_len=99))
+    with pytest.raises(RequestOptionError, match="kvcmas_shared_end=30 is past the prompt"):
+        explicit_split(IDS, _opts(kvcmas_head_len=3, kvcmas_shared_end=30))
+
+
+def test_one_name_with_two_heads_is_two_agents():
+    """An agent is its name *and* its head: a name sent with another head never reads the
+    first head's leaves as its own."""
+    one = split_request(IDS, _opts(kvcmas_agent="solver", kvcmas_head_len=5), CHAT)
+    other = split_request([1, 9690, 198, 77, 88] + IDS[5:],
+                          _opts(kvcmas_agent="solver", kvcmas_head_len=5), CHAT)
+    assert one.agent != other.agent

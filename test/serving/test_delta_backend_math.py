@@ -1,14 +1,15 @@
-"""The delta attention backend's span transform equals the kernels issue's torch reference."""
+"""The serving read path: span re-positioning equals the lab's torch reference; the backend's
+extend with recomputed tokens, their placement, and the head-mass probe."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas.attention.reference import reader_kv
+from sglang_kvcmas_lab.attention.batch import DeltaRequest
+from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import apply_rope, rope_inv_freq
-from sglang_kvcmas.integration.delta_attention_backend import transform_spans
-from sglang_kvcmas.integration.span_registry import RowSpans, SpanRead
+from sglang_kvcmas.attention.span_reads import transform_spans
+from sglang_kvcmas.attention.spans import BatchRow, RecomputedTokens, RowSpans, SharedSpan
 
 
 def test_shift_equals_reference_and_recomputation():
@@ -17,33 +18,17 @@ def test_shift_equals_reference_and_recomputation():
     pool_k, pool_v = torch.randn(50, 3, 64), torch.randn(50, 3, 64)
     idx = torch.randperm(50)[:30]
     spans = (SharedSpan(4, 9, shift=-7), SharedSpan(13, 5, shift=11))
-    k, v = transform_spans(pool_k[idx].clone(), pool_v[idx].clone(),
-                           RowSpans("r", tuple(SpanRead(s) for s in spans)), 0, inv, {})
+    k = transform_spans(pool_k[idx].clone(), RowSpans("r", spans), inv, {})
     ref_k, ref_v = reader_kv(pool_k, pool_v, DeltaRequest(idx, 3, spans), None, inv)
     torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(v, ref_v)
+    torch.testing.assert_close(pool_v[idx], ref_v)  # values are read as stored
     # a key rotated at owner position p, shifted by d, equals the key rotated at p + d
     raw = torch.randn(9, 3, 64)
     owner = apply_rope(raw, torch.arange(20, 29), inv)
-    row = RowSpans("r", (SpanRead(SharedSpan(0, 9, shift=-15)),))
-    shifted, _ = transform_spans(owner.clone(), torch.zeros(9, 3, 64), row, 0, inv)
+    row = RowSpans("r", (SharedSpan(0, 9, shift=-15),))
+    shifted = transform_spans(owner.clone(), row, inv)
     torch.testing.assert_close(shifted, apply_rope(raw, torch.arange(5, 14), inv), atol=1e-4,
                                rtol=1e-4)
-
-
-def test_deltas_match_reference():
-    torch.manual_seed(1)
-    inv = rope_inv_freq(64, 1e5)
-    pool_k, pool_v = torch.randn(40, 3, 64), torch.randn(40, 3, 64)
-    idx = torch.arange(20)
-    span = SharedSpan(2, 8, shift=5)
-    f = SpanFactors(LowRankDelta(torch.randn(8, 3, 4), torch.randn(3, 64, 4)),
-                    LowRankDelta(torch.randn(8, 3, 4), torch.randn(3, 64, 4)))
-    row = RowSpans("r", (SpanRead(span, factors=lambda layer: f),))
-    k, v = transform_spans(pool_k[idx].clone(), pool_v[idx].clone(), row, 3, inv)
-    ref_k, ref_v = reader_kv(pool_k, pool_v, DeltaRequest(idx, 2, (span,)), [f], inv)
-    torch.testing.assert_close(k, ref_k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(v, ref_v, atol=1e-4, rtol=1e-4)
 
 
 def _backend():
@@ -51,6 +36,7 @@ def _backend():
 
     be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
     be.inv_freq, be._layer_id, be._cos_sin = rope_inv_freq(64, 1e5), 0, {}
+    be._batch_rows = None
     return be
 
 
@@ -58,8 +44,6 @@ def test_recomputed_tokens_extend_equals_attention_in_position_order():
     """A row whose recomputed shared tokens sit after its borrowed ones (row order != position
     order) attends exactly as the same tokens in position order with causal attention."""
     from torch.nn.functional import scaled_dot_product_attention
-
-    from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens
 
     torch.manual_seed(2)
     inv, H, Hkv, d = rope_inv_freq(64, 1e5), 6, 2, 64
@@ -82,19 +66,17 @@ def test_recomputed_tokens_extend_equals_attention_in_position_order():
         v_cache[slots[row]] = v[p]
     req_to_token = torch.zeros(2, 64, dtype=torch.int64)
     req_to_token[1, :n] = slots
-    SPANS.set(1, RowSpans("r", (SpanRead(SharedSpan(own, len(borrowed), shift)),),
-                          RecomputedTokens(prefix_len, tuple(moved), moved),
-                          torch.tensor(order[: prefix_len + len(moved)])))
-    try:
-        ext = order[prefix_len:]
-        query = apply_rope(q_raw[ext], torch.tensor(ext), inv)
-        out = torch.empty_like(query)
-        _backend()._run_sdpa_forward_extend(
-            query, out, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([n]),
-            torch.tensor([prefix_len]), torch.tensor([len(ext)]), scaling=d**-0.5,
-            enable_gqa=True, causal=True)
-    finally:
-        SPANS.clear(1)
+    be = _backend()
+    be._batch_rows = (BatchRow(RowSpans("r", (SharedSpan(own, len(borrowed), shift),),
+                                        RecomputedTokens(prefix_len, tuple(moved), moved),
+                                        torch.tensor(order[: prefix_len + len(moved)]))),)
+    ext = order[prefix_len:]
+    query = apply_rope(q_raw[ext], torch.tensor(ext), inv)
+    out = torch.empty_like(query)
+    be._run_sdpa_forward_extend(
+        query, out, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([n]),
+        torch.tensor([prefix_len]), torch.tensor([len(ext)]), scaling=d**-0.5,
+        enable_gqa=True, causal=True)
     torch.testing.assert_close(out, ref[ext], atol=1e-5, rtol=1e-5)
 
 
@@ -103,28 +85,24 @@ def test_recomputed_tokens_are_placed_at_their_true_positions():
 
     import pytest
 
-    from sglang_kvcmas.integration.span_registry import SPANS, RecomputedTokens
-
-    SPANS.set(3, RowSpans("r", (SpanRead(SharedSpan(2, 4, 1)),),
-                          RecomputedTokens(6, (71, 72), (2, 3)), torch.tensor([0, 1, 4, 5, 6, 7,
-                                                                              2, 3])))
-    try:
-        batch = SimpleNamespace(
-            extend_prefix_lens_cpu=[0, 6], extend_seq_lens_cpu=[3, 4],
-            req_pool_indices=torch.tensor([0, 3]), input_ids=torch.arange(7) + 100,
-            positions=torch.tensor([0, 1, 2, 6, 7, 8, 9]))
-        _backend()._place_recomputed(batch)
-        assert batch.input_ids.tolist() == [100, 101, 102, 71, 72, 105, 106]
-        assert batch.positions.tolist() == [0, 1, 2, 2, 3, 8, 9]
-        batch.extend_prefix_lens_cpu = [0, 5]  # a row that does not extend where planned
-        with pytest.raises(RuntimeError, match="recomputed tokens start at row 6"):
-            _backend()._place_recomputed(batch)
-    finally:
-        SPANS.clear(3)
+    be = _backend()
+    be._batch_rows = (None, BatchRow(RowSpans(
+        "r", (SharedSpan(2, 4, 1),), RecomputedTokens(6, (71, 72), (2, 3)),
+        torch.tensor([0, 1, 4, 5, 6, 7, 2, 3]))))
+    batch = SimpleNamespace(
+        extend_prefix_lens_cpu=[0, 6], extend_seq_lens_cpu=[3, 4],
+        req_pool_indices=torch.tensor([0, 3]), input_ids=torch.arange(7) + 100,
+        positions=torch.tensor([0, 1, 2, 6, 7, 8, 9]))
+    be._place_recomputed(batch)
+    assert batch.input_ids.tolist() == [100, 101, 102, 71, 72, 105, 106]
+    assert batch.positions.tolist() == [0, 1, 2, 2, 3, 8, 9]
+    batch.extend_prefix_lens_cpu = [0, 5]  # a row that does not extend where planned
+    with pytest.raises(RuntimeError, match="recomputed tokens start at row 6"):
+        be._place_recomputed(batch)
 
 
 def test_head_mass_equals_softmax_mass_on_the_head():
-    from sglang_kvcmas.integration import delta_attention_backend as dab
+    from sglang_kvcmas.attention import span_reads as dab
 
     torch.manual_seed(3)
     for n_q, n_kv, h_kv, gqa in ((1, 17, 1, 3), (81, 300, 3, 3), (5, 5, 2, 1)):
@@ -146,7 +124,7 @@ def test_head_mass_equals_softmax_mass_on_the_head():
 
 
 def test_head_mass_probe_keeps_only_rows_of_the_shared_context():
-    from sglang_kvcmas.integration.span_registry import HeadMassProbe
+    from sglang_kvcmas.attention.spans import HeadMassProbe
 
     probe = HeadMassProbe.for_row(3, 10, 20)
     probe.add(15, torch.full((8,), 0.5))  # rows 15..22: only 15..19 exist

@@ -1,6 +1,7 @@
 """End to end on SGLang's server with the shared-context path (one server for the module, one
 more with a small prefill chunk): two agents' chat requests over one transcript show corrected
-reuse in their ``usage``; the owner's logits are bit-identical to a from-scratch computation;
+re-positioned reuse in their ``usage`` (streamed or not, the same fields); bad ``kvcmas_*`` fields
+are answered 400 and the server keeps serving; the owner's logits are bit-identical to a from-scratch computation;
 ``cache_salt`` isolates tenants; readers released together under chunked prefill each recompute
 in one piece."""
 
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sglang_kvcmas import envs
+from sglang_kvcmas.config import ServingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -72,19 +74,96 @@ def test_second_agent_reads_first_agents_transcript(server):
     chat(server, SB, T1)  # both heads cached now
     owner = chat(server, SA, T2)["usage"]["prompt_tokens_details"]
     reader = chat(server, SB, T2)["usage"]["prompt_tokens_details"]
-    assert owner["kvcmas_reused_corrected"] == 0 and owner["kvcmas_recomputed"] > 60
-    assert reader["kvcmas_reused_corrected"] > 40, reader
+    assert owner["kvcmas_reused_repositioned"] == 0 and owner["kvcmas_recomputed"] > 60
+    assert reader["kvcmas_reused_repositioned"] > 40, reader
+    assert owner["kvcmas_reused_corrected"] == reader["kvcmas_reused_corrected"] == 0
     # One borrowed span (T2 after T1): its boundary plus the owner's top head-mass tokens.
-    borrowed = reader["kvcmas_reused_corrected"] + int(reader["kvcmas_correction"].split(":")[1])
-    boundary = int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get())
-    extra = round(float(envs.KVCMAS_RECOMPUTE_MASS_FRACTION.get()) * borrowed)
-    assert reader["kvcmas_correction"] == f"boundary_recompute:{boundary + extra}"
+    borrowed = reader["kvcmas_reused_repositioned"] + reader["kvcmas_recomputed_borrowed"]
+    defaults = ServingConfig()
+    boundary = defaults.recompute_boundary
+    extra = round(defaults.recompute_mass_fraction * borrowed)
+    assert reader["kvcmas_recomputed_borrowed"] == boundary + extra
     assert boundary + extra < reader["kvcmas_recomputed"] < 10 + boundary + extra
-    assert reader["cached_tokens"] == reader["kvcmas_reused_exact"] + reader["kvcmas_reused_corrected"]
-    again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]  # its delta leaf now
-    assert again["kvcmas_correction"] == f"delta_leaf:{boundary + extra}"
+    assert reader["cached_tokens"] == (reader["kvcmas_reused_exact"]
+                                       + reader["kvcmas_reused_repositioned"])
+    again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]  # its exact leaves now
+    assert again["kvcmas_exact_from_leaves"] == boundary + extra
     assert again["kvcmas_recomputed"] == reader["kvcmas_recomputed"] - boundary - extra
     assert again["kvcmas_reused_exact"] == reader["kvcmas_reused_exact"] + boundary + extra
+
+
+def chat_stream(server, system, user, **extra):
+    """A streamed chat with the usage chunk; returns that chunk's usage."""
+    body = {"model": "default", "temperature": 0, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}], **extra}
+    req = urllib.request.Request(server.url + "/v1/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    usage = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return usage
+
+
+def test_streamed_and_plain_usage_carry_the_same_kvcmas_fields(server):
+    chat(server, SA, T1)
+    plain = chat(server, SB, T2 + " Plain.")["usage"]["prompt_tokens_details"]
+    streamed = chat_stream(server, SB, T2 + " Streamed.")["prompt_tokens_details"]
+    ours = {k for k in plain if k.startswith("kvcmas_")}
+    assert ours == {k for k in streamed if k.startswith("kvcmas_")}
+    assert {"kvcmas_reused_exact", "kvcmas_reused_corrected", "kvcmas_reused_repositioned",
+            "kvcmas_recomputed", "kvcmas_workflow"} <= ours
+    assert streamed["cached_tokens"] == plain["cached_tokens"] or streamed["kvcmas_recomputed"]
+
+
+def test_workflow_header_labels_the_request(server):
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=json.dumps({
+            "model": "default", "temperature": 0, "max_tokens": 2,
+            "messages": [{"role": "system", "content": SA}, {"role": "user", "content": T1}],
+        }).encode(), headers={"Content-Type": "application/json", "X-KVCMAS-Workflow": "wf-7"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        details = json.loads(r.read())["usage"]["prompt_tokens_details"]
+    assert details["kvcmas_workflow"] == "wf-7"
+    out = post(server.url + "/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 1, "custom_params": {"kvcmas_workflow": "wf-8"}}})
+    assert out["meta_info"]["kvcmas_reuse"][0]["workflow"] == "wf-8"
+
+
+BAD_FIELDS = [
+    ({"kvcmas_head_len": None}, "kvcmas_head_len"),
+    ({"kvcmas_head_len": [16]}, "kvcmas_head_len"),
+    ({"kvcmas_head_len": {}}, "kvcmas_head_len"),
+    ({"kvcmas_head_len": 1.5}, "kvcmas_head_len"),
+    ({"kvcmas_head_len": True}, "kvcmas_head_len"),
+    ({"kvcmas_head_len": 4, "kvcmas_shared_end": None}, "kvcmas_shared_end"),
+    ({"kvcmas_head_len": 9999}, "kvcmas_head_len=9999 is past the prompt"),
+    ({"kvcmas_recompute_mass_fraction": 7}, "kvcmas_recompute_mass_fraction"),
+    ({"kvcmas_exact": "yes"}, "kvcmas_exact"),
+    ({"kvcmas_nonsense": 1}, "unknown field custom_params.kvcmas_nonsense"),
+    (5, "custom_params must be an object"),
+    ([1, 2], "custom_params must be an object"),
+    ("x", "custom_params must be an object"),
+]
+
+
+@pytest.mark.parametrize("custom, message", BAD_FIELDS)
+def test_bad_kvcmas_fields_are_a_400_and_the_server_keeps_serving(server, custom, message):
+    body = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1,
+                                                        "custom_params": custom}}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    assert message in e.value.read().decode()
+    assert post(server.url + "/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 1, "custom_params": {"thinking_budget": 3}}})["text"] is not None
 
 
 def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
@@ -105,7 +184,8 @@ def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
     def forced(boundary, salt=None, mass=0.0):
         body = {"input_ids": ids + cont, "return_logprob": True, "logprob_start_len": len(ids),
                 "sampling_params": {"temperature": 0, "max_new_tokens": 1, "custom_params": {
-                    "kvcmas_boundary_tokens": boundary, "kvcmas_mass_fraction": mass}}}
+                    "kvcmas_recompute_boundary": boundary,
+                    "kvcmas_recompute_mass_fraction": mass}}}
         if salt:
             body["cache_salt"] = salt
         meta = post(server.url + "/generate", body)["meta_info"]
@@ -114,17 +194,16 @@ def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
     ref, _ = forced(0, salt="exact-tf")
     naive, naive_rec = forced(0, mass=0.0)
     fixed, fixed_rec = forced(16, mass=0.0)
-    assert naive_rec["correction"] == "none" and naive_rec["reused_corrected"] > 60
-    assert fixed_rec["correction"] == "boundary_recompute:16"
-    assert fixed_rec["reused_corrected"] == naive_rec["reused_corrected"] - 16
+    assert naive_rec["recomputed_borrowed"] == 0 and naive_rec["reused_repositioned"] > 60
+    assert fixed_rec["recomputed_borrowed"] == 16
+    assert fixed_rec["reused_repositioned"] == naive_rec["reused_repositioned"] - 16
     def mean_abs_diff(got):
         pairs = [(a, b) for a, b in zip(ref, got) if a is not None and b is not None]
         assert len(pairs) >= 16
         return sum(abs(a - b) for a, b in pairs) / len(pairs)
 
     massed, massed_rec = forced(16, mass=0.2)  # + the owner's top head-mass tokens
-    assert massed_rec["correction"].startswith("boundary_recompute:")
-    assert int(massed_rec["correction"].split(":")[1]) > 16
+    assert massed_rec["recomputed_borrowed"] > 16
     err = {"naive": mean_abs_diff(naive), "fixed": mean_abs_diff(fixed),
            "mass": mean_abs_diff(massed)}
     assert err["fixed"] < 0.1 and err["fixed"] <= err["naive"] * 1.05, err
@@ -161,8 +240,8 @@ def test_owner_is_bit_identical_and_salt_isolates(server):
     shared = logprobs(None)  # the owner, under the shared-context tree
     fresh = logprobs("isolated-tenant")  # another tenant: nothing cached, nothing shared
     assert fresh["cached_tokens"] == 0
-    assert fresh["kvcmas_reuse"][0]["reused_corrected"] == 0
-    assert shared["kvcmas_reuse"][0]["reused_corrected"] == 0
+    assert fresh["kvcmas_reuse"][0]["reused_repositioned"] == 0
+    assert shared["kvcmas_reuse"][0]["reused_repositioned"] == 0
     assert [x[0] for x in shared["input_token_logprobs"]] == [
         x[0] for x in fresh["input_token_logprobs"]]
     assert [x[0] for x in shared["output_token_logprobs"]] == [
@@ -194,9 +273,9 @@ def test_readers_released_together_each_recompute_whole(chunked_server):
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda s: chat(server, s, T2), (SA, SB, SC)))
     details = [o["usage"]["prompt_tokens_details"] for o in outs]
-    readers = [d for d in details if d["kvcmas_reused_corrected"] > 0]
+    readers = [d for d in details if d["kvcmas_reused_repositioned"] > 0]
     assert len(readers) == 2, details
-    assert all(d["kvcmas_correction"].startswith("boundary_recompute:") for d in readers), details
+    assert all(d["kvcmas_recomputed_borrowed"] > 0 for d in readers), details
     assert 2 * min(d["kvcmas_recomputed"] for d in readers) > CHUNK, "they fit one chunk"
     text = log.read_text()
     assert "Scheduler hit an exception" not in text

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvcmas.integration.shared_tree import SharedTree
+from sglang_kvcmas.tree.shared_tree import SharedTree
 
 NS = ("ns", None)
 

@@ -15,12 +15,11 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from sglang_kvcmas.integration.agent_split import ChatTemplateIds  # noqa: E402
+from sglang_kvcmas.tree.agent_split import ChatTemplateIds  # noqa: E402
 from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
     KvcmasSharedTreeCache,
     SharedPrefixHandle,
 )
-from sglang_kvcmas.integration.span_registry import PROBES, SPANS  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
 CHAT = ChatTemplateIds(1, 2, 9)
@@ -108,10 +107,11 @@ class Harness:
         self.pool.req_to_token[row, :n] = torch.cat([prefix, new])
         req.kv.req_pool_idx = row
         self.cache.maybe_hand_to_session(req)
-        probe = PROBES.get(row)
+        entry = getattr(req, "kvcmas_row", None)
+        probe = entry.probe if entry is not None else None
         if probe is not None and mass is not None:
             probe.add(req.prefix_len, torch.tensor([mass(i) for i in range(req.prefix_len, n)]))
-        spans = SPANS.get(row)
+        spans = entry.spans if entry is not None else None
         prefix_slots = self.pool.req_to_token[row, : req.prefix_len].tolist()
         self.cache.checkpoint(req, up_to=n)
         req.done = True
@@ -141,10 +141,10 @@ def test_reader_borrows_owner_span_with_shift():
     assert b2.prefix_len == len(b) + len(T1) + len(T2) + END
     assert prefix[len(b) + len(T1):] == a2_slots  # a's KV, one copy
     (read,) = spans.reads
-    assert (read.span.start, read.span.length, read.span.shift) == (
+    assert (read.start, read.length, read.shift) == (
         len(b) + len(T1), len(T2) + END, len(b) - len(a))
     rec = b2.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_corrected"] == len(T2) + END and rec["reused_exact"] == len(b) + len(T1)
+    assert rec["reused_repositioned"] == len(T2) + END and rec["reused_exact"] == len(b) + len(T1)
     # conservation: every allocated slot is freed exactly once or still held by a tree
     assert len(h.alloc.freed) == len(set(h.alloc.freed))
     assert set(h.alloc.freed) | h.held() == set(h.allocated)
@@ -171,7 +171,7 @@ def test_reader_publishes_its_new_tokens_for_the_next_reader():
     h.serve(Req("a2", a + T1 + SUFFIX[:0] + T2[:10] + SUFFIX), 3)
     h.serve(Req("b2", b + T1 + T2 + SUFFIX), 4)  # borrows T2[:10] from a, owns T2[10:]
     spans, _ = h.serve(Req("c2", c + T1 + T2 + SUFFIX), 5)
-    owners = [r.span.shift for r in spans.reads]
+    owners = [r.shift for r in spans.reads]
     assert owners == [len(c) - len(a), len(c) - len(b)]
     assert len(h.alloc.freed) == len(set(h.alloc.freed))
     assert set(h.alloc.freed) | h.held() == set(h.allocated)
@@ -213,7 +213,7 @@ def test_reader_recomputes_boundary_tokens_of_the_borrowed_span():
     assert moved.token_ids == tuple(T2[:k])
     assert moved.positions == tuple(range(borrowed_at, borrowed_at + k))
     (read,) = spans.reads  # still one span, in row coordinates, same shift
-    assert (read.span.start, read.span.length, read.span.shift) == (
+    assert (read.start, read.length, read.shift) == (
         borrowed_at, len(T2) + END - k, len(b) - len(a))
     pos = spans.positions_upto(len(b2.origin_input_ids)).tolist()
     assert pos[:borrowed_at] == list(range(borrowed_at))
@@ -222,9 +222,9 @@ def test_reader_recomputes_boundary_tokens_of_the_borrowed_span():
     assert pos[b2.prefix_len + k :] == list(range(b2.prefix_len + k, len(pos)))
     assert sorted(pos) == list(range(len(pos)))
     rec = b2.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_corrected"] == len(T2) + END - k
+    assert rec["reused_repositioned"] == len(T2) + END - k
     assert rec["recomputed"] == k + len(SUFFIX) - END
-    assert rec["correction"] == f"boundary_recompute:{k}"
+    assert (rec["recomputed_borrowed"], rec["exact_from_leaves"]) == (k, 0)
     assert_slots_conserved(h)
 
 
@@ -246,7 +246,7 @@ def test_recompute_boundary_per_span_and_slots_when_the_reader_publishes():
     spans, _ = h.serve(c2, 5)
     at = len(c) + len(T1)
     assert spans.recomputed.positions == (*range(at, at + k), *range(at + 10, at + 10 + k))
-    assert [r.span.shift for r in spans.reads] == [len(c) - len(a), len(c) - len(b)]
+    assert [r.shift for r in spans.reads] == [len(c) - len(a), len(c) - len(b)]
     assert_slots_conserved(h)
 
 
@@ -257,7 +257,7 @@ def test_boundary_policy_per_request_and_disabled_for_prompt_logprobs():
         h.serve(Req(rid, hd + T1 + SUFFIX), row)
     h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
     b2 = Req("b2", b + T1 + T2 + SUFFIX)
-    b2.sampling_params = SimpleNamespace(custom_params={"kvcmas_boundary_tokens": 0})
+    b2.sampling_params = SimpleNamespace(custom_params={"kvcmas_recompute_boundary": 0})
     spans, _ = h.serve(b2, 3)
     assert spans.recomputed is None and spans.positions is None
     b3 = Req("b3", b + T1 + T2 + SUFFIX)
@@ -289,15 +289,15 @@ def test_recomputed_boundary_becomes_the_readers_delta_leaf():
     assert prefix[at : at + k] == recomputed_slots  # its own exact KV
     assert spans.recomputed is None
     (read,) = spans.reads  # the rest of the span, re-positioned
-    assert (read.span.start, read.span.length) == (at + k, len(T2) + END - k)
+    assert (read.start, read.length) == (at + k, len(T2) + END - k)
     rec = b3.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_corrected"] == len(T2) + END - k
+    assert rec["reused_repositioned"] == len(T2) + END - k
     assert rec["reused_exact"] == at + k
-    assert rec["correction"] == f"delta_leaf:{k}"
+    assert (rec["recomputed_borrowed"], rec["exact_from_leaves"]) == (0, k)
     b4 = Req("b4", b + T1 + T2 + SUFFIX + [8])
-    b4.sampling_params = SimpleNamespace(custom_params={"kvcmas_boundary_tokens": 0})
+    b4.sampling_params = SimpleNamespace(custom_params={"kvcmas_recompute_boundary": 0})
     h.serve(b4, 7)  # an explicit boundary measures the owner's KV alone: no leaf read
-    assert b4.customized_info["kvcmas_reuse"][0]["reused_corrected"] == len(T2) + END
+    assert b4.customized_info["kvcmas_reuse"][0]["reused_repositioned"] == len(T2) + END
     assert h.cache.shared.delta_tokens() == k
     c2 = Req("c2", c + T1 + T2 + SUFFIX)
     spans, _ = h.serve(c2, 6)
@@ -331,11 +331,11 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     borrowed = len(T2) + END
     n_mass = round(0.1 * borrowed)  # 3
     assert spans.recomputed.positions == (at, at + 1, at + 7, at + 20, at + 25)[: 2 + n_mass]
-    assert b2.customized_info["kvcmas_reuse"][0]["reused_corrected"] == borrowed - 2 - n_mass
+    assert b2.customized_info["kvcmas_reuse"][0]["reused_repositioned"] == borrowed - 2 - n_mass
     b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # b again: its leaves hold the top tokens now
     spans, _ = h.serve(b3, 4)
     assert spans.recomputed is None
-    assert b3.customized_info["kvcmas_reuse"][0]["correction"] == f"delta_leaf:{2 + n_mass}"
+    assert b3.customized_info["kvcmas_reuse"][0]["exact_from_leaves"] == 2 + n_mass
     assert_slots_conserved(h)
 
 
@@ -366,8 +366,8 @@ def test_reader_keeps_only_the_leaf_share_of_what_it_recomputes():
     spans, _ = h.serve(b3, 4)
     assert spans.recomputed.positions == tuple(at + o for o in sorted(ranked[3:]))
     rec = b3.customized_info["kvcmas_reuse"][0]
-    assert rec["correction"] == "boundary_recompute:3+delta_leaf:5"
-    assert rec["reused_corrected"] == borrowed - 8
+    assert (rec["recomputed_borrowed"], rec["exact_from_leaves"]) == (3, 5)
+    assert rec["reused_repositioned"] == borrowed - 8
     assert h.cache.shared.delta_tokens() == 5  # the band is recomputed again, never kept
     assert_slots_conserved(h)
 
@@ -386,7 +386,7 @@ def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(turn_order_hook.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(turn_order_hook, "_held_since", {})
-    max_wait = float(turn_order_hook.envs.KVCMAS_TURN_MAX_WAIT_S.get())
+    max_wait = h.cache.turn_config.max_wait_s
     scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[])
     seen = []
 
@@ -438,8 +438,10 @@ def test_a_request_can_ask_to_read_no_other_agents_kv():
     spans, _ = h.serve(b2, 3)
     assert spans is None and not isinstance(b2.last_node, SharedPrefixHandle)
     assert b2.prefix_len == len(b) + len(T1)  # only its own exact prefix, as the radix cache
-    assert not h.cache.wants_exact(SimpleNamespace(  # only a JSON true asks
-        sampling_params=SimpleNamespace(custom_params={"kvcmas_exact": "yes"})))
+    # a non-boolean never reaches the scheduler (400); if one did, it is served without sharing
+    odd = SimpleNamespace(rid="x", origin_input_ids=b + T1 + SUFFIX,
+                          sampling_params=SimpleNamespace(custom_params={"kvcmas_exact": "yes"}))
+    assert not h.cache.wants_exact(odd) and h.cache.split_of(odd) is None
 
 
 def test_a_reader_computes_a_short_foreign_span_exactly():
@@ -483,7 +485,7 @@ def test_reader_recomputes_the_tail_of_what_it_borrows():
     n = len(shared)
     assert moved.positions == (borrowed_at, borrowed_at + 1,
                                *range(borrowed_at + n - 3, borrowed_at + n))
-    assert b2.customized_info["kvcmas_reuse"][0]["correction"] == "boundary_recompute:5"
+    assert b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 5
     assert_slots_conserved(h)
 
 

@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvcmas.attention.batch import SharedSpan
 from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas.attention.shifted_query import shift_runs, shifted_query_decode
-from sglang_kvcmas.integration.delta_attention_backend import transform_spans
-from sglang_kvcmas.integration.span_registry import RowSpans, SpanRead
+from sglang_kvcmas.attention.span_reads import transform_spans
+from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
 
 
 def test_shift_runs_cover_the_row_and_merge_equal_neighbours():
@@ -36,8 +35,8 @@ def test_shifted_query_decode_equals_rotated_keys(n_kv, h, hkv, spans):
     d, inv = 64, rope_inv_freq(64, 1e5)
     q = torch.randn(h, 1, d)
     k, v = torch.randn(n_kv, hkv, d), torch.randn(n_kv, hkv, d)
-    row = RowSpans("r", tuple(SpanRead(SharedSpan(*s)) for s in spans))
-    k_ref, v_ref = transform_spans(k.clone(), v.clone(), row, 0, inv)
+    row = RowSpans("r", tuple(SharedSpan(*s) for s in spans))
+    k_ref, v_ref = transform_spans(k.clone(), row, inv), v
     ref = scaled_dot_product_attention(
         q[None], k_ref.movedim(0, 1)[None], v_ref.movedim(0, 1)[None], enable_gqa=True
     )[0]
@@ -48,7 +47,6 @@ def test_shifted_query_decode_equals_rotated_keys(n_kv, h, hkv, spans):
 
 def test_backend_decode_takes_the_query_rotation_path_and_matches_the_reference():
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
-    from sglang_kvcmas.integration.span_registry import SPANS
 
     torch.manual_seed(0)
     be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
@@ -58,20 +56,17 @@ def test_backend_decode_takes_the_query_rotation_path_and_matches_the_reference(
     req_to_token = torch.zeros(4, 128, dtype=torch.int64)
     req_to_token[1, :40], req_to_token[3, :75] = torch.randperm(256)[:40], torch.randperm(256)[:75]
     query = torch.randn(2, h, d)
-    row = RowSpans("r", (SpanRead(SharedSpan(3, 30, -8)), SpanRead(SharedSpan(33, 20, 5))))
-    SPANS.set(3, row)  # row 1 has no spans: the parent's plain path
-    try:
-        out = torch.empty_like(query)
-        be._run_sdpa_forward_decode(query, out, k_cache, v_cache, req_to_token,
-                                    torch.tensor([1, 3]), torch.tensor(lens), scaling=d**-0.5,
-                                    enable_gqa=True)
-    finally:
-        SPANS.clear(3)
+    row = RowSpans("r", (SharedSpan(3, 30, -8), SharedSpan(33, 20, 5)))
+    be._batch_rows = (None, BatchRow(row))  # the first row has no spans: the parent's path
+    out = torch.empty_like(query)
+    be._run_sdpa_forward_decode(query, out, k_cache, v_cache, req_to_token,
+                                torch.tensor([1, 3]), torch.tensor(lens), scaling=d**-0.5,
+                                enable_gqa=True)
     for i, (idx, n, r) in enumerate([(1, 40, None), (3, 75, row)]):
         k, v = k_cache[req_to_token[idx, :n]], v_cache[req_to_token[idx, :n]]
         if r is not None:
-            k, v = transform_spans(k, v, r, 0, be.inv_freq)
+            k = transform_spans(k, r, be.inv_freq)
         ref = scaled_dot_product_attention(query[i][:, None][None], k.movedim(0, 1)[None],
                                            v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)
-    assert (3, 75) in be._groups  # the shifted row went through the query rotation
+    assert (1, 75) in be._groups  # the shifted row went through the query rotation

@@ -1,53 +1,9 @@
-"""Attention that reads shared-segment KV through per-agent low-rank deltas.
+"""The serving read path: RoPE, the span type and row metadata, and the tensor work of reading
+borrowed KV re-positioned (torch only; the SGLang backend in ``integration/`` calls these).
 
 Modules (one noun each):
-  ``batch``            frozen descriptions of a batch: requests, shared spans, delta factors
-  ``rope``             neox RoPE helpers (rotations compose: the re-positioning algebra)
-  ``reference``        the torch reference (the oracle); the algebra is its docstring
-  ``torch_delta``      the same read planned once per batch: the CPU serving path
-  ``plan``             host-side tiling and factor packing for the kernels
-  ``triton_delta``     Triton extend/decode kernels (imports triton)
-  ``flashinfer_delta`` FlashInfer variant wrapper (imports flashinfer lazily, GPU only)
-
-Importing this package needs only torch; the kernel modules are imported by name.
+  ``rope``           neox RoPE helpers (rotations compose: the re-positioning algebra)
+  ``spans``          ``SharedSpan``, a row's borrowed spans, recomputed tokens, head-mass probe
+  ``span_reads``     keys re-positioned by span (the reference), head mass on the agent head
+  ``shifted_query``  decode that rotates the query per shift instead of every borrowed key
 """
-
-from sglang_kvcmas.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas.attention.plan import (
-    DeltaPlan,
-    PackedFactors,
-    pack_delta_factors,
-    plan_delta_batch,
-)
-from sglang_kvcmas.attention.reference import (
-    causal_attention,
-    delta_attention,
-    delta_decode_attention,
-    lora_value_read,
-    plain_attention,
-    reader_kv,
-)
-from sglang_kvcmas.attention.rope import apply_rope, rope_inv_freq
-from sglang_kvcmas.attention.torch_delta import TorchDeltaPlan, plan_torch_delta, run_torch_delta
-
-__all__ = [
-    "DeltaPlan",
-    "DeltaRequest",
-    "LowRankDelta",
-    "PackedFactors",
-    "SharedSpan",
-    "SpanFactors",
-    "TorchDeltaPlan",
-    "apply_rope",
-    "causal_attention",
-    "delta_attention",
-    "delta_decode_attention",
-    "lora_value_read",
-    "pack_delta_factors",
-    "plain_attention",
-    "plan_delta_batch",
-    "plan_torch_delta",
-    "reader_kv",
-    "rope_inv_freq",
-    "run_torch_delta",
-]

@@ -58,9 +58,20 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     Returns:
         [n, num_heads, head_dim] float32
     """
-    half = x.shape[-1] // 2
     cos, sin = rope_cos_sin(positions.to(x.device), inv_freq.to(x.device))
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x = x.to(torch.float32)
+    return rotate_halves(x.to(torch.float32), cos[:, None, :], sin[:, None, :])
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation itself, ``[x_lo·cos − x_hi·sin, x_hi·cos + x_lo·sin]``: the one place the
+    formula is written (every RoPE read in the server and the lab calls it).
+
+    Args:
+        x: [..., head_dim] any float dtype
+        cos, sin: broadcastable to [..., head_dim // 2], the dtype the result is computed in
+    Returns:
+        [..., head_dim] in the promoted dtype of ``x`` and ``cos``
+    """
+    half = x.shape[-1] // 2
     lo, hi = x[..., :half], x[..., half:]
     return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)

@@ -10,7 +10,7 @@ one rotation of the query per distinct shift (a few per row); each contiguous ru
 one shift is scored with its rotated query. The query-key products are the same as without
 shifts, so a shifted row decodes at plain-attention cost.
 
-The reference is :func:`sglang_kvcmas.integration.delta_attention_backend.transform_spans`
+The reference is :func:`sglang_kvcmas.attention.span_reads.transform_spans`
 followed by SDPA; ``test/serving/test_shifted_query.py`` compares the two.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvcmas.attention.rope import rope_cos_sin
+from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
 
 
 def shift_runs(
@@ -75,12 +75,10 @@ def shifted_query_decode(
         precedes the query, so no mask).
     """
     h, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
-    half, g = d // 2, h // hkv
+    g = h // hkv
     cos, sin = rope_cos_sin(-shifts.to(q.device), inv_freq.to(q.device))  # [S, d/2] each
     qf = q.reshape(hkv, g, d).to(torch.float32)
-    lo, hi = qf[..., :half], qf[..., half:]
-    c, s = cos[:, None, None, :], sin[:, None, None, :]
-    q_s = torch.cat([lo * c - hi * s, hi * c + lo * s], dim=-1) * scale  # [S, H_kv, g, d]
+    q_s = rotate_halves(qf, cos[:, None, None, :], sin[:, None, None, :]) * scale  # [S, H_kv, g, d]
     kf = k.to(torch.float32)
     scores = torch.empty((hkv, g, k.shape[1]), dtype=torch.float32, device=q.device)
     for start, end, i in runs:

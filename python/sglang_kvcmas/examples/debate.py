@@ -62,6 +62,9 @@ class Turn:
         ttft_client_s: seconds from sending the request to the first streamed text chunk.
         ttft_server_s: the server's ``first_token_latency`` (request received → first token).
         latency_s: seconds until the turn finished, on the client.
+        reuse: the server's reuse record (``meta_info.kvcmas_reuse``: tokens reused exactly,
+            corrected, re-positioned, recomputed), or None when the server kept none (SGLang's
+            own tree cache).
     """
 
     round: int
@@ -73,6 +76,7 @@ class Turn:
     ttft_client_s: float
     ttft_server_s: float | None
     latency_s: float
+    reuse: dict | None = None
 
 
 @dataclass
@@ -134,6 +138,7 @@ def run_turn(backend, agent: Agent, round_: int, question: str, turns: list[Turn
         ttft_client_s=(first_chunk or end) - start,
         ttft_server_s=meta.get("first_token_latency"),
         latency_s=end - start,
+        reuse=(meta.get("kvcmas_reuse") or [None])[0],
     )
 
 

@@ -1,6 +1,6 @@
 """``KvcmasRadixCache``: SGLang's Python ``RadixCache`` under our name, the base class of the
 shared-context tree cache that ``--radix-cache-backend kvcmas`` builds
-(``shared_tree_cache.build_shared_tree_cache``).
+(``tree_cache_factory.build_shared_tree_cache``).
 
 It adds nothing to ``RadixCache`` (token-prefix sharing only), so tests can hold the tree cache's
 sharing-off behaviour against SGLang's own class.

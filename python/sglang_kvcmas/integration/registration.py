@@ -9,9 +9,13 @@ registers — no model load, no device initialisation, no environment changes:
 - attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning and recomputed
   tokens), also added to ``--attention-backend``'s choices;
 - scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``), whole
-  reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``) and the
+  reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``), each
+  row's span metadata carried with its forward batch (AFTER ``ForwardBatch.init_new``) and the
   ``/server_info`` readback of the tree cache actually built;
-- OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details`` (and its JSON).
+- request hooks in the HTTP process: ``kvcmas_*`` fields checked (400 before the scheduler) and
+  the ``X-KVCMAS-Workflow`` header applied (``request_hooks``);
+- OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details``, streamed or not, and
+  its JSON.
 
 Every hook is inert unless the tree cache in use is ours with sharing on (or, for usage, a
 response carries our reuse record), so stock-cache servers are unchanged.
@@ -27,7 +31,14 @@ from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radi
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-from sglang_kvcmas.integration import admission_hook, reuse_accounting, turn_order_hook
+from sglang_kvcmas.integration import (
+    admission_hook,
+    batch_rows,
+    request_hooks,
+    reuse_accounting,
+    turn_order_hook,
+    usage_stream,
+)
 from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as ATTN_NAME
 from sglang_kvcmas.integration.delta_attention_backend import create_delta_backend
 from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME
@@ -35,7 +46,7 @@ from sglang_kvcmas.integration.server_state import (
     INTERNAL_STATE_TARGET,
     add_tree_cache_to_internal_state,
 )
-from sglang_kvcmas.integration.shared_tree_cache import build_shared_tree_cache
+from sglang_kvcmas.integration.tree_cache_factory import build_shared_tree_cache
 
 USAGE_TARGET = (
     "sglang.srt.entrypoints.openai.usage_processor.UsageProcessor.calculate_response_usage"
@@ -81,6 +92,11 @@ def register_all() -> None:
     _register_hook(INTERNAL_STATE_TARGET, add_tree_cache_to_internal_state, HookType.AFTER)
     _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
     _register_hook(admission_hook.TARGET, admission_hook.admission_around, HookType.AROUND)
+    _register_hook(batch_rows.TARGET, batch_rows.attach_rows, HookType.AFTER)
+    _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
+    _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
+    _register_hook(usage_stream.CHAT_TARGET, usage_stream.stream_around, HookType.AROUND)
+    _register_hook(usage_stream.COMPLETION_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
     _register_hook(reuse_accounting.JSON_RESPONSE_TARGET, reuse_accounting.json_response_around,
                    HookType.AROUND)

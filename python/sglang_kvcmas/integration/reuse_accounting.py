@@ -1,13 +1,25 @@
-"""Per-request reuse accounting: exact, corrected and recomputed prompt tokens.
+"""Per-request reuse accounting: how each prompt token was served.
 
-Reported three ways:
+Every prompt token is counted once, in one of four kinds:
 
-- ``meta_info["kvcmas_reuse"] = [{...}]`` on every response (SGLang's per-request customized
-  info channel: the record is attached to the scheduler's ``Req`` and travels with its output);
-- ``usage.prompt_tokens_details`` of OpenAI responses gains ``kvcmas_reused_exact``,
-  ``kvcmas_reused_corrected``, ``kvcmas_recomputed`` (see :func:`add_reuse_to_usage`);
-- Prometheus counters ``kvcmas:prompt_tokens_total{kind="exact"|"corrected"|"recomputed"}`` beside
-  SGLang's own ``sglang:`` metrics (multiprocess mode: any process's counters reach ``/metrics``).
+- ``reused_exact``: read from KV computed in the request's own context (its radix path, or its
+  agent's exact leaves on shared nodes: ``exact_from_leaves`` of them);
+- ``reused_corrected``: read from another agent's KV with a correction applied (no correction
+  is served yet, so 0: reported so that clients see the field when one is);
+- ``reused_repositioned``: read from another agent's KV, re-positioned to the reader's positions,
+  uncorrected;
+- ``recomputed``: prefilled by this request (``recomputed_borrowed`` of them were available
+  borrowed and recomputed in the request's own context).
+
+Reported three ways, with the same fields:
+
+- ``meta_info["kvcmas_reuse"] = [{...}]`` on every ``/generate`` response (SGLang's per-request
+  customized info channel: the record is attached to the scheduler's ``Req``);
+- ``usage.prompt_tokens_details.kvcmas_<field>`` of OpenAI responses, streamed
+  (``stream_options.include_usage``) and not (:func:`add_reuse_to_usage`,
+  ``usage_stream.py``);
+- Prometheus counters ``kvcmas:prompt_tokens_total{kind="exact"|"corrected"|"repositioned"|
+  "recomputed"}`` beside SGLang's own ``sglang:`` metrics.
 
 A request that was never accounted has no record: an absent value never reads as zero.
 """
@@ -25,31 +37,43 @@ META_KEY = "kvcmas_reuse"
 
 @dataclass(frozen=True)
 class ReuseRecord:
-    """How one request's prompt was served.
+    """How one request's prompt was served (see the module docstring for each kind).
 
     Attributes:
         agent: agent id, or None for a request without an agent head.
-        prompt_tokens: prompt length.
-        reused_exact: tokens read from KV computed exactly in this request's own context.
-        reused_corrected: tokens read from another agent's KV, re-positioned (and corrected by a
-            delta when ``correction`` is not ``"none"``).
-        recomputed: tokens prefilled by this request.
-        correction: correction method applied to ``reused_corrected`` (``"none"`` = naive reuse).
+        workflow: the request's workflow (``kvcmas_workflow`` / ``X-KVCMAS-Workflow``), or None.
+        prompt_tokens: prompt length = the four kinds added up.
     """
 
     agent: str | None
+    workflow: str | None
     prompt_tokens: int
     reused_exact: int
     reused_corrected: int
+    reused_repositioned: int
     recomputed: int
-    correction: str = "none"
+    recomputed_borrowed: int = 0
+    exact_from_leaves: int = 0
 
     def __post_init__(self) -> None:
-        if self.reused_exact + self.reused_corrected + self.recomputed != self.prompt_tokens:
+        kinds = (self.reused_exact, self.reused_corrected, self.reused_repositioned,
+                 self.recomputed)
+        if sum(kinds) != self.prompt_tokens or min(kinds) < 0 or not (
+                0 <= self.recomputed_borrowed <= self.recomputed
+                and 0 <= self.exact_from_leaves <= self.reused_exact):
             raise ValueError(f"reuse counts do not add up: {self}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+COUNTED = ("reused_exact", "reused_corrected", "reused_repositioned", "recomputed",
+           "recomputed_borrowed", "exact_from_leaves")
+"""The record's token counts, each reported in usage as ``kvcmas_<name>`` (summed over
+prompts)."""
+KINDS = {"exact": "reused_exact", "corrected": "reused_corrected",
+         "repositioned": "reused_repositioned", "recomputed": "recomputed"}
+"""Prometheus ``kind`` label -> record field."""
 
 
 _COUNTER = None
@@ -66,7 +90,7 @@ def _counter():
         _COUNTER = Counter(
             "kvcmas:prompt_tokens",
             "Prompt tokens by how sglang-kvcmas served them (exact reuse, corrected reuse, "
-            "recomputed).",
+            "re-positioned reuse, recomputed).",
             ["kind"],
         )
     return _COUNTER or None
@@ -79,9 +103,8 @@ def attach(req: Any, record: ReuseRecord) -> None:
     req.customized_info = info
     counter = _counter()
     if counter is not None:
-        counter.labels(kind="exact").inc(record.reused_exact)
-        counter.labels(kind="corrected").inc(record.reused_corrected)
-        counter.labels(kind="recomputed").inc(record.recomputed)
+        for kind, name in KINDS.items():
+            counter.labels(kind=kind).inc(getattr(record, name))
 
 
 def records_of(responses: list[dict]) -> list[dict] | None:
@@ -95,25 +118,33 @@ def records_of(responses: list[dict]) -> list[dict] | None:
     return out
 
 
+def usage_fields(records: list[dict]) -> dict[str, Any]:
+    """``prompt_tokens_details`` fields for the records of one response (one per prompt)."""
+    out: dict[str, Any] = {f"kvcmas_{name}": sum(r.get(name, 0) for r in records)
+                           for name in COUNTED}
+    out["kvcmas_workflow"] = records[0].get("workflow") if records else None
+    return out
+
+
 def add_reuse_to_usage(usage: Any, responses: list[dict], n_choices: int = 1) -> Any:
-    """Add our three counts to ``usage.prompt_tokens_details`` (creating it, with
-    ``cached_tokens`` = exact + corrected, when SGLang did not)."""
+    """Add our fields to ``usage.prompt_tokens_details`` (creating it, with ``cached_tokens`` =
+    every reused token, when SGLang did not)."""
     records = records_of([responses[i] for i in range(0, len(responses), n_choices)])
     if usage is None or records is None:
         return usage
+    return with_records(usage, records)
+
+
+def with_records(usage: Any, records: list[dict]) -> Any:
+    """``usage`` with ``prompt_tokens_details`` carrying :func:`usage_fields` of ``records``."""
     from sglang.srt.entrypoints.openai.protocol import PromptTokensDetails
 
     details = usage.prompt_tokens_details
     if details is None:
-        cached = sum(r["reused_exact"] + r["reused_corrected"] for r in records)
+        cached = sum(r["reused_exact"] + r["reused_corrected"] + r["reused_repositioned"]
+                     for r in records)
         details = PromptTokensDetails(cached_tokens=cached)
-    extra = {
-        "kvcmas_reused_exact": sum(r["reused_exact"] for r in records),
-        "kvcmas_reused_corrected": sum(r["reused_corrected"] for r in records),
-        "kvcmas_recomputed": sum(r["recomputed"] for r in records),
-        "kvcmas_correction": records[0]["correction"],
-    }
-    usage.prompt_tokens_details = _details_with(details, extra)
+    usage.prompt_tokens_details = _details_with(details, usage_fields(records))
     return usage
 
 

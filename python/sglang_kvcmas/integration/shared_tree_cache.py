@@ -8,7 +8,7 @@ continued by the shared tree's match of the rest of the shared context by tokens
     index  0 ........ h ........ m_r ............... h+L-r .......... h+L ............ n
            | own head | own exact | borrowed shared span | recomputed | own new tokens |
            |<-- radix path slots ->|<- shared slots -->|<------- allocated -------->|
-           |       reused exact    |  reused corrected |        recomputed          |
+           |       reused exact    | reused repositioned |      recomputed          |
                                     owner position = reader position - shift
     prefix_len = h + L - r                 (SGLang extends from here)
     cache_protected_len = h + L - r        (release never frees borrowed slots)
@@ -16,15 +16,19 @@ continued by the shared tree's match of the rest of the shared context by tokens
 The ``r`` recomputed tokens are borrowed shared tokens the reader computes in its own context
 (``policy/recompute.py``: span boundaries and the owner's largest head-mass tokens); they sit
 after the borrowed slots in the row and the attention backend gives them their true positions
-(``span_registry.RecomputedTokens``). After the prefill they become the reader's delta leaves on
-the shared nodes (exact overrides in the pool) and the protected length moves to ``h + L``.
+(``attention.spans.RecomputedTokens``). After the prefill they become the reader's exact leaves
+on the shared nodes (exact overrides in the pool) and the protected length moves to ``h + L``.
 Tokens a leaf already holds are read from it (exact, no shift) and not recomputed.
 
-``req.last_node`` is then a :class:`SharedPrefixHandle` (radix node + deepest shared node);
-``lock``/``unlock``/``prefix_device_indices``/``resolve_node_handle`` understand it. When the row
-is allocated (``maybe_hand_to_session``) the shifts of the borrowed spans are published to the
-attention backend through ``span_registry.SPANS[req_pool_idx]``; SGLang gives the reader's tokens
-their own positions, and the backend rotates the owner's keys by each span's shift.
+``req.last_node`` is then a :class:`~sglang_kvcmas.tree.borrowed.SharedPrefixHandle` (radix node
++ deepest shared node); ``lock``/``unlock``/``prefix_device_indices``/``resolve_node_handle``
+understand it. When the row is allocated (``maybe_hand_to_session``) the row's borrowed spans and
+head-mass probe are kept on the request (``req.kvcmas_row``, an ``attention.spans.BatchRow``);
+every forward batch carries its rows' entries to the attention backend (``batch_rows.py``).
+SGLang gives the reader's tokens their own positions, and the backend rotates the owner's keys by
+each span's shift. The walks over the borrowed path live beside the tree (``tree/borrowed.py``),
+what to recompute in ``policy/recompute.py``, what a request asks in
+``policy/request_options.py``; this class is SGLang's ``RadixCache`` plus their wiring.
 
 Writing (``checkpoint``): an exact request (no borrowed span) is inserted into the radix tree as
 SGLang does, and its not-yet-shared transcript tokens are registered in the shared tree *anchored*
@@ -38,7 +42,13 @@ drops the shared nodes anchored on it; unlocked owned shared leaves are evicted 
 tree alone cannot free enough. ``evictable_size``/``protected_size`` include owned shared slots,
 so SGLang's pool invariant (available + evictable + protected + uncached == total) holds.
 
-With ``KVCMAS_SHARE_CONTEXT`` off every method is the parent's: identical to ``RadixCache``.
+With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
+``RadixCache``.
+
+NOTE: over 500 lines because SGLang's tree-cache interface is one class: each override (match,
+locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
+call lives beside the tree (``tree/``) and in ``policy/``; what stays here is the wiring to
+SGLang's rows, locks and pool.
 """
 
 from __future__ import annotations
@@ -59,116 +69,46 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_kvcmas import envs
-from sglang_kvcmas.attention.batch import SharedSpan
+from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
+from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
-from sglang_kvcmas.integration.agent_split import AgentSplit, ChatTemplateIds, split_request
-from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
-from sglang_kvcmas.integration.shared_tree import SharedNode, SharedTree
-from sglang_kvcmas.integration.span_registry import (
-    PROBES,
-    SPANS,
-    HeadMassProbe,
-    RecomputedTokens,
-    RowSpans,
-    SpanRead,
-)
 from sglang_kvcmas.policy.recompute import (
-    BorrowedSpan,
     RecomputeConfig,
     borrow_pays,
-    boundary_offsets,
     kept_offsets,
-    mass_offsets,
-    tail_offsets,
+    select_recompute,
 )
+from sglang_kvcmas.policy.request_options import RequestOptions
+from sglang_kvcmas.policy.turn_order import TurnConfig
+from sglang_kvcmas.tree.agent_split import AgentSplit, ChatTemplateIds, chat_ids_for, split_request
+from sglang_kvcmas.tree.borrowed import (
+    SharedPrefixHandle,
+    adopt_recomputed,
+    borrowed_spans,
+    borrowed_tokens,
+    row_spans,
+)
+from sglang_kvcmas.tree.shared_tree import SharedTree
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 logger = logging.getLogger(__name__)
-
-BOUNDARY_FIELD = "kvcmas_boundary_tokens"
-"""``custom_params`` key of ``/generate`` that sets one request's recomputed boundary tokens."""
-MASS_FIELD = "kvcmas_mass_fraction"
-"""``custom_params`` key of ``/generate`` that sets one request's head-mass recompute share."""
-TAIL_FIELD = "kvcmas_tail_tokens"
-"""``custom_params`` key of ``/generate`` that sets one request's recomputed tail tokens."""
-EXACT_FIELD = "kvcmas_exact"
-"""``custom_params`` key of ``/generate``: true makes the request read no other agent's KV (it
-computes its context exactly, as under SGLang's radix cache, and may own new shared segments)."""
-
-
-@dataclass(eq=False)
-class SharedPrefixHandle:
-    """``req.last_node`` of a request whose prefix continues into borrowed shared KV.
-
-    Attributes:
-        radix_node: last node of the request's own exact radix match.
-        radix_len: tokens of that match (>= the head length).
-        shared_node: deepest shared-tree node of the borrowed part.
-        shared_begin: shared offset where borrowing starts (= radix_len − head_len).
-        shared_end: shared offset where it ends (path length of ``shared_node``).
-        split: the request's head / shared / suffix split.
-        namespace: ``(extra_key, cache_salt)``.
-        recompute: shared offsets in ``[shared_begin, shared_end)`` the request recomputes in its
-            own context instead of borrowing (left out of its prefix; see ``RecomputedTokens``).
-        use_leaves: read the agent's delta leaves and keep what it recomputes as new ones (off
-            for a request that sets its own boundary size: it measures the owner's KV alone).
-        keep: the recomputed offsets kept as delta leaves (None: all; the others are freed with
-            the request, ``RecomputeConfig.leaf_mass_fraction``).
-    """
-
-    radix_node: Any
-    radix_len: int
-    shared_node: SharedNode
-    shared_begin: int
-    shared_end: int
-    split: AgentSplit
-    namespace: tuple
-    recompute: tuple[int, ...] = ()
-    use_leaves: bool = True
-    keep: tuple[int, ...] | None = None
-
-    @property
-    def prefix_len(self) -> int:
-        return self.split.head_len + self.shared_end - len(self.recompute)
-
-    @property
-    def borrowed_len(self) -> int:
-        return self.shared_end - self.shared_begin
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """A run of the borrowed shared path with one owner and one shift (shared offsets)."""
-
-    begin: int
-    end: int
-    shift: int
-    owner: str
-    foreign: bool
-
-
-@dataclass(frozen=True)
-class _Token:
-    """One borrowed token: shared offset, pool slot, key shift, whether it is read from another
-    context, whether the slot is the reader agent's own (a delta leaf)."""
-
-    offset: int
-    slot: int
-    shift: int
-    foreign: bool
-    from_leaf: bool
-    mass: float = 0.0
 
 
 @dataclass
 class _SharedReceipt:
     radix_lock: TreeLock | None
     anchor_locks: list[TreeLock]
+
+
+@dataclass(frozen=True)
+class _RequestState:
+    """What the cache keeps per request while it is queued or running (parsed once)."""
+
+    options: RequestOptions | None
+    split: AgentSplit | None
 
 
 @dataclass(frozen=True)
@@ -181,12 +121,8 @@ class PendingOwner:
     since: float
 
 
-def _optional_fraction(text: str | None) -> float | None:
-    """An environment fraction where empty means unset."""
-    return None if text is None or not str(text).strip() else float(text)
-
-
-def _namespace(extra_key: Any, cache_salt: Any) -> tuple:
+def namespace_of(extra_key: Any, cache_salt: Any) -> tuple:
+    """The sharing namespace of a request: never shared across ``extra_key`` or ``cache_salt``."""
     return (extra_key, cache_salt or None)
 
 
@@ -198,23 +134,20 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         params: CacheInitParams,
         chat_ids: ChatTemplateIds | None = None,
         share_context: bool | None = None,
+        config: ServingConfig | None = None,
     ):
+        config = config or ServingConfig.from_env()
+        if share_context is not None:
+            config = config.with_values(share_context=share_context)
+        self.config = config
         self.shared = SharedTree(self._free_slots)
         self._chat_ids = chat_ids
-        self.share_context = (
-            envs.KVCMAS_SHARE_CONTEXT.get_bool() if share_context is None else share_context
-        )
-        self.cache_agent_outputs = envs.KVCMAS_CACHE_AGENT_OUTPUTS.get_bool()
-        self.recompute_config = RecomputeConfig(
-            boundary_tokens=int(envs.KVCMAS_RECOMPUTE_BOUNDARY.get()),
-            mass_fraction=float(envs.KVCMAS_RECOMPUTE_MASS_FRACTION.get()),
-            max_fraction=float(envs.KVCMAS_RECOMPUTE_MAX_FRACTION.get()),
-            min_borrowed=int(envs.KVCMAS_MIN_BORROWED.get()),
-            tail_tokens=int(envs.KVCMAS_RECOMPUTE_TAIL.get()),
-            leaf_mass_fraction=_optional_fraction(envs.KVCMAS_LEAF_MASS_FRACTION.get()),
-        )
+        self.share_context = config.share_context
+        self.cache_agent_outputs = config.cache_agent_outputs
+        self.recompute_config = RecomputeConfig.from_serving(config)
+        self.turn_config = TurnConfig.from_serving(config)
         self._chunk_limit: int | None = None
-        self._splits: dict[str, AgentSplit | None] = {}
+        self._requests: dict[str, _RequestState] = {}
         self.pending_owners: dict[str, PendingOwner] = {}
         self._extra_freed = 0
         super().__init__(params)
@@ -259,16 +192,33 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         first token): their KV is the same for all agents, so mass on them is not a signal."""
         return 3 if self.chat_ids is not None else 1
 
-    def split_of(self, req: Req) -> AgentSplit | None:
-        """The request's agent split (memoized per rid); None: not an agent request."""
-        if req.rid not in self._splits:
+    def _state(self, req: Req) -> _RequestState:
+        """The request's options and agent split, parsed once per rid. Never raises: requests
+        with bad ``kvcmas_*`` fields were answered 400 before reaching the scheduler, and any
+        that get here anyway are served without sharing."""
+        state = self._requests.get(req.rid)
+        if state is None:
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-            try:
-                self._splits[req.rid] = split_request(req.origin_input_ids, custom, self.chat_ids)
-            except ValueError as e:
-                logger.warning("sglang-kvcmas: request %s: %s; served without sharing", req.rid, e)
-                self._splits[req.rid] = None
-        return self._splits[req.rid]
+            options = RequestOptions.lenient(custom)
+            split = None
+            if options is None:
+                logger.warning("sglang-kvcmas: request %s: bad kvcmas_* fields; served without "
+                               "sharing", req.rid)
+            else:
+                try:
+                    split = split_request(req.origin_input_ids, options, self.chat_ids)
+                except ValueError as e:
+                    logger.warning("sglang-kvcmas: request %s: %s; served without sharing",
+                                   req.rid, e)
+            state = self._requests[req.rid] = _RequestState(options, split)
+        return state
+
+    def split_of(self, req: Req) -> AgentSplit | None:
+        """The request's agent split; None: not an agent request."""
+        return self._state(req).split
+
+    def options_of(self, req: Req) -> RequestOptions:
+        return self._state(req).options or RequestOptions()
 
     def radix_peek(self, req: Req, n: int) -> int:
         """How many of the request's first ``n`` tokens the radix tree holds: its own exact
@@ -290,8 +240,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if hasattr(self, "shared"):
             self.shared.reset()
             self.pending_owners.clear()
-            SPANS.reset()
-            PROBES.reset()
+            self._requests.clear()
 
     # ----- match -----
 
@@ -306,7 +255,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         key = params.key
         limit = min(len(key), split.shared_end)
         shared_tokens = key.token_ids[split.head_len : limit]
-        ns = _namespace(key.extra_key, key.cache_salt)
+        ns = namespace_of(key.extra_key, key.cache_salt)
         matched, node = self.shared.match(ns, shared_tokens, split=True)
         begin = base.device_prefix_len - split.head_len
         if node is None or matched <= begin:
@@ -314,66 +263,30 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
-        own_knobs = self._request_recompute(req)
-        pieces = self._pieces(handle)
-        foreign = sum(p.end - p.begin for p in pieces if p.foreign)
+        own_knobs = self.options_of(req).overrides
+        spans = borrowed_spans(handle)
+        foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
         handle = replace(handle, use_leaves=not own_knobs)
-        config = replace(self.recompute_config, **own_knobs)
-        recompute, keep = self._recompute_for(req, handle, config, pieces)
+        config = RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs \
+            else self.recompute_config
+        recompute, keep = self._recompute_for(req, handle, config, spans)
         handle = replace(handle, recompute=recompute, keep=keep)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
-    @staticmethod
-    def wants_exact(req: Req) -> bool:
-        """Whether the request asked to read no other agent's KV (``custom_params``)."""
-        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        return isinstance(custom, dict) and custom.get(EXACT_FIELD) is True
-
-    @staticmethod
-    def _request_recompute(req: Req) -> dict[str, float]:
-        """The request's own recompute knobs (``custom_params`` on ``/generate``:
-        ``kvcmas_boundary_tokens``, ``kvcmas_mass_fraction``, ``kvcmas_tail_tokens``) as
-        ``RecomputeConfig`` fields; bad values are ignored."""
-        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-        out: dict[str, float] = {}
-        if not isinstance(custom, dict):
-            return out
-        for key, field_name, kind in ((BOUNDARY_FIELD, "boundary_tokens", int),
-                                      (MASS_FIELD, "mass_fraction", float),
-                                      (TAIL_FIELD, "tail_tokens", int)):
-            if key not in custom:
-                continue
-            try:
-                out[field_name] = kind(custom[key])
-                replace(RecomputeConfig(), **{field_name: out[field_name]})  # validates
-            except (TypeError, ValueError):
-                out.pop(field_name, None)
-                logger.warning("sglang-kvcmas: request %s: bad %s=%r; deployment default used",
-                               req.rid, key, custom[key])
-        return out
+    def wants_exact(self, req: Req) -> bool:
+        """Whether the request asked to read no other agent's KV (``kvcmas_exact``)."""
+        return self.options_of(req).exact
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
-                       pieces: list[_Piece]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-        """Borrowed offsets this request recomputes under ``config`` (``policy/recompute.py``;
-        ``pieces = _pieces(handle)``), or none when the extend could be chunked or the request
-        asks for logprobs of prompt tokens whose computation order changes; and the subset it
-        keeps as delta leaves afterwards (None: all of them)."""
-        spans = [BorrowedSpan(p.begin, p.end, p.foreign) for p in pieces]
-        tokens = self._borrowed(handle)
-        exact = {t.offset for t in tokens if not t.foreign}
-        deviating = [t for t in tokens if t.foreign or t.from_leaf]
-
-        def select(cfg: RecomputeConfig) -> tuple[int, ...]:
-            budget = int(cfg.max_fraction * len(tokens))
-            picked = dict.fromkeys([*boundary_offsets(spans, cfg), *tail_offsets(spans, cfg)])
-            # boundary first, then tail, within the budget
-            offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))
-            return mass_offsets([t.offset for t in deviating], [t.mass for t in deviating],
-                                exact, offsets, len(tokens), cfg)
-
-        offsets = select(config)
+                       spans: list) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """Borrowed offsets this request recomputes under ``config`` (``spans =
+        borrowed_spans(handle)``), or none when the extend could be chunked or the request asks
+        for logprobs of prompt tokens whose computation order changes; and the subset it keeps as
+        leaves afterwards (None: all of them)."""
+        tokens = [t.token for t in borrowed_tokens(handle)]
+        offsets = select_recompute(spans, tokens, config)
         if not offsets:
             return (), None
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
@@ -384,7 +297,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return (), None
         if config.keeps_all:
             return offsets, None
-        return offsets, kept_offsets(offsets, select(config.for_leaves()))
+        return offsets, kept_offsets(offsets, select_recompute(spans, tokens,
+                                                               config.for_leaves()))
 
     @staticmethod
     def recomputes(req: Req) -> bool:
@@ -401,7 +315,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         moved = len(handle.recompute)
         if req.kv.cache_protected_len == req.prefix_len:
             req.kv.cache_protected_len += moved
-        req.last_node = replace(handle, recompute=(), keep=None)
+        req.last_node = handle.without_recompute()
         req.prefix_len += moved
         req.num_matched_prefix_tokens += moved
 
@@ -410,7 +324,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not isinstance(handle, SharedPrefixHandle):
             return super().prefix_device_indices(req)
         own = self.path_device_indices(handle.radix_node)[: handle.radix_len]
-        borrowed = torch.tensor([t.slot for t in self._borrowed(handle)], dtype=torch.int64)
+        borrowed = torch.tensor([t.slot for t in borrowed_tokens(handle)], dtype=torch.int64)
         out = torch.cat([own.to(torch.int64), borrowed.to(own.device)])
         return out[: req.prefix_len]
 
@@ -450,119 +364,33 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return
         split = self.split_of(req)
         handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
-        prompt = len(req.origin_input_ids)
-        correction = "none"
+        spans = probe = None
         if handle is not None:
-            tokens = self._borrowed(handle)
-            row, corrected = self._row_spans(req, handle, tokens)
-            SPANS.set(req.kv.req_pool_idx, row)
-            exact = req.prefix_len - corrected
-            correction = self._correction_label(handle, tokens)
+            tokens = borrowed_tokens(handle)
+            spans, repositioned = row_spans(req.rid, req.origin_input_ids, handle, tokens)
+            from_leaves = sum(t.token.from_leaf for t in tokens)
+            recomputed_borrowed = len(handle.recompute)
         else:
-            exact, corrected = req.prefix_len, 0
-        if getattr(req, "_kvcmas_accounted", False) is False:
-            reuse_accounting.attach(
-                req,
-                reuse_accounting.ReuseRecord(
-                    split.agent if split else None, prompt, exact, corrected,
-                    prompt - exact - corrected, correction,
-                ),
-            )
+            repositioned = from_leaves = recomputed_borrowed = 0
+        if not getattr(req, "_kvcmas_accounted", False):
+            prompt = len(req.origin_input_ids)
+            exact = req.prefix_len - repositioned
+            reuse_accounting.attach(req, reuse_accounting.ReuseRecord(
+                agent=split.agent if split else None, workflow=self.options_of(req).workflow,
+                prompt_tokens=prompt, reused_exact=exact, reused_corrected=0,
+                reused_repositioned=repositioned, recomputed=prompt - exact - repositioned,
+                recomputed_borrowed=recomputed_borrowed, exact_from_leaves=from_leaves,
+            ))
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
         if split is not None and covered < split.shared_end:
-            PROBES.set(req.kv.req_pool_idx, HeadMassProbe.for_row(
-                min(self.head_preamble, split.head_len), split.head_len, split.shared_end))
-            ns = _namespace(req.extra_key, req.cache_salt)
+            probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
+                                          split.head_len, split.shared_end)
+            ns = namespace_of(req.extra_key, req.cache_salt)
             shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
-
-    @staticmethod
-    def _correction_label(handle: SharedPrefixHandle, tokens: list[_Token]) -> str:
-        """How the request's borrowed tokens (``_borrowed(handle)``) were corrected, for its
-        reuse record."""
-        from_leaves = sum(t.from_leaf for t in tokens)
-        parts = [f"boundary_recompute:{len(handle.recompute)}"] if handle.recompute else []
-        if from_leaves:
-            parts.append(f"delta_leaf:{from_leaves}")
-        return "+".join(parts) or "none"
-
-    @staticmethod
-    def _pieces(handle: SharedPrefixHandle) -> list[_Piece]:
-        """The borrowed part of a handle's shared path as runs of one owner and one shift."""
-        out: list[_Piece] = []
-        head = handle.split.head_len
-        for piece in SharedTree.path(handle.shared_node):
-            lo = max(piece.offset, handle.shared_begin)
-            hi = piece.offset + len(piece.node)
-            if hi <= lo:
-                continue
-            shift = head + lo - (piece.node.owner_start + lo - piece.offset)
-            owner = piece.node.owner
-            if out and out[-1].end == lo and (out[-1].shift, out[-1].owner) == (shift, owner):
-                out[-1] = replace(out[-1], end=hi)
-            else:
-                foreign = owner != handle.split.agent or shift != 0
-                out.append(_Piece(lo, hi, shift, owner, foreign))
-        return out
-
-    @staticmethod
-    def _borrowed(handle: SharedPrefixHandle) -> list[_Token]:
-        """Every borrowed token in shared order, recomputed ones left out: the owner's slot read
-        re-positioned, or the reader agent's own exact slot where its delta leaf holds one."""
-        head, agent, skip = handle.split.head_len, handle.split.agent, set(handle.recompute)
-        use_leaves = handle.use_leaves
-        out: list[_Token] = []
-        for piece in SharedTree.path(handle.shared_node):
-            node = piece.node
-            lo = max(piece.offset, handle.shared_begin)
-            hi = piece.offset + len(node)
-            if hi <= lo:
-                continue
-            shift = head + piece.offset - node.owner_start
-            foreign = node.owner != agent or shift != 0
-            leaf = node.deltas.get(agent) if use_leaves else None
-            own = leaf.lookup() if leaf is not None and leaf.reader_start == (
-                head + piece.offset) else {}
-            slots, mass = node.slots.tolist(), node.mass().tolist()
-            for offset in range(lo, hi):
-                if offset in skip:
-                    continue
-                i = offset - piece.offset
-                if i in own:
-                    out.append(_Token(offset, own[i], 0, False, True, mass[i]))
-                else:
-                    out.append(_Token(offset, slots[i], shift, foreign, False, mass[i]))
-        return out
-
-    @staticmethod
-    def _row_spans(req: Req, handle: SharedPrefixHandle,
-                   tokens: list[_Token]) -> tuple[RowSpans, int]:
-        """The row's borrowed spans in row coordinates from ``tokens = _borrowed(handle)``
-        (recomputed tokens left out), the recomputed tokens with their true positions; and how
-        many borrowed tokens are read from another context (what the accounting calls corrected
-        reuse)."""
-        head = handle.split.head_len
-        spans: list[list[int]] = []  # [row start, length, shift]
-        positions = list(range(handle.radix_len))
-        foreign = 0
-        for tok in tokens:
-            row = len(positions)
-            positions.append(head + tok.offset)
-            foreign += tok.foreign
-            if spans and spans[-1][0] + spans[-1][1] == row and spans[-1][2] == tok.shift:
-                spans[-1][1] += 1
-            else:
-                spans.append([row, 1, tok.shift])
-        reads = tuple(SpanRead(SharedSpan(s, n, d)) for s, n, d in spans if d != 0)
-        if not handle.recompute:
-            return RowSpans(req.rid, reads), foreign
-        moved = tuple(head + o for o in handle.recompute)
-        recomputed = RecomputedTokens(
-            len(positions), tuple(int(req.origin_input_ids[p]) for p in moved), moved
-        )
-        positions.extend(moved)
-        return RowSpans(req.rid, reads, recomputed, torch.tensor(positions)), foreign
+        req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
+            else None
 
     # ----- checkpoint / release -----
 
@@ -592,7 +420,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return
         ids = req.full_untruncated_fill_ids
         tokens = ids[split.head_len : end]
-        ns = _namespace(req.extra_key, req.cache_salt)
+        ns = namespace_of(req.extra_key, req.cache_salt)
         known, _ = self.shared.match(ns, tokens, split=False)
         if known >= len(tokens):
             return
@@ -618,35 +446,19 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        slots = dict(zip(handle.recompute,
-                         row[handle.prefix_len : start].to(torch.int64).cpu().tolist()))
-        kept = (set() if not handle.use_leaves
-                else set(handle.recompute if handle.keep is None else handle.keep))
-        transient = [slots[o] for o in handle.recompute if o not in kept]
-        rejected = [torch.tensor(transient, dtype=torch.int64)] if transient else []
-        for piece in SharedTree.path(handle.shared_node) if kept else ():
-            mine = [o for o in handle.recompute
-                    if o in kept and piece.offset <= o < piece.offset + len(piece.node)]
-            if mine:
-                rejected.append(self.shared.add_overrides(
-                    piece.node, handle.split.agent, torch.tensor(mine) - piece.offset,
-                    torch.tensor([slots[o] for o in mine]), head + piece.offset,
-                    self.kv_bytes_per_token,
-                ))
-        left = torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+        slots = row[handle.prefix_len : start].to(torch.int64).cpu()
+        left = adopt_recomputed(self.shared, handle, slots, self.kv_bytes_per_token)
         if left.numel():
             req._kvcmas_release_slots = left
-        req.last_node = replace(handle, recompute=(), keep=None)
+        req.last_node = handle.without_recompute()
         req.kv.cache_protected_len = start
 
     @staticmethod
     def _recorded_mass(req: Req, start: int, end: int) -> torch.Tensor | None:
         """[end - start] head mass the backend recorded for the request's row indices
         ``start .. end - 1`` (rows after any recomputed ones: row index = position), or None."""
-        kv = getattr(req, "kv", None)
-        probe = PROBES.get(kv.req_pool_idx) if kv is not None and kv.req_pool_idx is not None \
-            else None
-        return None if probe is None else probe.mean(start, end)
+        row: BatchRow | None = getattr(req, "kvcmas_row", None)
+        return None if row is None or row.probe is None else row.probe.mean(start, end)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -685,14 +497,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        PROBES.clear(getattr(req.kv, "req_pool_idx", None))
         slots = getattr(req, "_kvcmas_release_slots", None)
         if slots is not None:
             self._free_slots(slots)
             req._kvcmas_release_slots = None
-        SPANS.clear(getattr(req.kv, "req_pool_idx", None))
+        req.kvcmas_row = None
         self.pending_owners.pop(req.rid, None)
-        self._splits.pop(req.rid, None)
+        self._requests.pop(req.rid, None)
 
     # ----- eviction and sizes -----
 
@@ -729,68 +540,3 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "delta_tokens": self.shared.delta_tokens(),
             "delta_bytes": self.shared.delta_nbytes(),
         }
-
-
-def chat_ids_for(tokenizer_path: str | None) -> ChatTemplateIds | None:
-    """ChatML delimiter ids of a tokenizer, or None when it has no ChatML tokens."""
-    if not tokenizer_path:
-        return None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    system = tok.encode("system", add_special_tokens=False)
-    if any(i is None or i == tok.unk_token_id for i in ids) or len(system) != 1:
-        return None
-    return ChatTemplateIds(ids[0], ids[1], system[0])
-
-
-def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache:
-    """Factory registered as radix cache backend ``kvcmas``: SGLang calls it once per scheduler.
-
-    Raises:
-        ValueError: for model or cache features the Python radix tree does not implement
-            (SGLang's default backend handles those, so the message says to drop
-            ``--radix-cache-backend``); with sharing on, for page size > 1 or an attention
-            backend that would read borrowed KV without re-positioning it.
-    """
-    share = envs.KVCMAS_SHARE_CONTEXT.get_bool()
-    unsupported = [
-        name
-        for name, on in (
-            ("hybrid sliding-window attention", ctx.is_hybrid_swa),
-            ("hybrid state-space (mamba) layers", ctx.is_hybrid_ssm),
-            ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
-            ("DSA sparse attention", ctx.is_dsa),
-        )
-        if on
-    ]
-    if unsupported:
-        raise ValueError(
-            f"--radix-cache-backend {KvcmasRadixCache.backend_name} does not support "
-            f"{', '.join(unsupported)} yet; run without --radix-cache-backend to use SGLang's "
-            "default tree cache."
-        )
-    args = getattr(ctx, "server_args", None)
-    if share:
-        if ctx.params.page_size != 1:
-            raise ValueError("--kvcmas-share-context needs --page-size 1")
-        backends = {getattr(args, f, None) for f in ("attention_backend",
-                                                     "prefill_attention_backend",
-                                                     "decode_attention_backend")} - {None}
-        if args is not None and backends != {DELTA_BACKEND_NAME}:
-            raise ValueError(
-                f"--kvcmas-share-context reads other agents' KV re-positioned, which only the "
-                f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
-            )
-    chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
-    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, share_context=share)
-    cls = type(cache)
-    logger.info(
-        "sglang-kvcmas: tree cache %s.%s in use (radix cache backend %r, page_size=%d, "
-        "disabled=%s, tp_rank=%d, share_context=%s, chatml=%s, boundary_recompute=%d)",
-        cls.__module__, cls.__qualname__, cls.backend_name, ctx.params.page_size,
-        ctx.disable_radix_cache, ctx.tp_rank, share, chat is not None,
-        cache.recompute_config.boundary_tokens,
-    )
-    return cache

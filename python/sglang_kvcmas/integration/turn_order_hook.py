@@ -13,8 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from sglang_kvcmas import envs
-from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnConfig, TurnLeader, plan_turns
+from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnLeader, plan_turns
 
 logger = logging.getLogger(__name__)
 
@@ -24,19 +23,12 @@ _held_since: dict[str, float] = {}
 """rid -> when the hook first held the request back. The wait bound counts from there, not from
 arrival: under load a request can queue for longer than the bound before its leader is even
 admitted, and a bound from arrival then released readers to recompute what their leader was
-computing (a full head-to-head at 12 concurrent workflows on 2 cores lost a third of its
-reuse that way)."""
-
-
-def turn_config() -> TurnConfig:
-    return TurnConfig(
-        policy=envs.KVCMAS_TURN_ORDER.get(),
-        min_gain=int(envs.KVCMAS_TURN_MIN_GAIN.get()),
-        max_wait_s=float(envs.KVCMAS_TURN_MAX_WAIT_S.get()),
-    )
+computing."""
 
 
 def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
+    from sglang_kvcmas.integration.shared_tree_cache import namespace_of
+
     out = []
     for req in waiting:
         split = cache.split_of(req)
@@ -45,7 +37,7 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
         exact = cache.radix_peek(req, split.shared_end)  # its own exact prefix
         if exact < split.head_len:
             continue  # its head is not cached: it cannot borrow anyway
-        ns = (req.extra_key, req.cache_salt or None)
+        ns = namespace_of(req.extra_key, req.cache_salt)
         shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
         available, _ = cache.shared.match(ns, shared, split=False)
         out.append(
@@ -63,9 +55,9 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     waiting = scheduler.waiting_queue
     if not isinstance(cache, KvcmasSharedTreeCache) or not cache.share_context or not waiting:
         return original(scheduler, *args, **kwargs)
-    config = turn_config()
     # Waiting pays only for tokens the request will then borrow (``policy.recompute.borrow_pays``).
-    config = replace(config, min_gain=max(config.min_gain, cache.recompute_config.min_borrowed))
+    config = replace(cache.turn_config,
+                     min_gain=max(cache.turn_config.min_gain, cache.recompute_config.min_borrowed))
     now = time.monotonic()
     live = {r.rid for r in waiting}
     for rid in [r for r in _held_since if r not in live]:

@@ -1,1 +1,1 @@
-"""Model resolution (embedded default, HF folders, GGUF) and a reference Llama forward."""
+"""Model resolution: the embedded default, HF folders, GGUF files."""

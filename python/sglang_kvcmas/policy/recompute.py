@@ -2,32 +2,37 @@
 
 A reader agent reads another agent's KV for the shared transcript re-positioned to its own
 positions. The serving path recomputes a few of those tokens in the reader's own context, in the
-same forward pass as the reader's new tokens (the lab's sparse exact-token correction), and reads
-the rest re-positioned. Two signals pick them, neither needing a reference prefill or a probe:
+same forward pass as the reader's new tokens, and reads the rest re-positioned. Two signals pick
+them, neither needing a reference prefill or a probe:
 
 - **boundary**: the first tokens of each borrowed span deviate most (they attended most to the
-  other agent's head; RESEARCH.md §7: deep-layer V deviation 0.29 on tokens 1–4 vs 0.06 after
-  256);
+  other agent's head);
 - **owner head mass**: a shared token's attention output is λ·o_head + (1 − λ)·o_rest, so
-  changing the head moves it in proportion to λ, its attention mass on the head (RESEARCH.md §2).
-  The owner's own pass records λ (``span_registry.HeadMassProbe``); the tokens with the largest
-  λ are recomputed (``benchmark/lab/owner_mass_study.py`` measures the selector against random
-  and the true-deviation oracle; inside the server, ``benchmark/serving/recompute_fidelity.py``,
-  scoring from each reader's first answer token: boundary 16 + the top 10% by mass recovers 0.59
-  of naive reuse's KL, + 20% 0.81, + 50% 0.88; ``recompute_fidelity_gaps.txt``).
+  changing the head moves it in proportion to λ, its attention mass on the head. The owner's own
+  pass records λ (``attention.spans.HeadMassProbe``); the tokens with the largest λ are
+  recomputed (``benchmark/lab/owner_mass_study.py`` measures the selector against random and the
+  true-deviation oracle; ``benchmark/serving/recompute_fidelity.py`` measures it in the server).
 
-Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_offsets``); in the
-server it recovers less KL per recomputed token than head mass (``recompute_fidelity_tail.txt``).
+Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_offsets``).
 
 A reader borrows only when enough foreign tokens are at stake (``borrow_pays``); fewer are
 computed exactly. Pure functions over plain values; the tree cache
-(``integration/shared_tree_cache.py``) applies them.
+(``integration/shared_tree_cache.py``) applies them through :func:`select_recompute`. The lab's
+counterpart, which selects against a reference prefill, is ``sglang_kvcmas_lab.correction.selection``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+
+from sglang_kvcmas.config import ServingConfig
+
+_DEFAULTS = ServingConfig()
+_KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute_mass_fraction",
+            "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
+            "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction"}
+"""``RecomputeConfig`` field -> the ``ServingConfig`` knob it comes from."""
 
 
 @dataclass(frozen=True)
@@ -39,15 +44,37 @@ class BorrowedSpan:
         end: shared-context offset one past its last token.
         foreign: whether the KV was computed in another context (another agent, or the same
             agent at other positions); only foreign spans deviate.
+        shift: reader position − owner position of every token of the span.
+        owner: agent id of the owner.
     """
 
     begin: int
     end: int
     foreign: bool
+    shift: int = 0
+    owner: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.begin < self.end:
             raise ValueError(f"bad borrowed span [{self.begin}, {self.end})")
+
+
+@dataclass(frozen=True)
+class BorrowedToken:
+    """One borrowed token as selection sees it.
+
+    Attributes:
+        offset: shared-context offset.
+        foreign: read from another context (deviates unless recomputed).
+        from_leaf: read from the reader agent's own exact leaf (exact; ranks by mass like a
+            foreign token, so the exact set stays the top share by mass).
+        mass: the owner's head mass of the token (0 where none was recorded).
+    """
+
+    offset: int
+    foreign: bool
+    from_leaf: bool = False
+    mass: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,12 +98,12 @@ class RecomputeConfig:
             the recomputed share grows (``kept_offsets``).
     """
 
-    boundary_tokens: int = 16
-    mass_fraction: float = 0.1
-    max_fraction: float = 0.5
-    min_borrowed: int = 128
-    tail_tokens: int = 0
-    leaf_mass_fraction: float | None = None
+    boundary_tokens: int = _DEFAULTS.recompute_boundary
+    mass_fraction: float = _DEFAULTS.recompute_mass_fraction
+    max_fraction: float = _DEFAULTS.recompute_max_fraction
+    min_borrowed: int = _DEFAULTS.min_borrowed
+    tail_tokens: int = _DEFAULTS.recompute_tail
+    leaf_mass_fraction: float | None = _DEFAULTS.leaf_mass_fraction
 
     def __post_init__(self) -> None:
         leaf = self.leaf_mass_fraction
@@ -84,6 +111,12 @@ class RecomputeConfig:
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
         ) or (leaf is not None and not 0.0 <= leaf <= 1.0):
             raise ValueError(f"bad recompute config {self}")
+
+    @classmethod
+    def from_serving(cls, config: ServingConfig, **overrides: float) -> RecomputeConfig:
+        """The deployment's recompute knobs, with a request's overrides (knob names)."""
+        values = {**{k: getattr(config, k) for k in _KNOB_OF.values()}, **overrides}
+        return cls(**{field: values[k] for field, k in _KNOB_OF.items()})
 
     @property
     def keeps_all(self) -> bool:
@@ -101,11 +134,8 @@ def borrow_pays(foreign_tokens: int, config: RecomputeConfig) -> bool:
     """Whether a reader should borrow ``foreign_tokens`` of other contexts' KV at all.
 
     Borrowing saves prefill in proportion to the tokens borrowed, but any borrowed span risks a
-    flipped greedy token. Below ``config.min_borrowed`` (default 128: under half a second of
-    prefill on one CPU core) the reader computes them exactly. In a 16-debate head-to-head, 5
-    of the 8 debates whose final answers differed first diverged in round 1, where readers
-    borrowed only the question (32-144 tokens for GSM8K); a debate round of three 64-token
-    answers (~220 tokens) is still borrowed.
+    flipped greedy token; below ``config.min_borrowed`` the reader computes them exactly (a
+    short borrowed question was where most diverging debates first diverged).
     """
     return foreign_tokens >= config.min_borrowed
 
@@ -204,3 +234,25 @@ def kept_offsets(recomputed: Sequence[int], leaf_selection: Sequence[int]) -> tu
     """
     keep = set(leaf_selection)
     return tuple(o for o in sorted(recomputed) if o in keep)
+
+
+def select_recompute(
+    spans: Sequence[BorrowedSpan], tokens: Sequence[BorrowedToken], config: RecomputeConfig,
+) -> tuple[int, ...]:
+    """Every offset a reader recomputes under ``config``: boundary first, then tail, within the
+    ``max_fraction`` budget, then the top of the mass ranking (:func:`mass_offsets`).
+
+    Args:
+        spans: the borrowed path as runs of one owner and shift.
+        tokens: every borrowed token in shared order, the ones already chosen for recompute
+            left in (they are ranked like the others).
+    Returns:
+        sorted, distinct offsets.
+    """
+    exact = {t.offset for t in tokens if not t.foreign}
+    deviating = [t for t in tokens if t.foreign or t.from_leaf]
+    budget = int(config.max_fraction * len(tokens))
+    picked = dict.fromkeys([*boundary_offsets(spans, config), *tail_offsets(spans, config)])
+    offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))
+    return mass_offsets([t.offset for t in deviating], [t.mass for t in deviating], exact,
+                        offsets, len(tokens), config)

@@ -14,6 +14,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from sglang_kvcmas.config import ServingConfig
+
+_DEFAULTS = ServingConfig()
+
 
 @dataclass(frozen=True)
 class TurnCandidate:
@@ -58,9 +62,14 @@ class TurnConfig:
         max_wait_s: a request held back this long in total is never held back again.
     """
 
-    policy: str = "leader"
-    min_gain: int = 32
-    max_wait_s: float = 60.0
+    policy: str = _DEFAULTS.turn_order
+    min_gain: int = _DEFAULTS.turn_min_gain
+    max_wait_s: float = _DEFAULTS.turn_max_wait_s
+
+    @classmethod
+    def from_serving(cls, config: ServingConfig) -> TurnConfig:
+        """The deployment's turn knobs."""
+        return cls(config.turn_order, config.turn_min_gain, config.turn_max_wait_s)
 
     def __post_init__(self) -> None:
         if self.policy not in ("leader", "fifo"):

@@ -13,19 +13,12 @@ import argparse
 import importlib.util
 from dataclasses import dataclass
 
-from sglang_kvcmas import envs
+from sglang_kvcmas.config import KNOBS, ConfigError, ServingConfig, resolve
 
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
 SHARED_ATTENTION_BACKEND = "kvcmas_delta"
 """The attention backend that reads borrowed KV re-positioned (needed with sharing on)."""
-DEFAULT_CPU_THREADS = 1
-"""OpenMP threads for the server on CPU when ``OMP_NUM_THREADS`` is unset.
-
-Measured on a shared 2-core machine (benchmark/serving/throughput.py, SmolLM2 fp32, 1000-token
-prefill / 64-token decode): 1 thread 277 / 12.6 tok/s, 2 threads 103 / 1.8 tok/s. Two OpenMP
-threads spin-wait on each other whenever another process holds a core, so one thread is the
-robust default; on dedicated cores pass ``--kvcmas-cpu-threads`` or set ``OMP_NUM_THREADS``.
-"""
+PROG = "sglang-kvcmas-server"
 
 
 @dataclass(frozen=True)
@@ -49,29 +42,32 @@ class LauncherOptions:
 
     Attributes:
         model: the ``--model-path`` value as given (None: the embedded model); resolved later.
-        stock_radix_cache: serve with SGLang's default tree cache instead of ``kvcmas``.
-        cpu_threads: OMP_NUM_THREADS for the server when the environment does not set it.
+        config: every ``--kvcmas-*`` knob, from flags, then environment, then defaults.
         sglang_argv: every other argument, passed to SGLang.
         device: ``--device`` as given by the user, or None (our default: cpu).
-        share_context: cross-agent sharing on (``--kvcmas-share-context``, or
-            ``KVCMAS_SHARE_CONTEXT=1`` in the environment).
-        turn_order: ``--kvcmas-turn-order`` (None: ``KVCMAS_TURN_ORDER``, default leader).
     """
 
     model: str | None
-    stock_radix_cache: bool
-    cpu_threads: int
+    config: ServingConfig
     sglang_argv: tuple[str, ...]
     device: str | None
-    share_context: bool = False
-    turn_order: str | None = None
+
+    @property
+    def stock_radix_cache(self) -> bool:
+        return self.config.stock_cache
+
+    @property
+    def share_context(self) -> bool:
+        return self.config.share_context
+
+    @property
+    def cpu_threads(self) -> int:
+        return self.config.cpu_threads
 
     def server_env(self) -> dict[str, str]:
-        """Environment the server processes read our serving options from."""
-        env = {envs.KVCMAS_SHARE_CONTEXT.name: "1" if self.share_context else "0"}
-        if self.turn_order:
-            env[envs.KVCMAS_TURN_ORDER.name] = self.turn_order
-        return env
+        """Environment the server processes read the parsed knobs from (every one, so a
+        scheduler never falls back to a default the launcher did not choose)."""
+        return self.config.to_env()
 
     @property
     def on_cpu(self) -> bool:
@@ -80,18 +76,28 @@ class LauncherOptions:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sglang-kvcmas-server",
+        prog=PROG,
         add_help=False,  # --help falls through to SGLang's full help
         allow_abbrev=False,  # never swallow an abbreviated SGLang flag
     )
     parser.add_argument("--model-path", "--model", dest="model", default=None)
-    parser.add_argument("--kvcmas-stock-cache", dest="stock_radix_cache", action="store_true")
-    parser.add_argument("--kvcmas-cpu-threads", dest="cpu_threads", type=int,
-                        default=DEFAULT_CPU_THREADS)
-    parser.add_argument("--kvcmas-share-context", dest="share_context", action="store_true")
-    parser.add_argument("--kvcmas-turn-order", dest="turn_order", choices=("leader", "fifo"),
-                        default=None)
+    for k in KNOBS:
+        if k.kind is bool:
+            parser.add_argument(k.flag, dest=k.name, action="store_true",
+                                default=argparse.SUPPRESS)
+        else:
+            parser.add_argument(k.flag, dest=k.name, default=argparse.SUPPRESS)
     return parser
+
+
+def knobs_help() -> str:
+    """One line per ``--kvcmas-*`` flag: flag, environment variable, request field, default."""
+    lines = []
+    for k in KNOBS:
+        field = f", custom_params.{k.request_field}" if k.per_request else ""
+        lines.append(f"  {k.flag} ({k.env}{field}; default {k.to_text(k.default) or 'unset'}): "
+                     f"{k.help}")
+    return "\n".join(lines)
 
 
 def _device_of(argv: list[str]) -> str | None:
@@ -102,41 +108,38 @@ def _device_of(argv: list[str]) -> str | None:
 
 
 def parse_launcher_args(argv: list[str]) -> LauncherOptions:
-    """Split ``argv`` into our options and SGLang's.
+    """Split ``argv`` into our options and SGLang's; every knob parsed and checked once.
 
     Raises:
-        SystemExit: (argparse) for a malformed value of one of our own flags.
+        SystemExit: for a bad value of one of our flags or ``KVCMAS_*`` variables (the message
+            names it), or flags that contradict each other.
     """
     known, rest = _parser().parse_known_args(argv)
-    if known.cpu_threads < 1:
-        raise SystemExit("sglang-kvcmas-server: error: --kvcmas-cpu-threads must be >= 1")
-    share = known.share_context or envs.KVCMAS_SHARE_CONTEXT.get_bool()
-    if share and known.stock_radix_cache:
-        raise SystemExit("sglang-kvcmas-server: error: --kvcmas-share-context needs our tree "
-                         "cache; drop --kvcmas-stock-cache")
-    return LauncherOptions(
-        model=known.model,
-        stock_radix_cache=known.stock_radix_cache,
-        cpu_threads=known.cpu_threads,
-        sglang_argv=tuple(rest),
-        device=_device_of(rest),
-        share_context=share,
-        turn_order=known.turn_order,
-    )
+    flags = vars(known)
+    model = flags.pop("model")
+    try:
+        config = resolve(flags)
+    except ConfigError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
+    if config.share_context and config.stock_cache:
+        raise SystemExit(f"{PROG}: error: --kvcmas-share-context needs our tree cache; drop "
+                         "--kvcmas-stock-cache")
+    return LauncherOptions(model=model, config=config, sglang_argv=tuple(rest),
+                           device=_device_of(rest))
 
 
 def default_flags(options: LauncherOptions) -> tuple[DefaultFlag, ...]:
     """Our defaults for SGLang's options, for this launch."""
     flags = [
         DefaultFlag("device", ("--device", "cpu"), cpu_only=True),
-        # fp16 (SGLang's CPU default cast) decodes ~10x slower than fp32 on these CPUs.
+        # fp16 (SGLang's CPU default cast) decodes far slower than fp32 on CPUs.
         DefaultFlag("dtype", ("--dtype", "float32"), cpu_only=True),
         # Sharing needs the backend that re-positions borrowed KV (it wraps torch_native).
         DefaultFlag("attention_backend", ("--attention-backend", SHARED_ATTENTION_BACKEND))
         if options.share_context
         else DefaultFlag("attention_backend", ("--attention-backend", "torch_native"),
                          cpu_only=True),
-        # Without a bound SGLang sizes the KV pool from host RAM (15 GB seen).
+        # Without a bound SGLang sizes the KV pool from host RAM.
         DefaultFlag("max_total_tokens", ("--max-total-tokens", "16384"), cpu_only=True),
         DefaultFlag("mem_fraction_static", ("--mem-fraction-static", "0.1"), cpu_only=True),
         DefaultFlag("enable_cache_report", ("--enable-cache-report",)),

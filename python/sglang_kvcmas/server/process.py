@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,8 @@ class ServerProcess:
         env: extra environment variables for the server.
         boot_timeout_s: how long :meth:`start` waits for ``/health``.
         module: the launcher module run with ``python -m``.
+        on_wait: called about every 10 s while booting with the seconds waited and the log's
+            last line (progress output), or None.
     """
 
     args: list[str] = field(default_factory=list)
@@ -64,6 +67,7 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     boot_timeout_s: float = 300.0
     module: str = "sglang_kvcmas.launch_server"
+    on_wait: Callable[[float, str], None] | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -92,8 +96,12 @@ class ServerProcess:
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self._environment(), start_new_session=True,
             )
-        deadline = time.monotonic() + self.boot_timeout_s
+        start = time.monotonic()
+        deadline, next_note = start + self.boot_timeout_s, start + 10.0
         while time.monotonic() < deadline:
+            if self.on_wait is not None and time.monotonic() >= next_note:
+                next_note += 10.0
+                self.on_wait(time.monotonic() - start, log_tail(self.log_path, 1)[:100])
             if self.proc.poll() is not None:
                 raise ServerStartError(
                     f"server exited with status {self.proc.returncode} while booting; "

@@ -1,0 +1,142 @@
+"""Behaviour check: per-turn reuse accounting and greedy outputs of one server, replayed exactly.
+
+Runs the quick head-to-head's workflows (4 three-agent GSM8K debates + 2 reviewer chains) against
+one sharing server, **one turn at a time** (workflow after workflow, agent after agent), so no
+turn's result depends on timing: the same code gives the same record, turn by turn. Each turn
+keeps its prompt length, how the prompt was served (tokens reused exactly, borrowed from another
+agent, recomputed; the correction label) and its greedy output token ids.
+
+    python benchmark/serving/behaviour_check.py --out A.json          # record
+    python benchmark/serving/behaviour_check.py --compare A.json B.json   # identical turn by turn?
+
+``--compare`` exits 1 on the first difference and prints every differing turn. Run it before and
+after a change that must not change behaviour (a refactor): both records must match exactly.
+Accounting fields are read under their current and earlier names (``reuse_records.py``;
+``borrowed`` = every token read from another context, re-positioned or corrected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving.reuse_records import normalized, of_meta  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def generate(url: str, ids: list[int], max_new: int) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def record(url: str, max_new: int, n_debates: int, n_chains: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    items = gsm8k()
+    flows = [debate(i, items[i].question) for i in range(n_debates)]
+    flows += [reviewer_chain(100 + i, items[50 + i].question) for i in range(n_chains)]
+    turns = []
+    for flow in flows:
+        for step, agents in enumerate(flow.steps):
+            texts = {}
+            for agent in agents:
+                ids = tok.apply_chat_template(flow.messages(step, agent),
+                                              add_generation_prompt=True, tokenize=True)
+                ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+                out = generate(url, ids, max_new)
+                texts[agent] = out["text"]
+                turns.append({"kind": flow.kind, "wid": flow.wid, "step": step, "agent": agent,
+                              "prompt_tokens": len(ids), "output_ids": out.get("output_ids"),
+                              **of_meta(out["meta_info"])})
+                print(f"[behaviour] {flow.kind} {flow.wid} step {step} {agent}: "
+                      f"{len(ids)} prompt tokens, {turns[-1].get('borrowed', 0)} borrowed, "
+                      f"{turns[-1].get('recomputed', 0)} recomputed", flush=True)
+            flow.record(step, texts)
+    return turns
+
+
+def _normalized(turn: dict) -> dict:
+    """A recorded turn under the current schema (records made before the accounting rename
+    kept the server's ``correction`` label)."""
+    if "correction" not in turn:
+        return turn
+    out = {k: v for k, v in turn.items() if k != "correction"}
+    out.update(normalized({"reused_exact": turn["exact"], "reused_corrected": turn["borrowed"],
+                           "recomputed": turn["recomputed"], "correction": turn["correction"]}))
+    return out
+
+
+def compare(a_path: Path, b_path: Path) -> int:
+    a, b = (json.loads(p.read_text()) for p in (a_path, b_path))
+    ta, tb = [_normalized(t) for t in a["turns"]], [_normalized(t) for t in b["turns"]]
+    bad = 0
+    if len(ta) != len(tb):
+        print(f"different turn counts: {len(ta)} vs {len(tb)}")
+        bad += 1
+    for x, y in zip(ta, tb):
+        if x != y:
+            bad += 1
+            diff = {k: (x.get(k), y.get(k)) for k in sorted(set(x) | set(y))
+                    if x.get(k) != y.get(k)}
+            print(f"turn {x['kind']} {x['wid']} step {x['step']} {x['agent']} differs: "
+                  + ", ".join(f"{k}: {u!r} vs {v!r}" for k, (u, v) in diff.items()
+                              if k != "output_ids")
+                  + (" (output ids differ)" if "output_ids" in diff else ""))
+    borrowed = sum(t.get("borrowed", 0) for t in ta)
+    recomputed = sum(t.get("recomputed", 0) for t in ta)
+    print(f"BEHAVIOUR turns={len(ta)} differing={bad} borrowed_tokens={borrowed} "
+          f"recomputed_tokens={recomputed} ({a.get('commit')} vs {b.get('commit')})")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=RESULTS / "behaviour_check.json")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"))
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--debates", type=int, default=4)
+    ap.add_argument("--chains", type=int, default=2)
+    ap.add_argument("--min-borrowed", type=int, default=64,
+                    help="KVCMAS_MIN_BORROWED for the server (lower than the default so that "
+                         "short answers still borrow)")
+    args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    env = {"KVCMAS_MIN_BORROWED": str(args.min_borrowed)}
+    with ArmServer("kvcmas", args.out.with_suffix(".log"), env=env) as server:
+        print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        turns = record(server.url, args.max_new_tokens, args.debates, args.chains)
+    args.out.write_text(json.dumps({
+        "commit": commit, "machine": platform.node(), "max_new_tokens": args.max_new_tokens,
+        "min_borrowed": args.min_borrowed, "seconds": round(time.perf_counter() - t0, 1),
+        "turns": turns}, indent=1))
+    print(f"[behaviour] {len(turns)} turns in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

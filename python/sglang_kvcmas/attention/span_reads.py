@@ -1,0 +1,79 @@
+"""Tensor work of the serving read path: borrowed spans re-positioned, head mass measured.
+
+The attention backend (``integration/delta_attention_backend.py``) gathers a row's keys and
+values from the pool and calls these; they know nothing of SGLang.
+
+- :func:`transform_spans` re-positions the keys of each borrowed span by its shift
+  (``R(δ)·k``: the pool holds keys rotated at the owner's positions; values need nothing). It is
+  the reference of decode's query rotation (``shifted_query.py``).
+- :func:`head_mass` is the softmax mass each query puts on the agent head's key rows, which the
+  owner's pass records for ``policy/recompute.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
+from sglang_kvcmas.attention.spans import RowSpans
+
+PROBE_BLOCK = 256
+"""Query rows scored at once by :func:`head_mass` (bounds its [H, block, n_kv] scores)."""
+
+
+def transform_spans(
+    k: torch.Tensor,
+    row: RowSpans,
+    inv_freq: torch.Tensor,
+    cos_sin_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """Re-position one row's borrowed keys by their spans' shifts, in place.
+
+    Args:
+        k: [seq_len, H_kv, d] keys gathered from the pool in row order (a copy, not the pool)
+        row: the row's borrowed spans; positions are row indices
+        inv_freq: [d // 2] float32 RoPE frequencies
+        cos_sin_cache: optional memo ``shift -> (cos, sin)``, each [d // 2] on ``k``'s device
+    Returns:
+        k, the same tensor.
+    """
+    for span in row.reads:
+        if span.start >= k.shape[0] or not span.shift:
+            continue
+        sl = slice(span.start, min(span.end, k.shape[0]))
+        cs = None if cos_sin_cache is None else cos_sin_cache.get(span.shift)
+        if cs is None:
+            cos, sin = rope_cos_sin(torch.tensor([span.shift]), inv_freq)
+            cs = (cos[0].to(k.device), sin[0].to(k.device))
+            if cos_sin_cache is not None:
+                cos_sin_cache[span.shift] = cs
+        k[sl] = rotate_halves(k[sl].to(torch.float32), *cs).to(k.dtype)
+    return k
+
+
+def head_mass(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+    head_from: int, head_to: int,
+) -> torch.Tensor:
+    """Softmax mass each query puts on key rows ``[head_from, head_to)``, mean over heads.
+
+    Args:
+        q: [H, n_q, d] queries (RoPE applied).
+        k: [H_kv, n_kv, d] keys as attention reads them.
+        q_pos: [n_q] true positions of the queries; k_pos: [n_kv] of the keys (causal by
+            position: a query sees keys at positions <= its own).
+        scale: softmax scale.
+    Returns:
+        [n_q] float32.
+    """
+    kk = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    out = []
+    for lo in range(0, q.shape[1], PROBE_BLOCK):
+        qb = q[:, lo : lo + PROBE_BLOCK].float()
+        scores = (qb @ kk.transpose(1, 2)) * scale  # [H, b, n_kv]
+        hidden = k_pos[None, None, :] > q_pos[None, lo : lo + PROBE_BLOCK, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        total = torch.logsumexp(scores, dim=-1)
+        head = torch.logsumexp(scores[..., head_from:head_to], dim=-1)
+        out.append(torch.exp(head - total).mean(0))
+    return torch.cat(out) if out else q.new_zeros(0, dtype=torch.float32)

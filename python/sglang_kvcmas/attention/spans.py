@@ -1,0 +1,164 @@
+"""The span type of the read path and the per-row metadata the tree cache hands the backend.
+
+A reader's KV row (``req_to_token[req_pool_idx]``) mixes its own KV with KV borrowed from another
+agent's context. The tree cache decides, when the row is allocated, which ranges are borrowed and
+by how much each must be re-positioned (:class:`RowSpans`), which borrowed tokens the reader
+recomputes (:class:`RecomputedTokens`), and whether the row's new shared tokens record their
+attention mass on the agent head (:class:`HeadMassProbe`). It keeps them on the request; every
+forward carries them with its batch (:class:`BatchRow`, one per row, in batch order), so a later
+or overlapped batch never reads another batch's rows.
+
+Pure values and one small accumulator; no SGLang import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SharedSpan:
+    """A range of a request's KV tokens owned by another agent.
+
+    Attributes:
+        start: request-local index of the span's first token (= its reader position).
+        length: number of tokens.
+        shift: δ = reader position − owner position, the same for every token of the span.
+    """
+
+    start: int
+    length: int
+    shift: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length <= 0:
+            raise ValueError(f"bad span start={self.start} length={self.length}")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+
+@dataclass(frozen=True)
+class RecomputedTokens:
+    """Borrowed shared tokens the reader recomputes, moved to the front of its extend.
+
+    SGLang extends a row from ``prefix_len`` on, in token order. A reader that recomputes some
+    shared tokens exactly (``policy/recompute.py``) leaves them out of its prefix; the tree cache
+    shortens the prefix by as many tokens, and the backend puts these tokens, at their true
+    positions, into the first extend slots (whose ids SGLang filled from the prompt's tail)::
+
+        row index   0 ....... prefix_len ........ prefix_len + n ........... seq_len
+                    | own + borrowed | recomputed | suffix (row index = position) |
+
+    Attributes:
+        row_start: row index of the first recomputed token (the row's prefix length).
+        token_ids: the recomputed tokens' ids, in position order.
+        positions: their true positions in the reader's sequence.
+    """
+
+    row_start: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.positions) or not self.token_ids:
+            raise ValueError("recomputed tokens need one position each, and at least one token")
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Every shared span of one request row, sorted and disjoint.
+
+    Attributes:
+        rid: request id.
+        reads: the borrowed spans read re-positioned (shift != 0), in row coordinates.
+        recomputed: borrowed tokens recomputed in this request's extend, or None.
+        positions: [row_start + len(recomputed)] int64 true position of each row index up to the
+            end of the recomputed tokens (rows after them sit at their own index); None when
+            every row index is its position.
+    """
+
+    rid: str
+    reads: tuple[SharedSpan, ...]
+    recomputed: RecomputedTokens | None = None
+    positions: torch.Tensor | None = None
+
+    @property
+    def reads_transformed(self) -> bool:
+        """Whether any borrowed span is read re-positioned (what decode must do)."""
+        return any(r.shift != 0 for r in self.reads)
+
+    @property
+    def needs_transform(self) -> bool:
+        """Whether extend must differ from plain attention (spans, or a position mask)."""
+        return self.positions is not None or self.reads_transformed
+
+    def positions_upto(self, n: int) -> torch.Tensor:
+        """[n] int64 true positions of row indices ``0 .. n-1``."""
+        if self.positions is None:
+            return torch.arange(n)
+        have = self.positions.shape[0]
+        if n <= have:
+            return self.positions[:n]
+        return torch.cat([self.positions, torch.arange(have, n)])
+
+
+@dataclass
+class HeadMassProbe:
+    """Records, for a row's extended tokens, their attention mass on the row's agent head.
+
+    The attention backend adds, at each probe layer, the mass every extended token puts on key
+    rows ``[head_from, head_to)`` (softmax mass, mean over query heads); the tree cache reads the
+    mean when it registers the tokens as shared (``policy/recompute.py`` uses it to choose what a
+    reader recomputes).
+
+    Attributes:
+        head_from: first head row that can differ across agents (the shared chat preamble and
+            the attention sink before it do not).
+        head_to: one past the last head row.
+        sums: [row_len] float32 summed mass per row index (rows never extended stay 0).
+        counts: [row_len] float32 probe layers summed per row index.
+    """
+
+    head_from: int
+    head_to: int
+    sums: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def for_row(cls, head_from: int, head_to: int, row_len: int) -> HeadMassProbe:
+        return cls(head_from, head_to, torch.zeros(row_len), torch.zeros(row_len))
+
+    def add(self, start: int, mass: torch.Tensor) -> None:
+        """mass: [n] float for row indices ``start .. start + n - 1``."""
+        end = min(start + mass.shape[0], self.sums.shape[0])
+        if end <= start:
+            return  # rows past the shared context (suffix, a resumed request): nothing to keep
+        self.sums[start:end] += mass[: end - start].float().cpu()
+        self.counts[start:end] += 1
+
+    def mean(self, start: int, end: int) -> torch.Tensor:
+        """[end - start] mean mass of row indices ``start .. end - 1`` (0 where unprobed)."""
+        out = torch.zeros(max(0, end - start))
+        lo, hi = max(start, 0), min(end, self.sums.shape[0])
+        if hi > lo:
+            out[lo - start : hi - start] = self.sums[lo:hi] / self.counts[lo:hi].clamp(min=1)
+        return out
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """What the attention backend does differently for one row of one forward batch.
+
+    Attributes:
+        spans: the row's borrowed spans and recomputed tokens, or None (plain attention).
+        probe: where the row's extend records head mass, or None.
+    """
+
+    spans: RowSpans | None = None
+    probe: HeadMassProbe | None = None
+

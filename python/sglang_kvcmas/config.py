@@ -1,0 +1,265 @@
+"""Every serving knob, defined once: its type, default and help, and from them its names.
+
+Each field of :class:`ServingConfig` is one knob. From its name come
+
+- the launcher flag ``--kvcmas-<name>`` (``-`` for ``_``; a ``bool`` is a switch),
+- the environment variable ``KVCMAS_<NAME>``, through which the launcher hands the parsed value
+  to every SGLang process it starts (a user may also set it; the flag wins),
+- for the knobs marked ``per_request``, the request field ``custom_params.kvcmas_<name>``.
+
+The launcher parses flags and environment once (:func:`resolve`), validates them and fails at
+startup on a bad value; each scheduler reads the environment once when it builds its tree cache
+(:meth:`ServingConfig.from_env`). Nothing reads a knob per scheduler step. Request fields are
+parsed by ``policy/request_options.py`` with the same :class:`Knob` rules.
+
+Pure Python: no SGLang or torch import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A knob's value is missing its type or range; the message names the knob as given."""
+
+
+def _knob(default: Any, help: str, *, kind: type, per_request: bool = False,
+          choices: tuple[str, ...] = (), low: float | None = None, high: float | None = None,
+          optional: bool = False, launcher_only: bool = False) -> Any:
+    return field(default=default, metadata={
+        "help": help, "kind": kind, "per_request": per_request, "choices": choices, "low": low,
+        "high": high, "optional": optional, "launcher_only": launcher_only,
+    })
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob as the launcher, the environment and requests see it.
+
+    Attributes:
+        name: the ``ServingConfig`` field.
+        kind: ``bool``, ``int``, ``float`` or ``str``.
+        default: its default (None only when ``optional``).
+        help: one or two sentences for ``--help`` and the README.
+        per_request: a request may set it in ``custom_params``.
+        choices: allowed values of a ``str`` knob (empty: any).
+        low, high: inclusive bounds of a number (None: unbounded).
+        optional: None is a value (given as an empty string in the environment).
+        launcher_only: read by the launcher, never by a scheduler.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    per_request: bool = False
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    optional: bool = False
+    launcher_only: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--kvcmas-" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "KVCMAS_" + self.name.upper()
+
+    @property
+    def request_field(self) -> str | None:
+        return f"kvcmas_{self.name}" if self.per_request else None
+
+    def parse(self, value: Any, where: str) -> Any:
+        """A JSON value (a request field), checked strictly: no bool for a number, no float
+        for an int, no NaN, nothing out of range.
+
+        Raises:
+            ConfigError: naming ``where``.
+        """
+        if value is None:
+            if self.optional:
+                return None
+            raise ConfigError(f"{where} must be {self._expects()}, got null")
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                value = float(value)
+                ok = math.isfinite(value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"{where} must be {self._expects()}, got {_show(value)}")
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{where} must be one of {', '.join(self.choices)}, got "
+                              f"{_show(value)}")
+        if (self.low is not None and value < self.low) or (
+                self.high is not None and value > self.high):
+            raise ConfigError(f"{where} must be {self._expects()}, got {_show(value)}")
+        return value
+
+    def parse_text(self, text: str, where: str) -> Any:
+        """A string from the environment or a flag.
+
+        Raises:
+            ConfigError: naming ``where``.
+        """
+        text = text.strip()
+        if self.optional and not text:
+            return None
+        if self.kind is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ConfigError(f"{where} must be a boolean (1/0, true/false), got {text!r}")
+        if self.kind in (int, float):
+            try:
+                value: Any = self.kind(text)
+            except ValueError:
+                raise ConfigError(f"{where} must be {self._expects()}, got {text!r}") from None
+            return self.parse(value, where)
+        return self.parse(text, where)
+
+    def to_text(self, value: Any) -> str:
+        if value is None:
+            return ""
+        if self.kind is bool:
+            return "1" if value else "0"
+        return str(value)
+
+    def _expects(self) -> str:
+        kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[
+            self.kind]
+        if self.low is not None and self.high is not None:
+            kind += f" in [{self.low:g}, {self.high:g}]"
+        elif self.low is not None:
+            kind += f" >= {self.low:g}"
+        return kind + (" or null" if self.optional else "")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The serving knobs of one deployment (see the module docstring for how each is set)."""
+
+    share_context: bool = _knob(
+        False, "Let agents read each other's KV for their common transcript (one copy of it); "
+        "off: the kvcmas tree cache behaves exactly like SGLang's RadixCache.", kind=bool)
+    stock_cache: bool = _knob(
+        False, "Serve with SGLang's default tree cache instead of ours (the baseline).",
+        kind=bool, launcher_only=True)
+    cpu_threads: int = _knob(
+        1, "OpenMP threads for the server on CPU when OMP_NUM_THREADS is unset (one is robust "
+        "on a shared machine: two spin-wait on each other when another process holds a core).",
+        kind=int, low=1, launcher_only=True)
+    turn_order: str = _knob(
+        "leader", "When several agents' requests over one new transcript segment wait "
+        "together: 'leader' (one computes it, the others wait and reuse it) or 'fifo' "
+        "(nobody waits).", kind=str, choices=("leader", "fifo"))
+    turn_max_wait_s: float = _knob(
+        60.0, "Longest a request is held back, counted from when it is first held, waiting "
+        "for another agent to compute its segment (a safety bound).", kind=float, low=0)
+    turn_min_gain: int = _knob(
+        32, "Fewest shared tokens a waiting request must gain from a leader for it to wait "
+        "(at least min_borrowed).", kind=int, low=1)
+    min_borrowed: int = _knob(
+        128, "Fewest tokens of other agents' KV a reader borrows; below this it computes them "
+        "exactly (they save little and risk a flipped token).", kind=int, low=0)
+    cache_agent_outputs: bool = _knob(
+        False, "Keep an agent request's generated tokens in the tree cache after it finishes "
+        "(off: only its prompt; outputs re-enter through the shared transcript).", kind=bool)
+    recompute_boundary: int = _knob(
+        16, "A reader recomputes the first N tokens of every span it borrows, in its own "
+        "context and in the same forward pass (0: naive reuse).", kind=int, low=0,
+        per_request=True)
+    recompute_mass_fraction: float = _knob(
+        0.1, "A reader also recomputes this share of its borrowed tokens: those with the "
+        "largest attention mass on their owner's head (recorded in the owner's pass).",
+        kind=float, low=0, high=1, per_request=True)
+    recompute_max_fraction: float = _knob(
+        0.5, "Cap on the share of a reader's borrowed tokens that it recomputes.", kind=float,
+        low=0, high=1)
+    recompute_tail: int = _knob(
+        0, "A reader recomputes the last N foreign borrowed tokens before its own suffix.",
+        kind=int, low=0, per_request=True)
+    leaf_mass_fraction: float | None = _knob(
+        None, "Share of its borrowed tokens, by owner head mass, that a reader keeps as exact "
+        "leaves after recomputing them (unset: all it recomputes); the rest is recomputed "
+        "every turn, so leaf memory stays bounded.", kind=float, low=0, high=1, optional=True)
+
+    def __post_init__(self) -> None:
+        for knob in KNOBS if "KNOBS" in globals() else ():
+            knob.parse(getattr(self, knob.name), knob.name)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServingConfig:
+        """The knobs set in the environment (``KVCMAS_<NAME>``), defaults elsewhere.
+
+        Raises:
+            ConfigError: naming the variable.
+        """
+        environ = os.environ if environ is None else environ
+        values = {k.name: k.parse_text(environ[k.env], k.env) for k in KNOBS if k.env in environ}
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """Every scheduler-side knob as environment variables (what the launcher exports)."""
+        return {k.env: k.to_text(getattr(self, k.name)) for k in KNOBS if not k.launcher_only}
+
+    def with_values(self, **values: Any) -> ServingConfig:
+        return replace(self, **values)
+
+
+KNOBS: tuple[Knob, ...] = tuple(
+    Knob(f.name, f.metadata["kind"], f.default if f.default is not MISSING else None,
+         f.metadata["help"], f.metadata["per_request"], f.metadata["choices"], f.metadata["low"],
+         f.metadata["high"], f.metadata["optional"], f.metadata["launcher_only"])
+    for f in fields(ServingConfig)
+)
+"""Every serving knob, in declaration order."""
+
+BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_request}
+"""``custom_params`` field -> knob, for the knobs a request may set."""
+
+
+def knob(name: str) -> Knob:
+    for k in KNOBS:
+        if k.name == name:
+            return k
+    raise KeyError(name)
+
+
+def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServingConfig:
+    """The deployment's config: a flag given on the command line wins over its environment
+    variable, which wins over the default.
+
+    Args:
+        flags: knob name -> value the command line gave (a string, or True for a switch);
+            knobs not given are absent.
+    Raises:
+        ConfigError: naming the flag or variable.
+    """
+    base = ServingConfig.from_env(environ)
+    values = {}
+    for k in KNOBS:
+        if k.name in flags:
+            given = flags[k.name]
+            values[k.name] = given if isinstance(given, bool) and k.kind is bool else \
+                k.parse_text(str(given), k.flag)
+    return replace(base, **values)

@@ -1,0 +1,162 @@
+"""The same multi-agent workflow on SGLang's radix cache and on sglang-kvcmas, side by side.
+
+Boots the same server binary twice, one at a time so they never compete for cores: first with
+SGLang's own tree cache (``--kvcmas-stock-cache``, the baseline a user would otherwise run), then
+with cross-agent sharing on (``--kvcmas-share-context``). Against each it runs the 3-agent GSM8K
+debate of :mod:`sglang_kvcmas.examples.debate` (an SGLang frontend program), then prints one row
+per turn and a summary::
+
+    turn agent   prompt | radix: cached prefill ttft | kvcmas: exact corr repos recomp ttft | same
+    ...
+    SUMMARY prefill_tokens radix=.. kvcmas=.. (saved ..%) ttft_ratio=..x kv_held radix=..
+            kvcmas=.. same_answers=k/n
+
+``exact``: prompt tokens read from KV computed in the agent's own context; ``corr``: read from
+another agent's KV with a correction (none is served yet); ``repos``: read from another agent's
+KV re-positioned, uncorrected; ``recomp``: prefilled. ``kv held``: pool slots the server holds
+after the workflow (in use + cached), from its ``/metrics``.
+
+    python -m sglang_kvcmas.examples.side_by_side [--rounds 3] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sglang_kvcmas.examples.debate import CHAT_TEMPLATE, DebateRun, Turn, run_debate
+
+ARMS = (("radix", ["--kvcmas-stock-cache"]), ("kvcmas", ["--kvcmas-share-context"]))
+"""(name, launcher flags): SGLang's own tree cache, then ours with sharing on."""
+
+
+def say(text: str) -> None:
+    print(f"[side-by-side] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """One arm's run: its turns, the KV pool slots it held afterwards, its wall time."""
+
+    arm: str
+    turns: list[Turn]
+    kv_held: int | None
+    wall_s: float
+
+
+def kv_held(url: str) -> int | None:
+    """Pool slots the server holds (requests' KV + its tree cache), from ``/metrics``."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    total, seen = 0.0, 0
+    for line in text.splitlines():
+        for name in ("sglang:kv_used_tokens", "sglang:kv_evictable_tokens"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+                seen += 1
+    return int(total) if seen else None
+
+
+def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> ArmResult:
+    import sglang as sgl
+
+    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas.server.process import ServerProcess
+
+    item = gsm8k()[args.question_index]
+    log = log_dir / f"{arm}.log"
+    server = ServerProcess(
+        args=[*flags, *args.server_args], log_path=log, boot_timeout_s=args.boot_timeout,
+        on_wait=lambda s, line: say(f"{arm}: waiting for the server ({s:.0f} s): {line}"))
+    say(f"{arm}: starting the server ({' '.join(flags)}; log {log})")
+    t0 = time.perf_counter()
+    with server:
+        say(f"{arm}: healthy after {time.perf_counter() - t0:.0f} s; running the debate")
+        backend = sgl.RuntimeEndpoint(server.url, chat_template_name=CHAT_TEMPLATE)
+        start = time.perf_counter()
+
+        def progress(turn: Turn) -> None:
+            say(f"{arm}: round {turn.round} {turn.agent}: {turn.prompt_tokens} prompt tokens, "
+                f"first token after {turn.ttft_client_s:.2f} s")
+
+        run: DebateRun = run_debate(backend, item.question, item.final, rounds=args.rounds,
+                                    max_new_tokens=args.max_new_tokens, on_turn=progress)
+        wall = time.perf_counter() - start
+        held = kv_held(server.url)
+    return ArmResult(arm, run.turns, held, wall)
+
+
+def prefilled(turn: Turn) -> int:
+    """Prompt tokens the server computed for the turn."""
+    if turn.reuse is not None:
+        return int(turn.reuse["recomputed"])
+    return turn.prompt_tokens - turn.cached_tokens
+
+
+def table(radix: ArmResult, ours: ArmResult) -> list[str]:
+    lines = [
+        "                               |   SGLang radix cache   |"
+        "              sglang-kvcmas              |",
+        "turn agent    prompt           | cached prefill  ttft s |"
+        " exact  corr repos recomp prefill  ttft s | same answer",
+    ]
+    for i, (a, b) in enumerate(zip(radix.turns, ours.turns), 1):
+        rec = b.reuse or {}
+        lines.append(
+            f"{i:>4} {a.agent:<8} {a.prompt_tokens:>6}           | {a.cached_tokens:>6} "
+            f"{prefilled(a):>7} {a.ttft_client_s:>7.2f} | {rec.get('reused_exact', 0):>5} "
+            f"{rec.get('reused_corrected', 0):>5} {rec.get('reused_repositioned', 0):>5} "
+            f"{rec.get('recomputed', 0):>6} {prefilled(b):>7} {b.ttft_client_s:>7.2f} | "
+            f"{'yes' if a.answer == b.answer else 'no'}")
+    return lines
+
+
+def summary(radix: ArmResult, ours: ArmResult) -> str:
+    pa = sum(prefilled(t) for t in radix.turns)
+    pb = sum(prefilled(t) for t in ours.turns)
+    later = slice(1, None)  # the first turn has nothing to share in either arm
+    ta = statistics.median(t.ttft_client_s for t in radix.turns[later])
+    tb = statistics.median(t.ttft_client_s for t in ours.turns[later])
+    same = sum(a.answer == b.answer for a, b in zip(radix.turns, ours.turns))
+    kv = (f"kv_held radix={radix.kv_held} kvcmas={ours.kv_held}"
+          + (f" ({ours.kv_held / radix.kv_held:.2f}x)" if radix.kv_held and ours.kv_held else ""))
+    return (f"SUMMARY prefill_tokens radix={pa} kvcmas={pb} (saved {1 - pb / max(pa, 1):.0%}) "
+            f"median_ttft_after_turn_1 radix={ta:.2f}s kvcmas={tb:.2f}s "
+            f"({ta / max(tb, 1e-9):.2f}x) {kv} workflow_s radix={radix.wall_s:.1f} "
+            f"kvcmas={ours.wall_s:.1f} same_answers={same}/{len(radix.turns)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--question-index", type=int, default=0, help="GSM8K test item (0..1318)")
+    p.add_argument("--rounds", type=int, default=3, choices=(1, 2, 3, 4))
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--boot-timeout", type=float, default=400.0)
+    p.add_argument("--server-args", default="", help="extra flags for both servers, e.g. "
+                   "'--model-path /path/to/hf-folder'")
+    p.add_argument("--json", type=Path, help="also write both arms' turns here")
+    args = p.parse_args(argv)
+    args.server_args = args.server_args.split()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvcmas-side-by-side-"))
+    results = {arm: run_arm(arm, flags, args, log_dir) for arm, flags in ARMS}
+    radix, ours = results["radix"], results["kvcmas"]
+    print("\n".join(table(radix, ours)))
+    print(summary(radix, ours), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({a: [asdict(t) for t in r.turns]
+                                         for a, r in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Requests checked and labelled where they enter SGLang, before they reach the scheduler.
+
+Two hooks on SGLang's tokenizer manager (the HTTP process), so a bad ``kvcmas_*`` field is
+answered with a 400 that names it and never reaches the scheduler, whose loop must not raise:
+
+- AROUND ``TokenizerManager.generate_request``: the ``X-KVCMAS-Workflow`` header becomes
+  ``custom_params.kvcmas_workflow`` of every prompt of the request (a body that names another
+  workflow is an error); every prompt's ``custom_params`` is parsed strictly
+  (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
+  (an error event on a stream that has not started). While an OpenAI stream is being served it
+  also collects the reuse records for the stream's usage chunk (``usage_stream.py``).
+- AROUND ``TokenizerManager._validate_one_request``: with the prompt's token ids known, an
+  explicit head or shared end past the prompt is refused the same way.
+
+SGLang's own ``custom_params`` keys pass through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_kvcmas.integration import usage_stream
+from sglang_kvcmas.policy.request_options import (
+    WORKFLOW_FIELD,
+    WORKFLOW_HEADER,
+    RequestOptionError,
+    RequestOptions,
+)
+
+GENERATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+
+
+def _sampling_dicts(obj: Any) -> list[dict]:
+    """The request's sampling-params dicts (one per prompt), created where absent."""
+    params = getattr(obj, "sampling_params", None)
+    if params is None:
+        params = {}
+        try:
+            obj.sampling_params = params
+        except AttributeError:  # not a generate request (embeddings): nothing of ours
+            return []
+    if isinstance(params, dict):
+        return [params]
+    if isinstance(params, list):
+        return [p for p in params if isinstance(p, dict)]
+    return []
+
+
+def label_and_check(obj: Any, headers: Any) -> None:
+    """Apply the workflow header, then parse every prompt's ``kvcmas_*`` fields.
+
+    Raises:
+        RequestOptionError: (a ``ValueError``) naming the field.
+    """
+    workflow = headers.get(WORKFLOW_HEADER) if headers is not None else None
+    for params in _sampling_dicts(obj):
+        custom = params.get("custom_params")
+        if workflow is not None:
+            if custom is None:
+                custom = params["custom_params"] = {}
+            if isinstance(custom, dict):
+                given = custom.get(WORKFLOW_FIELD)
+                if given is not None and given != workflow:
+                    raise RequestOptionError(
+                        f"custom_params.{WORKFLOW_FIELD}={given!r} disagrees with the "
+                        f"{WORKFLOW_HEADER} header ({workflow!r})")
+                custom[WORKFLOW_FIELD] = workflow
+        RequestOptions.parse(custom)
+
+
+def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, *args: Any,
+                    **kwargs: Any) -> Any:
+    """AROUND hook for ``TokenizerManager.generate_request`` (an async generator function):
+    raises before the generator exists, so SGLang's callers answer 400."""
+    label_and_check(obj, getattr(request, "headers", None))
+    return usage_stream.collecting(original(manager, obj, request, *args, **kwargs))
+
+
+def validate_around(original: Any, manager: Any, obj: Any, input_ids: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+    """AROUND hook for ``TokenizerManager._validate_one_request(obj, input_ids)``."""
+    result = original(manager, obj, input_ids, *args, **kwargs)
+    params = getattr(obj, "sampling_params", None)
+    if isinstance(params, dict) and input_ids is not None:
+        RequestOptions.parse(params.get("custom_params")).check_prompt(len(input_ids))
+    return result

@@ -1,0 +1,75 @@
+"""The factory SGLang calls for ``--radix-cache-backend kvcmas``: checks, config, the cache.
+
+Each scheduler process calls :func:`build_shared_tree_cache` once; it reads the serving knobs
+from the environment the launcher set (``config.ServingConfig.from_env``, parsed here once) and
+refuses model or cache features the shared tree does not support, with a message saying what to
+drop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sglang_kvcmas.config import ServingConfig
+from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
+from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
+from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
+from sglang_kvcmas.tree.agent_split import chat_ids_for
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+logger = logging.getLogger(__name__)
+
+
+def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache:
+    """Factory registered as radix cache backend ``kvcmas``: SGLang calls it once per scheduler.
+
+    Raises:
+        ValueError: for model or cache features the Python radix tree does not implement
+            (SGLang's default backend handles those, so the message says to drop
+            ``--radix-cache-backend``); with sharing on, for page size > 1 or an attention
+            backend that would read borrowed KV without re-positioning it.
+    """
+    config = ServingConfig.from_env()
+    share = config.share_context
+    unsupported = [
+        name
+        for name, on in (
+            ("hybrid sliding-window attention", ctx.is_hybrid_swa),
+            ("hybrid state-space (mamba) layers", ctx.is_hybrid_ssm),
+            ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
+            ("DSA sparse attention", ctx.is_dsa),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ValueError(
+            f"--radix-cache-backend {KvcmasRadixCache.backend_name} does not support "
+            f"{', '.join(unsupported)} yet; run without --radix-cache-backend to use SGLang's "
+            "default tree cache."
+        )
+    args = getattr(ctx, "server_args", None)
+    if share:
+        if ctx.params.page_size != 1:
+            raise ValueError("--kvcmas-share-context needs --page-size 1")
+        backends = {getattr(args, f, None) for f in ("attention_backend",
+                                                     "prefill_attention_backend",
+                                                     "decode_attention_backend")} - {None}
+        if args is not None and backends != {DELTA_BACKEND_NAME}:
+            raise ValueError(
+                f"--kvcmas-share-context reads other agents' KV re-positioned, which only the "
+                f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
+            )
+    chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
+    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, config=config)
+    cls = type(cache)
+    logger.info(
+        "sglang-kvcmas: tree cache %s.%s in use (radix cache backend %r, page_size=%d, "
+        "disabled=%s, tp_rank=%d, share_context=%s, chatml=%s, boundary_recompute=%d)",
+        cls.__module__, cls.__qualname__, cls.backend_name, ctx.params.page_size,
+        ctx.disable_radix_cache, ctx.tp_rank, share, chat is not None,
+        cache.recompute_config.boundary_tokens,
+    )
+    return cache

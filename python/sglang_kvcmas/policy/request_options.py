@@ -1,0 +1,153 @@
+"""What one request asks of sglang-kvcmas: its ``custom_params.kvcmas_*`` fields, typed.
+
+Fields (every one optional; SGLang's own ``custom_params`` keys pass through untouched):
+
+======================================  ==========================================================
+``kvcmas_agent``: str                   names the agent (with ``kvcmas_head_len``); two requests
+                                        are one agent only with the same name *and* head tokens
+``kvcmas_head_len``: int >= 1           tokens ``[0, head_len)`` are the agent head
+``kvcmas_shared_end``: int              tokens ``[head_len, shared_end)`` are the shared
+                                        transcript (default: the whole prompt)
+``kvcmas_exact``: bool                  read no other agent's KV (computed exactly, as radix)
+``kvcmas_workflow``: str                the workflow the request belongs to (also the HTTP
+                                        header ``X-KVCMAS-Workflow``); reported with its usage
+``kvcmas_<knob>``                       a per-request knob of ``config.ServingConfig``
+                                        (``kvcmas_recompute_boundary``, ...)
+======================================  ==========================================================
+
+:meth:`RequestOptions.parse` is strict and raises :class:`RequestOptionError` naming the field;
+the server calls it before a request reaches the scheduler and answers 400. The scheduler parses
+again (it must never raise there) with :meth:`RequestOptions.lenient`. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_kvcmas.config import BY_REQUEST_FIELD, ConfigError, Knob
+
+PREFIX = "kvcmas_"
+AGENT_FIELD = "kvcmas_agent"
+HEAD_LEN_FIELD = "kvcmas_head_len"
+SHARED_END_FIELD = "kvcmas_shared_end"
+EXACT_FIELD = "kvcmas_exact"
+WORKFLOW_FIELD = "kvcmas_workflow"
+WORKFLOW_HEADER = "x-kvcmas-workflow"
+"""HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
+server); same meaning as ``custom_params.kvcmas_workflow``."""
+MAX_NAME_CHARS = 128
+"""Longest agent or workflow name: names are echoed in usage and logs."""
+
+_OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD)
+
+
+class RequestOptionError(ValueError):
+    """A ``kvcmas_*`` field of a request is unknown, ill-typed or out of range."""
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The ``kvcmas_*`` fields of one request.
+
+    Attributes:
+        agent: the explicit agent name, or None.
+        head_len: explicit agent head length, or None (ChatML detection decides).
+        shared_end: explicit end of the shared transcript, or None (the prompt's end).
+        exact: read no other agent's KV.
+        workflow: workflow name, or None.
+        knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
+    """
+
+    agent: str | None = None
+    head_len: int | None = None
+    shared_end: int | None = None
+    exact: bool = False
+    workflow: str | None = None
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def parse(cls, custom_params: Any) -> RequestOptions:
+        """Strictly parse a request's ``custom_params``.
+
+        Raises:
+            RequestOptionError: naming the field (``custom_params.kvcmas_...``).
+        """
+        if custom_params is None:
+            return cls()
+        if not isinstance(custom_params, Mapping):
+            raise RequestOptionError(
+                f"custom_params must be an object, got {type(custom_params).__name__}")
+        ours = {k: v for k, v in custom_params.items() if isinstance(k, str) and
+                k.startswith(PREFIX)}
+        unknown = sorted(k for k in ours if k not in _OWN_FIELDS and k not in BY_REQUEST_FIELD)
+        if unknown:
+            known = ", ".join(sorted((*_OWN_FIELDS, *BY_REQUEST_FIELD)))
+            raise RequestOptionError(f"unknown field custom_params.{unknown[0]} (known: {known})")
+        try:
+            head_len = _field(ours, HEAD_LEN_FIELD, int, low=1)
+            shared_end = _field(ours, SHARED_END_FIELD, int, low=1)
+            exact = bool(_field(ours, EXACT_FIELD, bool))
+            agent, workflow = _name(ours, AGENT_FIELD), _name(ours, WORKFLOW_FIELD)
+            knobs = tuple((k.name, k.parse(ours[f], f"custom_params.{f}"))
+                          for f, k in BY_REQUEST_FIELD.items() if f in ours)
+        except ConfigError as e:
+            raise RequestOptionError(str(e)) from None
+        if shared_end is not None and head_len is None:
+            raise RequestOptionError(f"custom_params.{SHARED_END_FIELD} needs "
+                                     f"custom_params.{HEAD_LEN_FIELD}")
+        if shared_end is not None and shared_end < head_len:
+            raise RequestOptionError(
+                f"custom_params.{SHARED_END_FIELD}={shared_end} is before the head's end "
+                f"(custom_params.{HEAD_LEN_FIELD}={head_len})")
+        if agent is not None and head_len is None:
+            raise RequestOptionError(f"custom_params.{AGENT_FIELD} needs "
+                                     f"custom_params.{HEAD_LEN_FIELD}")
+        return cls(agent=agent, head_len=head_len, shared_end=shared_end, exact=exact,
+                   workflow=workflow, knobs=knobs)
+
+    @classmethod
+    def lenient(cls, custom_params: Any) -> RequestOptions | None:
+        """:meth:`parse`, or None when it would raise (the scheduler then serves the request
+        without sharing; the server has already answered such requests with 400)."""
+        try:
+            return cls.parse(custom_params)
+        except RequestOptionError:
+            return None
+
+    def check_prompt(self, num_tokens: int) -> None:
+        """Check the explicit split against the prompt's length.
+
+        Raises:
+            RequestOptionError: when the head or the shared end lies past the prompt.
+        """
+        if self.head_len is not None and self.head_len > num_tokens:
+            raise RequestOptionError(
+                f"custom_params.{HEAD_LEN_FIELD}={self.head_len} is past the prompt's end "
+                f"({num_tokens} tokens)")
+        if self.shared_end is not None and self.shared_end > num_tokens:
+            raise RequestOptionError(
+                f"custom_params.{SHARED_END_FIELD}={self.shared_end} is past the prompt's end "
+                f"({num_tokens} tokens)")
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.knobs)
+
+
+def _field(ours: Mapping[str, Any], name: str, kind: type, low: int | None = None) -> Any:
+    if name not in ours:
+        return None
+    return Knob(name, kind, None, "", low=low).parse(ours[name], f"custom_params.{name}")
+
+
+def _name(ours: Mapping[str, Any], name: str) -> str | None:
+    value = _field(ours, name, str)
+    if value is None:
+        return None
+    if not value or len(value) > MAX_NAME_CHARS or not value.isprintable():
+        raise RequestOptionError(
+            f"custom_params.{name} must be 1-{MAX_NAME_CHARS} printable characters, got "
+            f"{len(value)} characters")
+    return value

@@ -1,0 +1,412 @@
+"""The shared-context tree: a token radix tree over shared-context tokens only.
+
+Keyed by tokens (never by agent) inside one namespace ``(extra_key, cache_salt)``, so the same
+transcript matches for every agent of a tenant and never across tenants. A node holds the KV pool
+slots of its owner's exact computation of those tokens and the owner position of its first token;
+a reader at another position reads them re-positioned by ``shift = reader_pos - owner_pos``.
+
+Slot ownership (who frees them) is one of two kinds:
+
+- **anchored**: the slots belong to the owner's own path in SGLang's radix tree; ``anchor`` is the
+  radix node ending that path. The node frees nothing; when the anchor is evicted the node and its
+  subtree are dropped (:meth:`SharedTree.drop_anchor`). Readers lock the anchor.
+- **owned** (``anchor is None``): slots computed by a request that itself read borrowed KV, so no
+  radix path can hold them. The tree frees them when the node is evicted.
+
+Delta leaves (``deltas``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
+hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
+the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
+the leaf (least recently used first) or its node is evicted.
+
+NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
+and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
+int64 payloads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_kvcmas.tree.pool_overrides import PoolOverrides
+
+Namespace = Hashable
+"""``(extra_key, cache_salt)`` of a request."""
+
+
+@dataclass(eq=False)
+class SharedNode:
+    """One run of shared tokens with a single owner.
+
+    Attributes:
+        key: token ids, ``[len]``.
+        slots: [len] int64 pool slots holding the owner's KV of those tokens.
+        owner: agent id of the owner.
+        owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
+        anchor: radix node protecting ``slots`` (anchored) or None (the tree owns them).
+        deltas: agent -> delta leaf (:class:`PoolOverrides`) over this node's tokens.
+        head_mass: [len] float32 attention mass each token put on its owner's head in the
+            owner's pass (0 where not recorded); readers recompute the largest first.
+    """
+
+    key: tuple[int, ...]
+    slots: torch.Tensor
+    owner: str
+    owner_start: int
+    anchor: object | None
+    parent: SharedNode | None = None
+    children: dict[int, SharedNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: float = field(default_factory=time.monotonic)
+    deltas: dict[str, PoolOverrides] = field(default_factory=dict)
+    alive: bool = True
+    head_mass: torch.Tensor | None = None
+
+    def mass(self) -> torch.Tensor:
+        """[len] float32 ``head_mass``, zeros when none was recorded."""
+        return self.head_mass if self.head_mass is not None else torch.zeros(len(self))
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    @property
+    def owns_slots(self) -> bool:
+        return self.anchor is None
+
+    def delta_nbytes(self) -> int:
+        return sum(int(d.nbytes()) for d in self.deltas.values())
+
+    @property
+    def delta_tokens(self) -> int:
+        """Pool slots held by this node's delta leaves."""
+        return sum(len(d) for d in self.deltas.values())
+
+    @property
+    def owned_tokens(self) -> int:
+        """Pool slots the tree frees when this node goes: its own (if owned) and its leaves'."""
+        return (len(self) if self.owns_slots else 0) + self.delta_tokens
+
+
+@dataclass(frozen=True)
+class PathPiece:
+    """One node of a matched path: the node and the shared offset of its first token."""
+
+    node: SharedNode
+    offset: int
+
+
+class SharedTree:
+    """Token radix tree of shared contexts, one root per namespace.
+
+    Args:
+        free_slots: called with a [n] int64 tensor of slots the tree gives back to the pool.
+    """
+
+    def __init__(self, free_slots: Callable[[torch.Tensor], None]):
+        self._free = free_slots
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the pool is being reset too: nothing is freed)."""
+        self.roots: dict[Namespace, SharedNode] = {}
+        self._by_anchor: dict[int, set[SharedNode]] = {}
+        self.owned_size = 0
+        self.owned_locked_size = 0
+
+    # ----- reading -----
+
+    def _root(self, ns: Namespace, create: bool) -> SharedNode | None:
+        root = self.roots.get(ns)
+        if root is None and create:
+            root = SharedNode((), torch.empty(0, dtype=torch.int64), "", 0, anchor=None)
+            root.lock_ref = 1  # the root is never evicted
+            self.roots[ns] = root
+        return root
+
+    def match(self, ns: Namespace, tokens: Sequence[int], split: bool = True) -> tuple[int, SharedNode | None]:
+        """Longest prefix of ``tokens`` in the tree.
+
+        Args:
+            split: split the last node at the match end so the match ends on a node boundary
+                (needed before locking); with False the tree is not modified (a peek).
+        Returns:
+            (matched length, deepest node fully matched or None). With ``split=False`` the length
+            may end inside a node that is not returned.
+        """
+        node = self._root(ns, create=False)
+        if node is None:
+            return 0, None
+        now = time.monotonic()
+        pos, deepest = 0, None
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            n = _common_prefix(child.key, tokens, pos)
+            if n < len(child):
+                if not split:
+                    pos += n
+                    break
+                child = self._split(child, n)
+            child.last_access = now
+            pos += n
+            node = deepest = child
+        return pos, deepest
+
+    @staticmethod
+    def path(node: SharedNode | None) -> list[PathPiece]:
+        """Root-to-``node`` pieces with their shared offsets (root excluded)."""
+        nodes = []
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        out, offset = [], 0
+        for n in reversed(nodes):
+            out.append(PathPiece(n, offset))
+            offset += len(n)
+        return out
+
+    @staticmethod
+    def path_slots(node: SharedNode | None) -> torch.Tensor:
+        """[path_len] int64 slots along the root-to-``node`` path."""
+        pieces = SharedTree.path(node)
+        if not pieces:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat([p.node.slots for p in pieces])
+
+    # ----- writing -----
+
+    def insert(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        start: int,
+        slots: torch.Tensor,
+        owner: str,
+        owner_start: int,
+        anchor: object | None,
+        head_mass: torch.Tensor | None = None,
+    ) -> tuple[int, SharedNode | None]:
+        """Add ``tokens[start:]`` after the existing path ``tokens[:start]``.
+
+        Args:
+            tokens: the whole shared context (from shared offset 0).
+            start: shared offset where the new tokens begin; ``tokens[:start]`` must match fully.
+            slots: [len(tokens) - start] int64 slots of the new tokens.
+            owner_start: owner position of ``tokens[start]``.
+            head_mass: optional [len(tokens) - start] float32 owner head mass of the new tokens.
+        Returns:
+            (matched length before inserting, new node or None). When the tree already holds more
+            than ``start`` tokens (another owner was faster) nothing is inserted and the caller
+            keeps its slots.
+        """
+        if slots.numel() != len(tokens) - start:
+            raise ValueError(f"{slots.numel()} slots for {len(tokens) - start} tokens")
+        self._root(ns, create=True)
+        matched, deepest = self.match(ns, tokens, split=True)
+        if matched != start or matched == len(tokens):
+            return matched, None
+        parent = deepest if deepest is not None else self.roots[ns]
+        node = SharedNode(
+            tuple(int(t) for t in tokens[start:]), slots.to(torch.int64).clone(), owner,
+            owner_start, anchor, parent=parent,
+            head_mass=None if head_mass is None else head_mass.float().clone(),
+        )
+        parent.children[node.key[0]] = node
+        if anchor is not None:
+            self._by_anchor.setdefault(id(anchor), set()).add(node)
+        else:
+            self.owned_size += len(node)
+        return matched, node
+
+    def _split(self, node: SharedNode, n: int) -> SharedNode:
+        """Split ``node`` after ``n`` tokens; returns the new first half (node keeps the tail)."""
+        head = SharedNode(
+            node.key[:n], node.slots[:n].clone(), node.owner, node.owner_start, node.anchor,
+            parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
+        )
+        parts = {a: d.split(n) for a, d in node.deltas.items()}
+        head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
+        node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
+        if node.head_mass is not None:
+            head.head_mass, node.head_mass = node.head_mass[:n].clone(), node.head_mass[n:].clone()
+        head.parent.children[head.key[0]] = head
+        node.key, node.slots = node.key[n:], node.slots[n:].clone()
+        node.owner_start += n
+        node.parent = head
+        head.children = {node.key[0]: node}
+        if node.anchor is not None:
+            self._by_anchor.setdefault(id(node.anchor), set()).add(head)
+        return head
+
+    # ----- locks -----
+
+    def lock(self, node: SharedNode | None) -> list[object]:
+        """Lock ``node`` and its ancestors; returns the distinct anchors on the path."""
+        anchors: dict[int, object] = {}
+        while node is not None and node.parent is not None:
+            if not node.alive:
+                raise RuntimeError("locking a shared node that was dropped")
+            if node.lock_ref == 0:
+                self.owned_locked_size += node.owned_tokens
+            node.lock_ref += 1
+            if node.anchor is not None:
+                anchors[id(node.anchor)] = node.anchor
+            node = node.parent
+        return list(anchors.values())
+
+    def unlock(self, node: SharedNode | None) -> None:
+        while node is not None and node.parent is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlocking a shared node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.owned_locked_size -= node.owned_tokens
+            node = node.parent
+
+    # ----- eviction -----
+
+    def _remove_subtree(self, node: SharedNode) -> list[torch.Tensor]:
+        freed = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.lock_ref:
+                raise RuntimeError("dropping a shared node that a request still reads")
+            stack.extend(n.children.values())
+            n.alive = False
+            for leaf in n.deltas.values():
+                self.owned_size -= len(leaf)
+                freed.append(leaf.slots)
+            n.deltas = {}
+            if n.owns_slots:
+                self.owned_size -= len(n)
+                freed.append(n.slots)
+            else:
+                group = self._by_anchor.get(id(n.anchor))
+                if group is not None:
+                    group.discard(n)
+                    if not group:
+                        del self._by_anchor[id(n.anchor)]
+        if node.parent is not None and node.parent.children.get(node.key[0]) is node:
+            del node.parent.children[node.key[0]]
+        return freed
+
+    def drop_anchor(self, anchor: object) -> int:
+        """The radix node ``anchor`` is being evicted: drop every node it protects (and their
+        subtrees, which can no longer be matched). Returns the number of owned slots freed."""
+        nodes = list(self._by_anchor.pop(id(anchor), ()))
+        freed = 0
+        for n in nodes:
+            if n.alive:
+                for s in self._remove_subtree(n):
+                    self._free(s)
+                    freed += s.numel()
+        return freed
+
+    def evictable_owned_size(self) -> int:
+        return self.owned_size - self.owned_locked_size
+
+    def _evictable_leaves(self) -> Iterator[SharedNode]:
+        for root in self.roots.values():
+            stack = list(root.children.values())
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                if not n.children and n.lock_ref == 0:
+                    yield n
+
+    def evict(self, num_tokens: int) -> int:
+        """Free ``num_tokens`` owned slots: least recently used first among unlocked delta
+        leaves and unlocked tree leaves (anchored tree leaves free nothing but their delta
+        leaves, and are removed on the way). Returns slots freed."""
+        freed = 0
+        while freed < num_tokens:
+            candidates = [(leaf.last_access, 0, n, agent) for n in self._unlocked_nodes()
+                          for agent, leaf in n.deltas.items()]
+            candidates += [(n.last_access, 1, n, None) for n in self._evictable_leaves()]
+            if not candidates:
+                break
+            candidates.sort(key=lambda c: (c[0], c[1]))
+            for _, _, node, agent in candidates:
+                if not node.alive:
+                    continue
+                if agent is not None:
+                    leaf = node.deltas.pop(agent, None)
+                    if leaf is None:
+                        continue
+                    self.owned_size -= len(leaf)
+                    slots = [leaf.slots]
+                else:
+                    slots = self._remove_subtree(node)
+                for s in slots:
+                    self._free(s)
+                    freed += s.numel()
+                if freed >= num_tokens:
+                    break
+        return freed
+
+    def _unlocked_nodes(self) -> Iterator[SharedNode]:
+        return (n for n in self.nodes() if n.lock_ref == 0)
+
+    # ----- delta leaves -----
+
+    def add_overrides(
+        self, node: SharedNode, agent: str, offsets: torch.Tensor, slots: torch.Tensor,
+        reader_start: int, bytes_per_token: int = 0,
+    ) -> torch.Tensor:
+        """Adopt an agent's exact KV for some of ``node``'s tokens as its delta leaf.
+
+        Args:
+            offsets: [k] int64 node-local offsets, sorted and distinct.
+            slots: [k] int64 pool slots of the agent's exact KV of those tokens.
+            reader_start: the agent's position of the node's first token.
+        Returns:
+            [j] int64 slots the tree did not adopt (the node already holds those offsets for
+            the agent, the agent read the node at another position, or the node is gone); the
+            caller still owns them.
+        """
+        if not node.alive or node.parent is None:
+            return slots
+        leaf = node.deltas.get(agent)
+        if leaf is None:
+            leaf = PoolOverrides(torch.empty(0, dtype=torch.int64),
+                                 torch.empty(0, dtype=torch.int64), reader_start, bytes_per_token)
+        elif leaf.reader_start != reader_start:
+            return slots
+        merged, rejected = leaf.merged(offsets.to(torch.int64), slots.to(torch.int64))
+        merged.last_access = time.monotonic()
+        adopted = len(merged) - len(leaf)
+        node.deltas[agent] = merged
+        self.owned_size += adopted
+        if node.lock_ref:
+            self.owned_locked_size += adopted
+        return rejected
+
+    def delta_tokens(self) -> int:
+        """Pool slots held by delta leaves."""
+        return sum(n.delta_tokens for n in self.nodes())
+
+    # ----- introspection -----
+
+    def nodes(self) -> Iterator[SharedNode]:
+        for root in self.roots.values():
+            stack = list(root.children.values())
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                yield n
+
+    def delta_nbytes(self) -> int:
+        return sum(n.delta_nbytes() for n in self.nodes())
+
+
+def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+    n = min(len(key), len(tokens) - pos)
+    i = 0
+    while i < n and key[i] == tokens[pos + i]:
+        i += 1
+    return i

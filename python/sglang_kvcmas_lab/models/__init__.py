@@ -1,0 +1,1 @@
+"""Reference model forwards the labs measure with."""

@@ -1,0 +1,43 @@
+"""Each forward batch carries its own rows' span metadata, in batch order, through the copies
+SGLang's model runner makes of it."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
+from sglang_kvcmas.integration.batch_rows import attach_rows, rows_of_forward
+
+
+@dataclasses.dataclass
+class FakeForwardBatch:
+    batch_size: int
+    rids: list | None = None
+
+
+def _req(rid, row=None):
+    return SimpleNamespace(rid=rid, kvcmas_row=row)
+
+
+def test_rows_follow_the_batch_and_are_none_when_nothing_is_borrowed():
+    row = BatchRow(RowSpans("b", (SharedSpan(2, 3, 1),)))
+    reqs = [_req("a"), _req("b", row), _req("c")]
+    fb = attach_rows(FakeForwardBatch(3, ["a", "b", "c"]), FakeForwardBatch,
+                     SimpleNamespace(reqs=reqs), "runner")
+    assert rows_of_forward(fb) == (None, row, None) and list(fb.rids) == ["a", "b", "c"]
+    plain = attach_rows(FakeForwardBatch(2, ["a", "c"]), FakeForwardBatch,
+                        SimpleNamespace(reqs=reqs[::2]), "runner")
+    assert rows_of_forward(plain) is None
+
+
+def test_rows_survive_the_runner_copy_and_never_leak_into_a_later_batch():
+    a = _req("a", BatchRow(RowSpans("a", (SharedSpan(0, 4, 2),))))
+    first = attach_rows(FakeForwardBatch(1, ["a"]), FakeForwardBatch, SimpleNamespace(reqs=[a]),
+                        "runner")
+    copied = dataclasses.replace(first, batch_size=1)  # what SGLang's eager runner does
+    assert rows_of_forward(copied)[0].spans.rid == "a"
+    a.kvcmas_row = None  # the request released its row
+    second = attach_rows(FakeForwardBatch(1, ["a"]), FakeForwardBatch, SimpleNamespace(reqs=[a]),
+                         "runner")
+    assert rows_of_forward(second) is None and rows_of_forward(copied) is not None

@@ -1,0 +1,72 @@
+"""Every knob defined once: names derived, values parsed strictly, environment round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sglang_kvcmas.config import KNOBS, ConfigError, ServingConfig, knob, resolve
+from sglang_kvcmas.policy.recompute import RecomputeConfig
+from sglang_kvcmas.policy.turn_order import TurnConfig
+
+
+def test_names_derive_from_the_field():
+    k = knob("recompute_boundary")
+    assert (k.flag, k.env, k.request_field) == (
+        "--kvcmas-recompute-boundary", "KVCMAS_RECOMPUTE_BOUNDARY", "kvcmas_recompute_boundary")
+    assert knob("share_context").request_field is None
+    assert len({k.env for k in KNOBS}) == len(KNOBS)
+
+
+def test_policy_defaults_come_from_the_config():
+    cfg = ServingConfig()
+    assert RecomputeConfig() == RecomputeConfig.from_serving(cfg)
+    assert TurnConfig() == TurnConfig.from_serving(cfg)
+    assert RecomputeConfig.from_serving(cfg, recompute_boundary=3).boundary_tokens == 3
+
+
+@pytest.mark.parametrize("name, value", [
+    ("recompute_boundary", True), ("recompute_boundary", 1.5), ("recompute_boundary", -1),
+    ("recompute_boundary", None), ("recompute_boundary", "16"), ("recompute_boundary", [16]),
+    ("recompute_mass_fraction", math.nan), ("recompute_mass_fraction", math.inf),
+    ("recompute_mass_fraction", 2), ("turn_order", "random"), ("share_context", 1),
+])
+def test_parse_is_strict(name, value):
+    with pytest.raises(ConfigError, match="custom_params.x"):
+        knob(name).parse(value, "custom_params.x")
+
+
+def test_parse_accepts_the_right_types():
+    assert knob("recompute_mass_fraction").parse(0, "f") == 0.0
+    assert knob("leaf_mass_fraction").parse(None, "f") is None
+    assert knob("leaf_mass_fraction").parse_text("", "f") is None
+    assert knob("share_context").parse_text("on", "f") is True
+
+
+def test_environment_round_trip():
+    cfg = ServingConfig(share_context=True, recompute_boundary=4, leaf_mass_fraction=0.05)
+    assert ServingConfig.from_env(cfg.to_env()) == cfg
+    assert "KVCMAS_CPU_THREADS" not in cfg.to_env()  # launcher-only knobs stay with the launcher
+
+
+def test_resolve_order_flag_env_default():
+    assert resolve({}, {}).recompute_boundary == 16
+    assert resolve({}, {"KVCMAS_RECOMPUTE_BOUNDARY": "2"}).recompute_boundary == 2
+    assert resolve({"recompute_boundary": "5"},
+                   {"KVCMAS_RECOMPUTE_BOUNDARY": "2"}).recompute_boundary == 5
+    with pytest.raises(ConfigError, match="--kvcmas-recompute-boundary"):
+        resolve({"recompute_boundary": "five"}, {})
+
+
+def test_config_validates_its_own_fields():
+    with pytest.raises(ConfigError):
+        ServingConfig(recompute_max_fraction=3.0)
+
+
+def test_readme_lists_every_knob():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [k.flag for k in KNOBS if f"`{k.flag}`" not in readme or f"`{k.env}`" not in readme]
+    assert not missing, f"README's knob table lacks {missing}"
