@@ -37,7 +37,7 @@ def main() -> int:
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "8.0")
     import torch
     from flashinfer.jit.attention import gen_customize_batch_prefill_module
-    from sglang_kvcmas.attention.flashinfer_delta import jit_args
+    from sglang_kvcmas_lab.attention.flashinfer_delta import jit_args
 
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     spec = gen_customize_batch_prefill_module("fa2", *jit_args(dtype, args.head_dim))
