@@ -211,10 +211,10 @@ def main() -> None:
                     f" ({m['ratio_planned_q1']:.2f}-{m['ratio_planned_q3']:.2f})",
                     flush=True,
                 )
-    jsonl = args.out / "delta_attention_cpu.jsonl"
+    jsonl = args.out / "delta_attention_bench.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot(records, args.out / "delta_attention_cpu.png")
-    print(f"wrote {jsonl} and {args.out / 'delta_attention_cpu.png'}")
+    plot(records, args.out / "delta_attention_bench.png")
+    print(f"wrote {jsonl} and {args.out / 'delta_attention_bench.png'}")
 
 
 if __name__ == "__main__":

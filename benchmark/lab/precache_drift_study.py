@@ -101,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = JsonlWriter(out_dir / f"precache_drift_{args.config}.jsonl")
+    writer = JsonlWriter(out_dir / f"precache_drift_study_{args.config}.jsonl")
     lora, tok = load(args.config)
     items = gsm8k()[args.first_question: args.first_question + args.questions]
     segs = cached_transcript(out_dir, args, lambda: build_transcript(

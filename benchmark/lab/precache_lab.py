@@ -348,7 +348,7 @@ def main() -> None:
             "background_median_s"]
     table = format_table(summary, cols, order=list(methods))
     print(table)
-    (out_dir / f"summary_{tag}.txt").write_text(table + "\n")
+    (out_dir / f"precache_lab_{tag}.txt").write_text(table + "\n")
     plot_methods(summary, out_dir / f"precache_lab_{tag}.png",
                  panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
                          ("bytes_ratio", "top1", "top-1 vs bytes saved")],

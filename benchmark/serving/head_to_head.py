@@ -410,12 +410,12 @@ def main() -> int:
         flows = build_workflows(args.debates, args.chains)
         sampler = KvSampler(server.url)
         sampler.start()
-        spy = (SchedulerProfile(server.proc.pid, args.out / f"profile_{arm}.raw").start()
-               if args.profile else None)
+        raw_path = args.out / f"head_to_head_profile_{arm}.raw"
+        spy = SchedulerProfile(server.proc.pid, raw_path).start() if args.profile else None
         turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
         results[arm] = (turns, makespan, sampler.stop())
         if spy is not None and (raw := spy.stop()) is not None:
-            (args.out / f"profile_{arm}.txt").write_text(profile_report(raw))
+            (args.out / f"head_to_head_profile_{arm}.txt").write_text(profile_report(raw))
         pools[arm] = sampler.pool_tokens
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
