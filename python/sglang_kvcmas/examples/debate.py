@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import sglang as sgl
@@ -144,17 +145,29 @@ def run_turn(backend, agent: Agent, round_: int, question: str, turns: list[Turn
 
 def run_debate(backend, question: str, reference_answer: str = "", *,
                agents: tuple[Agent, ...] = DEFAULT_AGENTS, rounds: int = 3,
-               max_new_tokens: int = 64, on_turn=None) -> DebateRun:
-    """Run a debate: ``rounds`` rounds, every agent once per round, in order.
+               max_new_tokens: int = 64, on_turn=None, parallel: bool = False) -> DebateRun:
+    """Run a debate: ``rounds`` rounds, every agent once per round.
 
     Args:
         backend: an ``sgl.RuntimeEndpoint`` (chat template ``chatml`` for SmolLM2).
         on_turn: optional callback ``(Turn) -> None`` after each turn (progress output).
+        parallel: the agents of a round answer at the same time, each over the transcript of
+            the rounds before (a round-based debate); otherwise one after another, each over
+            every answer so far.
     """
     run = DebateRun(question, reference_answer)
     for round_ in range(1, rounds + 1):
-        for agent in agents:
-            turn = run_turn(backend, agent, round_, question, run.turns, max_new_tokens)
+        if parallel:
+            before = list(run.turns)
+            with ThreadPoolExecutor(len(agents)) as pool:
+                turns = list(pool.map(lambda a: run_turn(backend, a, round_, question, before,
+                                                         max_new_tokens), agents))
+        else:
+            turns = []
+            for agent in agents:
+                turns.append(run_turn(backend, agent, round_, question, run.turns + turns,
+                                      max_new_tokens))
+        for turn in turns:
             run.turns.append(turn)
             if on_turn is not None:
                 on_turn(turn)
@@ -176,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, choices=(1, 2, 3, 4))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--flush-cache", action="store_true", help="flush the server cache first")
+    p.add_argument("--parallel", action="store_true",
+                   help="the agents of a round answer at the same time")
     p.add_argument("--jsonl", help="append one JSON record per turn to this file")
     args = p.parse_args(argv)
 
@@ -187,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     print("round agent     prompt  cached  ttft_cli  ttft_srv   out  answer")
     print("                   tok     tok        ms        ms   tok")
     run = run_debate(backend, item.question, item.final, rounds=args.rounds,
-                     max_new_tokens=args.max_new_tokens, on_turn=_print_turn)
+                     max_new_tokens=args.max_new_tokens, on_turn=_print_turn,
+                     parallel=args.parallel)
     share = run.cached_tokens / max(run.prompt_tokens, 1)
     print(f"\n{len(run.turns)} turns: {run.prompt_tokens} prompt tokens, {run.cached_tokens} "
           f"from the server's cache ({share:.1%}), {run.prompt_tokens - run.cached_tokens} "

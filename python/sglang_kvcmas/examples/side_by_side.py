@@ -3,10 +3,11 @@
 Boots the same server binary twice, one at a time so they never compete for cores: first with
 SGLang's own tree cache (``--kvcmas-stock-cache``, the baseline a user would otherwise run), then
 with cross-agent sharing on (``--kvcmas-share-context``). Against each it runs the 3-agent GSM8K
-debate of :mod:`sglang_kvcmas.examples.debate` (an SGLang frontend program), then prints one row
-per turn and a summary::
+debate of :mod:`sglang_kvcmas.examples.debate` (an SGLang frontend program; by default the agents
+of a round answer at the same time over the rounds before, ``--sequential`` one after another),
+then prints one row per turn and a summary::
 
-    turn agent   prompt | radix: cached prefill ttft | kvcmas: exact corr repos recomp ttft | same
+    turn agent | radix: prompt cached prefill ttft | kvcmas: prompt exact corr repos recomp ttft | same
     ...
     SUMMARY prefill_tokens radix=.. kvcmas=.. (saved ..%) ttft_ratio=..x kv_held radix=..
             kvcmas=.. same_answers=k/n
@@ -90,7 +91,8 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
                 f"first token after {turn.ttft_client_s:.2f} s")
 
         run: DebateRun = run_debate(backend, item.question, item.final, rounds=args.rounds,
-                                    max_new_tokens=args.max_new_tokens, on_turn=progress)
+                                    max_new_tokens=args.max_new_tokens, on_turn=progress,
+                                    parallel=not args.sequential)
         wall = time.perf_counter() - start
         held = kv_held(server.url)
     return ArmResult(arm, run.turns, held, wall)
@@ -104,19 +106,21 @@ def prefilled(turn: Turn) -> int:
 
 
 def table(radix: ArmResult, ours: ArmResult) -> list[str]:
+    """One row per turn. Once an answer differs, later prompts differ too (each arm's own
+    transcript), so each arm shows its own prompt length."""
     lines = [
-        "                               |   SGLang radix cache   |"
-        "              sglang-kvcmas              |",
-        "turn agent    prompt           | cached prefill  ttft s |"
-        " exact  corr repos recomp prefill  ttft s | same answer",
+        "                 |      SGLang radix cache       |"
+        "                 sglang-kvcmas                  |",
+        "turn agent       | prompt cached prefill  ttft s |"
+        " prompt exact  corr repos recomp  ttft s | same answer",
     ]
     for i, (a, b) in enumerate(zip(radix.turns, ours.turns), 1):
         rec = b.reuse or {}
         lines.append(
-            f"{i:>4} {a.agent:<8} {a.prompt_tokens:>6}           | {a.cached_tokens:>6} "
-            f"{prefilled(a):>7} {a.ttft_client_s:>7.2f} | {rec.get('reused_exact', 0):>5} "
-            f"{rec.get('reused_corrected', 0):>5} {rec.get('reused_repositioned', 0):>5} "
-            f"{rec.get('recomputed', 0):>6} {prefilled(b):>7} {b.ttft_client_s:>7.2f} | "
+            f"{i:>4} {a.agent:<8}    | {a.prompt_tokens:>6} {a.cached_tokens:>6} "
+            f"{prefilled(a):>7} {a.ttft_client_s:>7.2f} | {b.prompt_tokens:>6} "
+            f"{rec.get('reused_exact', 0):>5} {rec.get('reused_corrected', 0):>5} "
+            f"{rec.get('reused_repositioned', 0):>5} {prefilled(b):>6} {b.ttft_client_s:>7.2f} | "
             f"{'yes' if a.answer == b.answer else 'no'}")
     return lines
 
@@ -124,14 +128,14 @@ def table(radix: ArmResult, ours: ArmResult) -> list[str]:
 def summary(radix: ArmResult, ours: ArmResult) -> str:
     pa = sum(prefilled(t) for t in radix.turns)
     pb = sum(prefilled(t) for t in ours.turns)
-    later = slice(1, None)  # the first turn has nothing to share in either arm
+    later = slice(3, None)  # the first round has nothing to share in either arm
     ta = statistics.median(t.ttft_client_s for t in radix.turns[later])
     tb = statistics.median(t.ttft_client_s for t in ours.turns[later])
     same = sum(a.answer == b.answer for a, b in zip(radix.turns, ours.turns))
     kv = (f"kv_held radix={radix.kv_held} kvcmas={ours.kv_held}"
           + (f" ({ours.kv_held / radix.kv_held:.2f}x)" if radix.kv_held and ours.kv_held else ""))
     return (f"SUMMARY prefill_tokens radix={pa} kvcmas={pb} (saved {1 - pb / max(pa, 1):.0%}) "
-            f"median_ttft_after_turn_1 radix={ta:.2f}s kvcmas={tb:.2f}s "
+            f"median_ttft_after_round_1 radix={ta:.2f}s kvcmas={tb:.2f}s "
             f"({ta / max(tb, 1e-9):.2f}x) {kv} workflow_s radix={radix.wall_s:.1f} "
             f"kvcmas={ours.wall_s:.1f} same_answers={same}/{len(radix.turns)}")
 
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question-index", type=int, default=0, help="GSM8K test item (0..1318)")
     p.add_argument("--rounds", type=int, default=3, choices=(1, 2, 3, 4))
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--sequential", action="store_true",
+                   help="agents answer one after another, each over every answer so far")
     p.add_argument("--boot-timeout", type=float, default=400.0)
     p.add_argument("--server-args", default="", help="extra flags for both servers, e.g. "
                    "'--model-path /path/to/hf-folder'")

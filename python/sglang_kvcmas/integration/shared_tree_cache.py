@@ -74,6 +74,7 @@ from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.policy.recompute import (
+    BorrowedSpan,
     RecomputeConfig,
     borrow_pays,
     kept_offsets,
@@ -280,7 +281,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return self.options_of(req).exact
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
-                       spans: list) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+                       spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """Borrowed offsets this request recomputes under ``config`` (``spans =
         borrowed_spans(handle)``), or none when the extend could be chunked or the request asks
         for logprobs of prompt tokens whose computation order changes; and the subset it keeps as
