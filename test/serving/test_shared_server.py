@@ -248,6 +248,17 @@ def test_owner_is_bit_identical_and_salt_isolates(server):
         x[0] for x in fresh["output_token_logprobs"]]
 
 
+def test_server_info_reports_a_consistent_tree(server):
+    """After every test above, the shared tree's bookkeeping holds and no leader is left
+    pending (``/server_info`` → ``internal_states[i].kvcmas.shared_tree``)."""
+    with urllib.request.urlopen(server.url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    (state,) = [s["kvcmas"] for s in info["internal_states"] if "kvcmas" in s]
+    tree = state["shared_tree"]
+    assert tree["invariants"] == [] and tree["pending_owners"] == 0, tree
+    assert tree["shared_nodes"] > 0
+
+
 CHUNK = 64
 SC = SA.replace("Ada, a careful mathematician who checks every step of an argument",
                 "Cleo, a patient teacher who explains every step of an argument in plain words")

@@ -98,3 +98,20 @@ def test_match_is_by_tokens_and_namespaced():
     n, node = tree.match(("x", None), [5, 6], split=True)
     assert n == 2 and node.owner_start == 40 and node.slots.tolist() == [1, 2]
     assert node.children[7].owner_start == 42
+
+
+def test_invariants_hold_through_insert_lock_evict_and_catch_drift():
+    from sglang_kvcmas.tree.shared_tree import SharedTree
+
+    freed = []
+    tree = SharedTree(lambda s: freed.extend(s.tolist()))
+    _, a = tree.insert("ns", [1, 2, 3, 4], 0, torch.arange(4), "a", 5, anchor=None)
+    _, b = tree.insert("ns", [1, 2, 3, 4, 5, 6], 4, torch.arange(10, 12), "b", 9, anchor=None)
+    tree.add_overrides(a, "b", torch.tensor([0, 1]), torch.tensor([20, 21]), 7)
+    tree.lock(b)
+    assert tree.check_invariants() == []
+    tree.unlock(b)
+    assert tree.evict(100) == 8 and tree.check_invariants() == []
+    _, c = tree.insert("ns", [7, 8], 0, torch.arange(30, 32), "a", 0, anchor=None)
+    tree.owned_size += 1  # a bookkeeping drift
+    assert any("owned_size" in p for p in tree.check_invariants())

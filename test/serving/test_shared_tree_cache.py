@@ -119,6 +119,7 @@ class Harness:
         self.alloc.free(self.pool.req_to_token[row, req.kv.cache_protected_len : n])
         self.cache.unlock(req.lock)
         self.cache.on_release(req, checkpointed=True)
+        assert self.cache.shared.check_invariants() == []
         return spans, prefix_slots
 
     def held(self) -> set[int]:

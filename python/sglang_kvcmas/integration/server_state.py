@@ -24,13 +24,21 @@ STATE_KEY = "kvcmas"
 
 
 def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
-    """The ``kvcmas`` entry for one scheduler's tree cache."""
+    """The ``kvcmas`` entry for one scheduler's tree cache; with sharing on, also the shared
+    tree's sizes, the leaders in flight and any bookkeeping drift (``invariants``, empty when
+    consistent)."""
     cls = type(tree_cache)
-    return {
+    out: dict[str, Any] = {
         "tree_cache_class": f"{cls.__module__}.{cls.__qualname__}",
         "radix_cache_backend": getattr(tree_cache, "backend_name", None),
         "plugin_version": sglang_kvcmas.__version__,
     }
+    shared = getattr(tree_cache, "shared", None)
+    if getattr(tree_cache, "share_context", False) and shared is not None:
+        out["shared_tree"] = {**tree_cache.shared_stats(),
+                              "pending_owners": len(tree_cache.pending_owners),
+                              "invariants": shared.check_invariants()}
+    return out
 
 
 def add_tree_cache_to_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any):

@@ -148,7 +148,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.recompute_config = RecomputeConfig.from_serving(config)
         self.turn_config = TurnConfig.from_serving(config)
         self._chunk_limit: int | None = None
-        self._requests: dict[str, _RequestState] = {}
         self.pending_owners: dict[str, PendingOwner] = {}
         self._extra_freed = 0
         super().__init__(params)
@@ -194,10 +193,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return 3 if self.chat_ids is not None else 1
 
     def _state(self, req: Req) -> _RequestState:
-        """The request's options and agent split, parsed once per rid. Never raises: requests
-        with bad ``kvcmas_*`` fields were answered 400 before reaching the scheduler, and any
-        that get here anyway are served without sharing."""
-        state = self._requests.get(req.rid)
+        """The request's options and agent split, parsed once and kept on the request (so
+        nothing outlives a request that is aborted while it waits). Never raises: requests with
+        bad ``kvcmas_*`` fields were answered 400 before reaching the scheduler, and any that
+        get here anyway are served without sharing."""
+        state = getattr(req, "_kvcmas_state", None)
         if state is None:
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
             options = RequestOptions.lenient(custom)
@@ -211,7 +211,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 except ValueError as e:
                     logger.warning("sglang-kvcmas: request %s: %s; served without sharing",
                                    req.rid, e)
-            state = self._requests[req.rid] = _RequestState(options, split)
+            state = req._kvcmas_state = _RequestState(options, split)
         return state
 
     def split_of(self, req: Req) -> AgentSplit | None:
@@ -241,7 +241,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if hasattr(self, "shared"):
             self.shared.reset()
             self.pending_owners.clear()
-            self._requests.clear()
 
     # ----- match -----
 
@@ -504,7 +503,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             req._kvcmas_release_slots = None
         req.kvcmas_row = None
         self.pending_owners.pop(req.rid, None)
-        self._requests.pop(req.rid, None)
 
     # ----- eviction and sizes -----
 

@@ -403,6 +403,39 @@ class SharedTree:
     def delta_nbytes(self) -> int:
         return sum(n.delta_nbytes() for n in self.nodes())
 
+    def check_invariants(self) -> list[str]:
+        """Bookkeeping drift, as messages (empty: consistent). Walks the whole tree: for debug
+        readback and tests, not for the scheduler's hot path."""
+        problems: list[str] = []
+        owned = locked = 0
+        slots: list[torch.Tensor] = []
+        for n in self.nodes():
+            if not n.alive:
+                problems.append(f"dropped node still linked ({len(n)} tokens)")
+            if n.parent is None or n.parent.children.get(n.key[0]) is not n:
+                problems.append("node not reachable from its parent")
+            if n.lock_ref < 0 or (n.parent is not None and n.parent.parent is not None
+                                  and n.parent.lock_ref < n.lock_ref):
+                problems.append(f"lock_ref {n.lock_ref} above its parent's or negative")
+            owned += n.owned_tokens
+            locked += n.owned_tokens if n.lock_ref else 0
+            if n.owns_slots:
+                slots.append(n.slots)
+            slots += [leaf.slots for leaf in n.deltas.values()]
+        if owned != self.owned_size:
+            problems.append(f"owned_size {self.owned_size} but nodes own {owned}")
+        if locked != self.owned_locked_size:
+            problems.append(f"owned_locked_size {self.owned_locked_size} but locked nodes own "
+                            f"{locked}")
+        if slots:
+            flat = torch.cat(slots)
+            if torch.unique(flat).numel() != flat.numel():
+                problems.append("a pool slot is owned twice")
+        for group in self._by_anchor.values():
+            if any(not n.alive for n in group):
+                problems.append("an anchor lists a dropped node")
+        return problems
+
 
 def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
     n = min(len(key), len(tokens) - pos)
