@@ -43,6 +43,7 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.attention.attention_registry", "register_attention_backend"): ("name",),
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
         "model_runner",),
+    ("sglang.srt.managers.schedule_batch", "FINISH_ABORT"): None,
     ("sglang.srt.managers.schedule_batch", "Req"): None,
     ("sglang.srt.managers.schedule_policy", "AddReqResult"): None,
     ("sglang.srt.mem_cache.base_prefix_cache", "EvictParams"): ("num_tokens",),

@@ -567,3 +567,52 @@ def test_a_reader_that_recomputes_is_admitted_whole_or_not_at_all():
     assert b2.prefix_len == b2.kv.cache_protected_len == b2.num_matched_prefix_tokens == before + k
     assert b2.prefix_len == len(b + T1 + T2) + END
     assert calls == [before, before, before, before + k]
+
+
+def test_a_fault_in_our_match_serves_the_request_exactly_and_stops_sharing_there(monkeypatch):
+    """An internal error of ours inside the scheduler fails (here: exactly serves) one request
+    and turns sharing off for its namespace, instead of raising through the event loop."""
+    from sglang_kvcmas.integration import shared_tree_cache as stc
+
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+
+    def broken(handle):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stc, "borrowed_spans", broken)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)  # no exception reaches the scheduler
+    assert spans is None and b2.prefix_len == len(b) + len(T1)  # its own exact prefix only
+    assert h.cache.faults == 1 and (None, None) in h.cache.broken_namespaces
+    monkeypatch.undo()
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [77])
+    spans, _ = h.serve(b3, 4)
+    assert spans is None  # sharing stays off in that namespace
+    c = Req("c1", b + T1 + SUFFIX, salt="other")
+    h.serve(c, 5)  # other namespaces share as before
+    assert h.cache.shared.check_invariants() == []
+
+
+def test_a_fault_at_hand_off_fails_only_that_reader(monkeypatch):
+    from sglang_kvcmas.integration import shared_tree_cache as stc
+
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stc, "row_spans", broken)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    b2.to_finish = None
+    spans, _ = h.serve(b2, 3)
+    assert spans is None and b2.to_finish is not None  # aborted with a message, not raised
+    assert "internal error" in b2.to_finish.message and h.cache.faults == 1
+    assert h.cache.shared.check_invariants() == []

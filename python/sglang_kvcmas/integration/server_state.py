@@ -37,6 +37,8 @@ def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
     if getattr(tree_cache, "share_context", False) and shared is not None:
         out["shared_tree"] = {**tree_cache.shared_stats(),
                               "pending_owners": len(tree_cache.pending_owners),
+                              "faults": tree_cache.faults,
+                              "namespaces_without_sharing": len(tree_cache.broken_namespaces),
                               "invariants": shared.check_invariants()}
     return out
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import time
+from http import HTTPStatus
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -149,6 +151,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.turn_config = TurnConfig.from_serving(config)
         self._chunk_limit: int | None = None
         self.pending_owners: dict[str, PendingOwner] = {}
+        self.broken_namespaces: set[tuple] = set()
+        self.faults = 0
         self._extra_freed = 0
         super().__init__(params)
 
@@ -214,6 +218,16 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             state = req._kvcmas_state = _RequestState(options, split)
         return state
 
+    def _fault(self, req: Req, where: str) -> None:
+        """Log an internal error of ours for one request and stop sharing in its namespace
+        (every later request there is served as by the radix cache); the scheduler goes on."""
+        ns = namespace_of(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+        self.broken_namespaces.add(ns)
+        self.faults += 1
+        self.pending_owners.pop(req.rid, None)
+        logger.exception("sglang-kvcmas: internal error in %s for request %s; sharing is off "
+                         "for its namespace from now on", where, req.rid)
+
     def split_of(self, req: Req) -> AgentSplit | None:
         """The request's agent split; None: not an agent request."""
         return self._state(req).split
@@ -249,6 +263,16 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req = params.req
         if not self.share_context or self.disable or req is None or self.page_size != 1:
             return base
+        if namespace_of(params.key.extra_key, params.key.cache_salt) in self.broken_namespaces:
+            return base
+        try:
+            return self._match_shared(params, base, req)
+        except Exception:  # our bug must not take the scheduler down: serve it exactly
+            self._fault(req, "match")
+            return base
+
+    def _match_shared(self, params: MatchPrefixParams, base: MatchResult, req: Req) -> MatchResult:
+        """The radix match ``base`` continued into the shared tree, when borrowing pays."""
         split = self.split_of(req)
         if split is None or base.device_prefix_len < split.head_len or self.wants_exact(req):
             return base  # unknown agent head, or asked to: compute it (and be an exact owner)
@@ -362,6 +386,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         super().maybe_hand_to_session(req)
         if not self.share_context:
             return
+        try:
+            self._hand_off(req)
+        except Exception:  # the row already holds borrowed slots: fail this one request
+            self._fault(req, "hand-off")
+            req.kvcmas_row = None
+            if isinstance(req.last_node, SharedPrefixHandle):
+                req.to_finish = FINISH_ABORT(
+                    "sglang-kvcmas: internal error while preparing this request's shared KV "
+                    "(logged); retry it", HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+
+    def _hand_off(self, req: Req) -> None:
+        """Accounting, the row's spans and head-mass probe, and the pending-owner entry."""
         split = self.split_of(req)
         handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
         spans = probe = None
@@ -399,15 +435,22 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return super().checkpoint(req, up_to=up_to, **kwargs)
         split = self.split_of(req)
         if isinstance(req.last_node, SharedPrefixHandle):
-            self._adopt_recomputed(req, req.last_node, up_to)
-            self._register_borrowed(req, req.last_node, up_to)
+            try:
+                self._adopt_recomputed(req, req.last_node, up_to)
+                self._register_borrowed(req, req.last_node, up_to)
+            except Exception:  # what it computed is not shared; its slots go at release
+                self._fault(req, "checkpoint")
         else:
             if split is not None and req.finished() and not self.cache_agent_outputs:
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
-            if split is not None:
-                self._register_exact(req, split, up_to)
+            if split is not None and namespace_of(req.extra_key, req.cache_salt) \
+                    not in self.broken_namespaces:
+                try:
+                    self._register_exact(req, split, up_to)
+                except Exception:  # the radix cache holds its KV; only sharing is lost
+                    self._fault(req, "checkpoint")
         if split is None or req.finished() or up_to >= split.shared_end:
             # A chunked owner stays pending until its last chunk: its readers wait for all of
             # the segment rather than start on the part its first chunks published.

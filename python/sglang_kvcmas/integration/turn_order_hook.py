@@ -38,6 +38,8 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
         if exact < split.head_len:
             continue  # its head is not cached: it cannot borrow anyway
         ns = namespace_of(req.extra_key, req.cache_salt)
+        if ns in cache.broken_namespaces:
+            continue  # sharing is off there: nothing to wait for
         shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
         available, _ = cache.shared.match(ns, shared, split=False)
         out.append(
@@ -63,7 +65,12 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     for rid in [r for r in _held_since if r not in live]:
         del _held_since[rid]
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
-    plan = plan_turns(_candidates(cache, waiting, now), in_flight, config)
+    try:
+        plan = plan_turns(_candidates(cache, waiting, now), in_flight, config)
+    except Exception:  # our bug must not take the scheduler down: nobody waits this pass
+        cache.faults += 1
+        logger.exception("sglang-kvcmas: turn order failed; this pass holds nobody back")
+        return original(scheduler, *args, **kwargs)
     if not plan.deferred:
         return original(scheduler, *args, **kwargs)
     for rid in plan.deferred:
