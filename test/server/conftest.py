@@ -1,7 +1,10 @@
-"""One sglang-kvcmas server for every server test in the session (booting costs ~40 s).
+"""Two sglang-kvcmas servers shared by the server tests of a session (booting costs ~40 s each).
 
-The server runs through our launcher with its defaults (embedded model, CPU settings, ``kvcmas``
-tree cache) on a free port in 30000–30999, with the sgl_kernel stand-in's call log enabled.
+``server`` runs through our launcher with its defaults (embedded model, CPU settings, ``kvcmas``
+tree cache, sharing off) on a free port in 30000–30999, with the sgl_kernel stand-in's call log
+enabled. ``sharing_server`` has sharing on, a small KV pool (4096 tokens) and chunked prefill
+(256), so the reliability suite meets eviction and chunk boundaries. ``any_server`` runs a test
+on both.
 """
 
 from __future__ import annotations
@@ -40,3 +43,28 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
         yield RunningServer(process.url, process.log_path, standin_log)
     finally:
         process.stop()
+
+
+SHARING_FLAGS = ["--kvcmas-share-context", "--max-total-tokens", "4096",
+                 "--chunked-prefill-size", "256"]
+
+
+@pytest.fixture(scope="session")
+def sharing_server(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    workdir = tmp_path_factory.mktemp("kvcmas-sharing-server")
+    standin_log = workdir / "sgl_kernel_standin_calls.log"
+    process = ServerProcess(
+        args=SHARING_FLAGS, log_path=workdir / "server.log",
+        env={"KVCMAS_SGL_KERNEL_STANDIN_LOG": str(standin_log)}, boot_timeout_s=300,
+    )
+    process.start()
+    try:
+        yield RunningServer(process.url, process.log_path, standin_log)
+    finally:
+        process.stop()
+
+
+@pytest.fixture(params=["sharing_off", "sharing_on"])
+def any_server(request: pytest.FixtureRequest) -> RunningServer:
+    return request.getfixturevalue("server" if request.param == "sharing_off"
+                                   else "sharing_server")

@@ -10,8 +10,8 @@ from sglang_kvcmas.examples.debate import CHAT_TEMPLATE, DEFAULT_AGENTS, run_deb
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
-def test_short_debate_reports_cache_reuse(server):
-    backend = sgl.RuntimeEndpoint(server.url, chat_template_name=CHAT_TEMPLATE)
+def test_short_debate_reports_cache_reuse(any_server):
+    backend = sgl.RuntimeEndpoint(any_server.url, chat_template_name=CHAT_TEMPLATE)
     backend.flush_cache()
     agents = DEFAULT_AGENTS[:2]
     run = run_debate(backend, "What is 3 + 4?", "7", agents=agents, rounds=2, max_new_tokens=6)

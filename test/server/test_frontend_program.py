@@ -20,8 +20,8 @@ def judge_then_explain(s, question: str):
     s += "Reasons: " + " / ".join(b["reason"] for b in branches)
 
 
-def test_fork_and_select(server):
-    backend = sgl.RuntimeEndpoint(server.url)
+def test_fork_and_select(any_server):
+    backend = sgl.RuntimeEndpoint(any_server.url)
     state = judge_then_explain.run(question="Is water wet?", backend=backend)
     assert state.error() is None
     assert state["verdict"] in ("yes", "no")

@@ -616,3 +616,16 @@ def test_a_fault_at_hand_off_fails_only_that_reader(monkeypatch):
     assert spans is None and b2.to_finish is not None  # aborted with a message, not raised
     assert "internal error" in b2.to_finish.message and h.cache.faults == 1
     assert h.cache.shared.check_invariants() == []
+
+
+def test_requests_that_never_reach_release_leave_nothing_behind():
+    """A request parsed while it waits (turn order reads its split every pass) and then aborted
+    before it is scheduled never reaches ``on_release``; the cache keeps nothing for it."""
+    h = Harness()
+    a = head(50, 20)
+    sizes = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
+    for i in range(50):
+        waiting = Req(f"w{i}", a + T1 + [300 + i] + SUFFIX)
+        assert h.cache.split_of(waiting) is not None and not h.cache.wants_exact(waiting)
+    after = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
+    assert after == sizes

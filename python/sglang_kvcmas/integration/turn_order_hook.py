@@ -26,6 +26,11 @@ admitted, and a bound from arrival then released readers to recompute what their
 computing."""
 
 
+def held_count() -> int:
+    """Requests the hook is holding back right now (for ``/server_info``)."""
+    return len(_held_since)
+
+
 def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
     from sglang_kvcmas.integration.shared_tree_cache import namespace_of
 
