@@ -84,7 +84,7 @@ from sglang_kvcmas.policy.recompute import (
 )
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
-from sglang_kvcmas.tree.agent_split import AgentSplit, ChatTemplateIds, chat_ids_for, split_request
+from sglang_kvcmas.tree.agent_split import AgentSplit, ChatTemplateIds, split_request
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
     adopt_recomputed,
@@ -138,18 +138,28 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         chat_ids: ChatTemplateIds | None = None,
         share_context: bool | None = None,
         config: ServingConfig | None = None,
+        chunk_limit: int = 0,
     ):
+        """
+        Args:
+            chat_ids: the served tokenizer's ChatML delimiters (None: no ChatML detection;
+                requests then name their head explicitly).
+            share_context: overrides ``config.share_context`` (tests).
+            config: the serving knobs (default: read from the environment once).
+            chunk_limit: SGLang's chunked-prefill size (0: no chunking). A row whose extend
+                would be chunked never recomputes borrowed tokens: each chunk re-matches.
+        """
         config = config or ServingConfig.from_env()
         if share_context is not None:
             config = config.with_values(share_context=share_context)
         self.config = config
         self.shared = SharedTree(self._free_slots)
-        self._chat_ids = chat_ids
+        self.chat_ids = chat_ids
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
         self.recompute_config = RecomputeConfig.from_serving(config)
         self.turn_config = TurnConfig.from_serving(config)
-        self._chunk_limit: int | None = None
+        self.chunk_limit = chunk_limit
         self.pending_owners: dict[str, PendingOwner] = {}
         self.broken_namespaces: set[tuple] = set()
         self.faults = 0
@@ -161,34 +171,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _free_slots(self, slots: torch.Tensor) -> None:
         if self.token_to_kv_pool_allocator is not None and slots.numel():
             self.token_to_kv_pool_allocator.free(slots.to(self.device))
-
-    @property
-    def chat_ids(self) -> ChatTemplateIds | None:
-        """ChatML delimiter ids, read from the served tokenizer on first use."""
-        if self._chat_ids is None:
-            try:
-                from sglang.srt.runtime_context import get_server_args
-
-                args = get_server_args()
-                path = getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None)
-            except Exception:  # no server context (unit tests): no ChatML detection
-                path = None
-            self._chat_ids = chat_ids_for(path) or False
-        return self._chat_ids or None
-
-    @property
-    def chunk_limit(self) -> int:
-        """SGLang's chunked-prefill size (0: no chunking). A row whose extend would be chunked
-        never recomputes borrowed tokens: each chunk re-matches its prefix."""
-        if self._chunk_limit is None:
-            try:
-                from sglang.srt.runtime_context import get_server_args
-
-                size = getattr(get_server_args(), "chunked_prefill_size", None)
-            except Exception:  # no server context (unit tests)
-                size = None
-            self._chunk_limit = int(size) if size and size > 0 else 0
-        return self._chunk_limit
 
     @property
     def head_preamble(self) -> int:

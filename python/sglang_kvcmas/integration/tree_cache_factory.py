@@ -63,7 +63,9 @@ def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache
                 f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
             )
     chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
-    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, config=config)
+    chunk = getattr(args, "chunked_prefill_size", None)
+    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, config=config,
+                                  chunk_limit=int(chunk) if chunk and chunk > 0 else 0)
     cls = type(cache)
     logger.info(
         "sglang-kvcmas: tree cache %s.%s in use (radix cache backend %r, page_size=%d, "
