@@ -204,7 +204,7 @@ class ServingConfig:
         "every turn, so leaf memory stays bounded.", kind=float, low=0, high=1, optional=True)
 
     def __post_init__(self) -> None:
-        for knob in KNOBS if "KNOBS" in globals() else ():
+        for knob in KNOBS:  # defined below, before any instance exists
             knob.parse(getattr(self, knob.name), knob.name)
 
     @classmethod
@@ -223,6 +223,7 @@ class ServingConfig:
         return {k.env: k.to_text(getattr(self, k.name)) for k in KNOBS if not k.launcher_only}
 
     def with_values(self, **values: Any) -> ServingConfig:
+        """A copy with some knobs changed (validated)."""
         return replace(self, **values)
 
 

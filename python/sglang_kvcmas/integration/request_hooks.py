@@ -31,15 +31,12 @@ GENERATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.genera
 VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
-def _sampling_dicts(obj: Any) -> list[dict]:
-    """The request's sampling-params dicts (one per prompt), created where absent."""
+def _sampling_dicts(obj: Any, create: bool) -> list[dict]:
+    """The request's sampling-params dicts (one per prompt); one is created where absent when
+    ``create`` (a header must be applied)."""
     params = getattr(obj, "sampling_params", None)
-    if params is None:
-        params = {}
-        try:
-            obj.sampling_params = params
-        except AttributeError:  # not a generate request (embeddings): nothing of ours
-            return []
+    if params is None and create and hasattr(obj, "sampling_params"):
+        params = obj.sampling_params = {}
     if isinstance(params, dict):
         return [params]
     if isinstance(params, list):
@@ -54,7 +51,7 @@ def label_and_check(obj: Any, headers: Any) -> None:
         RequestOptionError: (a ``ValueError``) naming the field.
     """
     workflow = headers.get(WORKFLOW_HEADER) if headers is not None else None
-    for params in _sampling_dicts(obj):
+    for params in _sampling_dicts(obj, create=workflow is not None):
         custom = params.get("custom_params")
         if workflow is not None:
             if custom is None:
