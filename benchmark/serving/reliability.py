@@ -332,8 +332,8 @@ def too_long(url: str, p: Prompts, cat: Category, quick: bool, pool: int, contex
     if len(over_pool) < context:  # under the context but past the pool
         judge_invalid(cat, call(url, "/generate", generate_body(over_pool), timeout=120),
                       "past the pool", None)
-    fits = p.ids("Cleo", p.filler(pool // 2, 1))
-    judge_valid(cat, call(url, "/generate", generate_body(fits)), "half the pool")
+    fits = p.ids("Cleo", p.filler(min(pool, context) // 2, 1))
+    judge_valid(cat, call(url, "/generate", generate_body(fits)), "half the pool or context")
 
 
 def same_name(url: str, p: Prompts, cat: Category, quick: bool) -> None:
