@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for the delta-attention kernels. On a machine with a CUDA GPU:
 #   1. installs the GPU extras if missing (KVCMAS_GPU=1 scripts/install.sh),
-#   2. runs every kernel test on CUDA (test/kernels: Triton kernels vs. the torch reference in fp32
+#   2. runs every kernel test on CUDA (test/lab/kernels: Triton kernels vs. the torch reference in fp32
 #      and bf16, the extended grid, the FlashInfer variant, which JIT-compiles on first use),
 #   3. runs the GPU micro-benchmark (delta attention vs. plain FlashInfer over base KV vs.
 #      materializing per-agent KV first),
@@ -54,7 +54,7 @@ export KVCMAS_KERNEL_TESTS_FULL=1
 log "GPU: $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'), arch $FLASHINFER_CUDA_ARCH_LIST"
 
 # Kernel tests on CUDA (no interpreter: conftest only sets TRITON_INTERPRET without a GPU).
-step kernel_tests 420 "$PY" -m pytest test/kernels -q -rA -p no:cacheprovider \
+step kernel_tests 420 "$PY" -m pytest test/lab/kernels -q -rA -p no:cacheprovider \
   --junitxml="$OUT_DIR/kernel_tests.xml"
 "$PY" - "$OUT_DIR/kernel_tests.xml" "$OUT_DIR/kernel_tests.jsonl" <<'PY' || log "no junit xml"
 import json, sys, xml.etree.ElementTree as ET

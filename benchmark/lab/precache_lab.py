@@ -10,7 +10,7 @@ segment each agent reads it as the next speaker would:
   output teacher-forced: top-1 agreement and mean KL (``common`` / ``correction.fidelity``);
   greedy exact match and first divergence are read off teacher forcing (greedy decoding agrees
   with the reference exactly until the first teacher-forced top-1 miss; tested in
-  test/correction/test_precache.py);
+  test/lab/correction/test_precache.py);
 - time to first token: the method's whole critical path (catch-up prefill, input encoding,
   rebuilds, recompute, split reads, the opener), all methods timed side by side per reader,
   median of repeats; ``rebase_alongside``'s rebuild is reported separately as background work;

@@ -14,7 +14,7 @@ LoRA wrapper on ``q_proj`` etc. still applies) but does attention itself:
   over a cache that holds the rest.
 
 Batch of one sequence; shapes below omit the batch. It is a measuring instrument, not a server:
-clarity and exactness come first, and it matches the HF forward (see test/models).
+clarity and exactness come first, and it matches the HF forward (see test/lab/models).
 """
 
 from __future__ import annotations
