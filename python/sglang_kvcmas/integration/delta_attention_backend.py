@@ -124,7 +124,6 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
 
     def _probes(self, req_pool_indices: torch.Tensor) -> list[HeadMassProbe | None]:
         n = req_pool_indices.shape[0]
-
         if self._layer_id % PROBE_EVERY != PROBE_PHASE or self._batch_rows is None:
             return [None] * n
         return [e.probe if (e := self._entry(i)) is not None else None for i in range(n)]
