@@ -7,9 +7,19 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.shifted_query import shift_runs, shifted_query_decode
+from sglang_kvcmas.attention.shifted_query import (
+    key_shift_index,
+    shift_runs,
+    shifted_query_decode,
+)
 from sglang_kvcmas.attention.span_reads import transform_spans
 from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
+
+
+def test_key_shift_index_follows_the_runs():
+    shifts, runs = shift_runs(12, [(2, 5, -3), (8, 10, 4)])
+    assert key_shift_index(12, runs).tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 2, 2, 0, 0]
+    assert shifts.tolist() == [0, -3, 4]
 
 
 def test_shift_runs_cover_the_row_and_merge_equal_neighbours():
@@ -26,6 +36,8 @@ CASES = [
     (17, 9, 3, [(2, 7, -5)]),
     (130, 6, 2, [(5, 40, 11), (45, 50, -29), (95, 35, 11)]),
     (257, 4, 1, [(0, 100, 3), (100, 1, -1), (200, 80, 250)]),  # last span clipped by n_kv
+    # exact leaves scattered through borrowed spans: a hundred runs, two owners
+    (987, 9, 3, [(100 + 9 * j, 8, -40 if j % 3 else 17) for j in range(90)]),
 ]
 
 
@@ -41,7 +53,8 @@ def test_shifted_query_decode_equals_rotated_keys(n_kv, h, hkv, spans):
         q[None], k_ref.movedim(0, 1)[None], v_ref.movedim(0, 1)[None], enable_gqa=True
     )[0]
     shifts, runs = shift_runs(n_kv, [(s[0], s[0] + s[1], s[2]) for s in spans])
-    out = shifted_query_decode(q, k.movedim(0, 1), v.movedim(0, 1), shifts, runs, inv, d**-0.5)
+    out = shifted_query_decode(q, k.movedim(0, 1), v.movedim(0, 1), shifts,
+                               key_shift_index(n_kv, runs), inv, d**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 

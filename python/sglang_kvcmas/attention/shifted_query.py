@@ -6,9 +6,11 @@ A reader's row holds borrowed keys rotated at the owner's positions; the span's 
     q · R(δ)·k = (R(−δ)·q) · k
 
 For one decode query that turns a rotation of every borrowed key, at every layer and step, into
-one rotation of the query per distinct shift (a few per row); each contiguous run of keys of
-one shift is scored with its rotated query. The query-key products are the same as without
-shifts, so a shifted row decodes at plain-attention cost.
+one rotation of the query per distinct shift (a few per row). Every key is scored against every
+rotated query in one product, and each key keeps the score of its own shift (a gather by the
+key's shift index): S times the query-key products, no Python loop over the row's runs. A row
+whose exact leaves are scattered through its borrowed spans has hundreds of runs, and a loop over
+them cost more than the attention itself.
 
 The reference is :func:`sglang_kvcmas.attention.span_reads.transform_spans`
 followed by SDPA; ``test/serving/test_shifted_query.py`` compares the two.
@@ -51,23 +53,33 @@ def shift_runs(
     return torch.tensor(distinct, dtype=torch.int64), tuple(tuple(r) for r in runs)
 
 
+def key_shift_index(n_kv: int, runs: tuple[tuple[int, int, int], ...],
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n_kv] int64: for each key, the index into ``shifts`` it is read at (``shift_runs``)."""
+    idx = torch.zeros(n_kv, dtype=torch.int64)
+    for start, end, i in runs:
+        if i:
+            idx[start:end] = i
+    return idx.to(device)
+
+
 def shifted_query_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     shifts: torch.Tensor,
-    runs: tuple[tuple[int, int, int], ...],
+    key_shift: torch.Tensor,
     inv_freq: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query per head over keys read at per-run shifts.
+    """Attention of one query per head over keys read at per-key shifts.
 
     Args:
         q: [H, 1, d] query (RoPE applied at the reader's position).
         k: [H_kv, n_kv, d] keys as the pool stores them (owner positions); H % H_kv == 0.
         v: [H_kv, n_kv, d] values.
         shifts: [S] int64 distinct shifts (``shift_runs``).
-        runs: ``(start, end, i)`` runs covering ``[0, n_kv)``, keys of run read at ``shifts[i]``.
+        key_shift: [n_kv] int64 index into ``shifts`` per key (``key_shift_index``).
         inv_freq: [d // 2] float32 RoPE frequencies.
         scale: softmax scale.
     Returns:
@@ -75,13 +87,12 @@ def shifted_query_decode(
         precedes the query, so no mask).
     """
     h, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
-    g = h // hkv
+    g, n_kv = h // hkv, k.shape[1]
     cos, sin = rope_cos_sin(-shifts.to(q.device), inv_freq.to(q.device))  # [S, d/2] each
     qf = q.reshape(hkv, g, d).to(torch.float32)
     q_s = rotate_halves(qf, cos[:, None, None, :], sin[:, None, None, :]) * scale  # [S, H_kv, g, d]
-    kf = k.to(torch.float32)
-    scores = torch.empty((hkv, g, k.shape[1]), dtype=torch.float32, device=q.device)
-    for start, end, i in runs:
-        scores[:, :, start:end] = q_s[i] @ kf[:, start:end].transpose(1, 2)
+    scores_all = q_s @ k.to(torch.float32).transpose(1, 2).unsqueeze(0)  # [S, H_kv, g, n_kv]
+    index = key_shift[:n_kv].view(1, 1, 1, n_kv).expand(1, hkv, g, n_kv)
+    scores = scores_all.gather(0, index)[0]  # [H_kv, g, n_kv]
     out = torch.softmax(scores, dim=-1) @ v.to(torch.float32)  # [H_kv, g, d]
     return out.reshape(h, 1, d).to(q.dtype)

@@ -36,7 +36,11 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.shifted_query import shift_runs, shifted_query_decode
+from sglang_kvcmas.attention.shifted_query import (
+    key_shift_index,
+    shift_runs,
+    shifted_query_decode,
+)
 from sglang_kvcmas.attention.span_reads import head_mass, transform_spans
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
 from sglang_kvcmas.integration.batch_rows import rows_of_forward
@@ -204,9 +208,9 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             if row is not None:
                 # Rotate the query per shift instead of every borrowed key.
                 k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, None)
-                shifts, runs = self._shift_runs(i, n_kv, row)
+                shifts, key_shift = self._shift_runs(i, n_kv, row, q.device)
                 out = shifted_query_decode(
-                    q, k, v, shifts, runs, self.inv_freq,
+                    q, k, v, shifts, key_shift, self.inv_freq,
                     scaling if scaling is not None else q.shape[-1] ** -0.5,
                 )
             else:
@@ -218,12 +222,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
 
-    def _shift_runs(self, i: int, n_kv: int, row: RowSpans):
+    def _shift_runs(self, i: int, n_kv: int, row: RowSpans, device) -> tuple:
+        """(shifts, per-key shift index) of batch row ``i``, once per forward."""
         key = (i, n_kv)
         if key not in self._groups:
-            self._groups[key] = shift_runs(
-                n_kv, [(r.start, r.end, r.shift) for r in row.reads]
-            )
+            shifts, runs = shift_runs(n_kv, [(r.start, r.end, r.shift) for r in row.reads])
+            self._groups[key] = (shifts, key_shift_index(n_kv, runs, device))
         return self._groups[key]
 
     def _gather(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row):
