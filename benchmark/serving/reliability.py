@@ -485,7 +485,9 @@ def crashes(url: str, log: Path) -> int:
 
 def summary_line(cats: list[Category], scheduler_crashes: int) -> str:
     total = sum((c.counts for c in cats), Counter())
-    leaked = sum(max(c.leaked_slots, 0) for c in cats[-1:])  # at the end, after everything
+    # at the end, after everything; -1: the pool could not be read, which is no pass
+    leaked = cats[-1].leaked_slots if cats else 0
+    leaked = "unknown" if leaked < 0 else leaked
     return (f"RELIABILITY sent={total['sent']} completed={total['completed']} "
             f"clear_errors={total['clear_errors']} lost={total['lost']} leaked_slots={leaked} "
             f"scheduler_crashes={scheduler_crashes} dropped_by_client={total['dropped']}")

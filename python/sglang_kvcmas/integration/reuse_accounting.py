@@ -118,6 +118,13 @@ def records_of(responses: list[dict]) -> list[dict] | None:
     return out
 
 
+def cached_tokens(records: list[dict]) -> int:
+    """Prompt tokens read from any cache (exact, corrected or re-positioned), over ``records``:
+    ``cached_tokens`` when SGLang reported none."""
+    return sum(r["reused_exact"] + r["reused_corrected"] + r["reused_repositioned"]
+               for r in records)
+
+
 def usage_fields(records: list[dict]) -> dict[str, Any]:
     """``prompt_tokens_details`` fields for the records of one response (one per prompt)."""
     out: dict[str, Any] = {f"kvcmas_{name}": sum(r.get(name, 0) for r in records)
@@ -141,9 +148,7 @@ def with_records(usage: Any, records: list[dict]) -> Any:
 
     details = usage.prompt_tokens_details
     if details is None:
-        cached = sum(r["reused_exact"] + r["reused_corrected"] + r["reused_repositioned"]
-                     for r in records)
-        details = PromptTokensDetails(cached_tokens=cached)
+        details = PromptTokensDetails(cached_tokens=cached_tokens(records))
     usage.prompt_tokens_details = _details_with(details, usage_fields(records))
     return usage
 

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
-from sglang_kvcmas.integration.reuse_accounting import META_KEY, usage_fields
+from sglang_kvcmas.integration.reuse_accounting import META_KEY, cached_tokens, usage_fields
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,7 @@ def with_usage(chunk: Any, records: dict[int, dict], n_choices: int = 1) -> Any:
         if not isinstance(usage, dict) or body.get("choices"):
             return chunk
         firsts = [records[i] for i in sorted(records) if i % n_choices == 0]
-        details = usage.get("prompt_tokens_details") or {
-            "cached_tokens": sum(r["reused_exact"] + r["reused_corrected"]
-                                 + r["reused_repositioned"] for r in firsts)}
+        details = usage.get("prompt_tokens_details") or {"cached_tokens": cached_tokens(firsts)}
         usage["prompt_tokens_details"] = {**details, **usage_fields(firsts)}
         return f"data: {json.dumps(body)}\n\n"
     except Exception:  # accounting must never fail a response
