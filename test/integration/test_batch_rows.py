@@ -21,7 +21,7 @@ def _req(rid, row=None):
 
 
 def test_rows_follow_the_batch_and_are_none_when_nothing_is_borrowed():
-    row = BatchRow(RowSpans("b", (SharedSpan(2, 3, 1),)))
+    row = BatchRow(RowSpans.of_reads("b", (SharedSpan(2, 3, 1),)))
     reqs = [_req("a"), _req("b", row), _req("c")]
     fb = attach_rows(FakeForwardBatch(3, ["a", "b", "c"]), FakeForwardBatch,
                      SimpleNamespace(reqs=reqs), "runner")
@@ -32,7 +32,7 @@ def test_rows_follow_the_batch_and_are_none_when_nothing_is_borrowed():
 
 
 def test_rows_survive_the_runner_copy_and_never_leak_into_a_later_batch():
-    a = _req("a", BatchRow(RowSpans("a", (SharedSpan(0, 4, 2),))))
+    a = _req("a", BatchRow(RowSpans.of_reads("a", (SharedSpan(0, 4, 2),))))
     first = attach_rows(FakeForwardBatch(1, ["a"]), FakeForwardBatch, SimpleNamespace(reqs=[a]),
                         "runner")
     copied = dataclasses.replace(first, batch_size=1)  # what SGLang's eager runner does

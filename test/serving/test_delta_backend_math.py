@@ -18,14 +18,14 @@ def test_shift_equals_reference_and_recomputation():
     pool_k, pool_v = torch.randn(50, 3, 64), torch.randn(50, 3, 64)
     idx = torch.randperm(50)[:30]
     spans = (SharedSpan(4, 9, shift=-7), SharedSpan(13, 5, shift=11))
-    k = transform_spans(pool_k[idx].clone(), RowSpans("r", spans), inv, {})
+    k = transform_spans(pool_k[idx].clone(), RowSpans.of_reads("r", spans), inv, {})
     ref_k, ref_v = reader_kv(pool_k, pool_v, DeltaRequest(idx, 3, spans), None, inv)
     torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_v[idx], ref_v)  # values are read as stored
     # a key rotated at owner position p, shifted by d, equals the key rotated at p + d
     raw = torch.randn(9, 3, 64)
     owner = apply_rope(raw, torch.arange(20, 29), inv)
-    row = RowSpans("r", (SharedSpan(0, 9, shift=-15),))
+    row = RowSpans.of_reads("r", (SharedSpan(0, 9, shift=-15),))
     shifted = transform_spans(owner.clone(), row, inv)
     torch.testing.assert_close(shifted, apply_rope(raw, torch.arange(5, 14), inv), atol=1e-4,
                                rtol=1e-4)
@@ -67,7 +67,7 @@ def test_recomputed_tokens_extend_equals_attention_in_position_order():
     req_to_token = torch.zeros(2, 64, dtype=torch.int64)
     req_to_token[1, :n] = slots
     be = _backend()
-    be._batch_rows = (BatchRow(RowSpans("r", (SharedSpan(own, len(borrowed), shift),),
+    be._batch_rows = (BatchRow(RowSpans.of_reads("r", (SharedSpan(own, len(borrowed), shift),),
                                         RecomputedTokens(prefix_len, tuple(moved), moved),
                                         torch.tensor(order[: prefix_len + len(moved)]))),)
     ext = order[prefix_len:]
@@ -86,7 +86,7 @@ def test_recomputed_tokens_are_placed_at_their_true_positions():
     import pytest
 
     be = _backend()
-    be._batch_rows = (None, BatchRow(RowSpans(
+    be._batch_rows = (None, BatchRow(RowSpans.of_reads(
         "r", (SharedSpan(2, 4, 1),), RecomputedTokens(6, (71, 72), (2, 3)),
         torch.tensor([0, 1, 4, 5, 6, 7, 2, 3]))))
     batch = SimpleNamespace(

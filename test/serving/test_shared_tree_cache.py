@@ -311,6 +311,29 @@ def test_recomputed_boundary_becomes_the_readers_delta_leaf():
     assert_slots_conserved(h)
 
 
+def test_eviction_frees_leaves_and_owned_nodes_before_exact_radix_nodes():
+    """What is cheapest to lose goes first: a reader's delta leaves and the approximate nodes
+    it owns are evicted before any exact radix node (the owners' paths anchoring the bases)."""
+    k = 4
+    h = Harness(boundary=k)
+    a, b, c = head(50, 20), head(60, 8), head(70, 12)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1), ("c1", c, 2)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2[:10] + SUFFIX), 3)
+    h.serve(Req("b2", b + T1 + T2 + SUFFIX), 4)  # leaves on a's T2[:10], owns T2[10:]
+    leaves, owned = h.cache.shared.delta_tokens(), h.cache.shared.owned_size
+    assert leaves == k and owned > leaves
+    radix = h.cache.evictable_size() - h.cache.shared.evictable_owned_size()
+    assert h.cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted >= 1
+    assert h.cache.evictable_size() - h.cache.shared.evictable_owned_size() == radix
+    h.cache.evict(EvictParams(num_tokens=h.cache.shared.owned_size))
+    assert h.cache.shared.owned_size == 0  # every leaf and owned node went first
+    assert h.cache.evictable_size() == radix  # and no exact radix node
+    h.cache.evict(EvictParams(num_tokens=1))
+    assert h.cache.evictable_size() < radix  # only then the radix LRU
+    assert_slots_conserved(h)
+
+
 def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     """The owner's pass records each new shared token's head mass on the shared node; a reader
     recomputes its boundary plus the largest-mass tokens (mass_fraction of what it borrows)."""

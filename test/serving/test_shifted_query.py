@@ -7,27 +7,31 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.shifted_query import (
-    key_shift_index,
-    shift_runs,
-    shifted_query_decode,
-)
-from sglang_kvcmas.attention.span_reads import transform_spans
-from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans
+from sglang_kvcmas.attention.spans import BatchRow, KeyShifts, RowSpans, SharedSpan
 
 
-def test_key_shift_index_follows_the_runs():
-    shifts, runs = shift_runs(12, [(2, 5, -3), (8, 10, 4)])
-    assert key_shift_index(12, runs).tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 2, 2, 0, 0]
-    assert shifts.tolist() == [0, -3, 4]
+def test_key_shifts_of_a_row_put_zero_first_and_keep_runs():
+    ks = KeyShifts.of_row(2, torch.tensor([3, 3, 0, -5, -5, 3]))
+    assert ks.shifts.tolist() == [0, -5, 3]
+    assert ks.index.tolist() == [0, 0, 2, 2, 0, 1, 1, 2]
+    assert ks.index_upto(10).tolist() == [0, 0, 2, 2, 0, 1, 1, 2, 0, 0]
+    assert ks.spans() == (SharedSpan(2, 2, 3), SharedSpan(5, 2, -5), SharedSpan(7, 1, 3))
+    assert KeyShifts.of_spans(ks.spans()).spans() == ks.spans()
+    assert not KeyShifts.of_row(4, torch.zeros(6, dtype=torch.int64)).any
 
 
-def test_shift_runs_cover_the_row_and_merge_equal_neighbours():
-    shifts, runs = shift_runs(20, [(2, 5, -3), (5, 9, -3), (12, 30, 7)])
-    assert shifts.tolist() == [0, -3, 7]
-    assert runs == ((0, 2, 0), (2, 9, 1), (9, 12, 0), (12, 20, 2))
-    assert shift_runs(6, [])[1] == ((0, 6, 0),)
-    assert shift_runs(6, [(6, 9, 4)])[1] == ((0, 6, 0),)  # a span past the row is ignored
+def test_grouped_order_is_a_permutation_with_one_group_per_shift():
+    ks = KeyShifts.of_row(2, torch.tensor([3, 3, 0, -5, -5, 3]))
+    order, groups = ks.grouped(10)
+    assert sorted(order.tolist()) == list(range(10))
+    index = ks.index_upto(10)
+    for lo, hi, i in groups:
+        assert (index[order[lo:hi]] == i).all()
+    assert groups[-1] == (5, 10, 0) and order[-2:].tolist() == [8, 9]  # own tokens last
+    with pytest.raises(ValueError, match="shorter"):
+        ks.grouped(5)
 
 
 CASES = [
@@ -42,23 +46,27 @@ CASES = [
 
 
 @pytest.mark.parametrize("n_kv,h,hkv,spans", CASES)
-def test_shifted_query_decode_equals_rotated_keys(n_kv, h, hkv, spans):
+def test_grouped_decode_equals_rotated_keys(n_kv, h, hkv, spans):
     torch.manual_seed(n_kv)
     d, inv = 64, rope_inv_freq(64, 1e5)
     q = torch.randn(h, 1, d)
     k, v = torch.randn(n_kv, hkv, d), torch.randn(n_kv, hkv, d)
-    row = RowSpans("r", tuple(SharedSpan(*s) for s in spans))
+    row = RowSpans.of_reads("r", tuple(SharedSpan(*s) for s in spans))
     k_ref, v_ref = transform_spans(k.clone(), row, inv), v
     ref = scaled_dot_product_attention(
         q[None], k_ref.movedim(0, 1)[None], v_ref.movedim(0, 1)[None], enable_gqa=True
     )[0]
-    shifts, runs = shift_runs(n_kv, [(s[0], s[0] + s[1], s[2]) for s in spans])
-    out = shifted_query_decode(q, k.movedim(0, 1), v.movedim(0, 1), shifts,
-                               key_shift_index(n_kv, runs), inv, d**-0.5)
+    full = row.key_shifts
+    ks = KeyShifts.of_row(0, full.shifts[full.index_upto(n_kv)])  # the row clipped to n_kv
+    order, groups = ks.grouped(n_kv)
+    out = grouped_shift_decode(q, k[order].movedim(0, 1), v[order].movedim(0, 1), ks.shifts,
+                               groups, inv, d**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    rotated = rotate_keys(k, row.key_shifts, inv)  # the extend path's one-gather rotation
+    torch.testing.assert_close(rotated, k_ref, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_decode_takes_the_query_rotation_path_and_matches_the_reference():
+def test_backend_decode_takes_the_grouped_path_and_matches_the_reference():
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
 
     torch.manual_seed(0)
@@ -69,7 +77,7 @@ def test_backend_decode_takes_the_query_rotation_path_and_matches_the_reference(
     req_to_token = torch.zeros(4, 128, dtype=torch.int64)
     req_to_token[1, :40], req_to_token[3, :75] = torch.randperm(256)[:40], torch.randperm(256)[:75]
     query = torch.randn(2, h, d)
-    row = RowSpans("r", (SharedSpan(3, 30, -8), SharedSpan(33, 20, 5)))
+    row = RowSpans.of_reads("r", (SharedSpan(3, 30, -8), SharedSpan(33, 20, 5)))
     be._batch_rows = (None, BatchRow(row))  # the first row has no spans: the parent's path
     out = torch.empty_like(query)
     be._run_sdpa_forward_decode(query, out, k_cache, v_cache, req_to_token,

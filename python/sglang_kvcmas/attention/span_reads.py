@@ -3,9 +3,11 @@
 The attention backend (``integration/delta_attention_backend.py``) gathers a row's keys and
 values from the pool and calls these; they know nothing of SGLang.
 
-- :func:`transform_spans` re-positions the keys of each borrowed span by its shift
-  (``R(δ)·k``: the pool holds keys rotated at the owner's positions; values need nothing). It is
-  the reference of decode's query rotation (``shifted_query.py``).
+- :func:`rotate_keys` re-positions every borrowed key by its own shift (``R(δ)·k``: the pool
+  holds keys rotated at the owner's positions; values need nothing), one gather of cos/sin per
+  key and one rotation for the whole row, however many runs the row has.
+- :func:`transform_spans` does the same one span at a time: the reference that
+  :func:`rotate_keys` and decode's query rotation (``shifted_query.py``) are tested against.
 - :func:`head_mass` is the softmax mass each query puts on the agent head's key rows, which the
   owner's pass records for ``policy/recompute.py``.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
-from sglang_kvcmas.attention.spans import RowSpans
+from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
 
 PROBE_BLOCK = 256
 """Query rows scored at once by :func:`head_mass` (bounds its [H, block, n_kv] scores)."""
@@ -49,6 +51,28 @@ def transform_spans(
                 cos_sin_cache[span.shift] = cs
         k[sl] = rotate_halves(k[sl].to(torch.float32), *cs).to(k.dtype)
     return k
+
+
+def rotate_keys(k: torch.Tensor, key_shifts: KeyShifts, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Every key re-positioned by its shift (a new tensor; ``k`` is not modified).
+
+    Args:
+        k: [n, H_kv, d] keys gathered from the pool in row order.
+        key_shifts: the row's per-key shift map.
+        inv_freq: [d // 2] float32 RoPE frequencies.
+    Returns:
+        [n, H_kv, d] in ``k.dtype``; equals :func:`transform_spans` over the map's spans.
+    """
+    n = k.shape[0]
+    m = min(n, key_shifts.index.numel())
+    if m == 0 or not key_shifts.any:
+        return k
+    cos, sin = rope_cos_sin(key_shifts.shifts, inv_freq)  # [S, d/2]
+    idx = key_shifts.index[:m].to(k.device)
+    cos, sin = cos.to(k.device)[idx][:, None, :], sin.to(k.device)[idx][:, None, :]
+    out = k.clone()
+    out[:m] = rotate_halves(k[:m].to(torch.float32), cos, sin).to(k.dtype)
+    return out
 
 
 def head_mass(

@@ -13,7 +13,9 @@ Pure values and one small accumulator; no SGLang import.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -70,12 +72,108 @@ class RecomputedTokens:
 
 
 @dataclass(frozen=True)
+class KeyShifts:
+    """Per-key shift of one row's keys, as a gather map (any number of runs, no Python loop).
+
+    Attributes:
+        shifts: [S] int64 distinct shifts, ``shifts[0] == 0``.
+        index: [m] int64 index into ``shifts`` of row indices ``0 .. m-1``; row indices ``>= m``
+            are read at shift 0 (the row's own tokens after its borrowed part).
+    """
+
+    shifts: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def none(cls) -> KeyShifts:
+        return cls(torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+    @classmethod
+    def of_row(cls, start: int, shift: torch.Tensor) -> KeyShifts:
+        """Row indices ``start .. start + len(shift) - 1`` read at ``shift`` ([B] int64),
+        every row index before them at 0."""
+        shifts, inverse = torch.unique(torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                  shift.to(torch.int64)]), return_inverse=True)
+        zero = int(inverse[0])
+        if zero:  # put 0 first: swap it with whatever sorted before it
+            order = torch.arange(shifts.numel())
+            order[0], order[zero] = zero, 0
+            shifts, inverse = shifts[order], torch.argsort(order)[inverse]
+        index = torch.cat([torch.zeros(start, dtype=torch.int64), inverse[1:]])
+        return cls(shifts, index)
+
+    @classmethod
+    def of_spans(cls, reads: Sequence[SharedSpan]) -> KeyShifts:
+        """The map of sorted, disjoint spans (the reference construction)."""
+        end = max((r.end for r in reads), default=0)
+        shift = torch.zeros(end, dtype=torch.int64)
+        for r in reads:
+            shift[r.start : r.end] = r.shift
+        return cls.of_row(0, shift)
+
+    @property
+    def any(self) -> bool:
+        """Whether some key is read at a non-zero shift (every shift listed is some key's)."""
+        return self.shifts.numel() > 1
+
+    def index_upto(self, n: int) -> torch.Tensor:
+        """[n] int64 index into ``shifts`` of row indices ``0 .. n-1``."""
+        m = self.index.numel()
+        if n <= m:
+            return self.index[:n]
+        return torch.cat([self.index, torch.zeros(n - m, dtype=torch.int64)])
+
+    @cached_property
+    def _group_order(self) -> tuple[torch.Tensor, list[int]]:
+        """(order of row indices ``0 .. m-1`` with shift 0 last, keys per shift index)."""
+        idx, s = self.index, self.shifts.numel()
+        order = torch.sort(torch.where(idx == 0, s, idx), stable=True).indices
+        return order, torch.bincount(idx, minlength=s).tolist()
+
+    def grouped(self, n: int) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
+        """Row indices ``0 .. n-1`` ordered by shift: the order and its groups.
+
+        Args:
+            n: row length, at least ``len(index)`` (a decode row only grows).
+        Returns:
+            (order, groups): order [n] int64, a permutation of the row indices with each
+            non-zero shift's keys together (in ``shifts`` order), then the shift-0 keys, the
+            row's own tokens after its borrowed part last; groups ``(lo, hi, i)``:
+            ``order[lo:hi]`` are the keys read at ``shifts[i]``.
+        """
+        m = self.index.numel()
+        if n < m:
+            raise ValueError(f"row of {n} keys is shorter than its shift map ({m})")
+        order, counts = self._group_order
+        counts = [counts[0] + n - m, *counts[1:]]
+        groups, at = [], 0
+        for i in [*range(1, len(counts)), 0]:
+            if counts[i]:
+                groups.append((at, at + counts[i], i))
+                at += counts[i]
+        return torch.cat([order, torch.arange(m, n)]), tuple(groups)
+
+    def spans(self) -> tuple[SharedSpan, ...]:
+        """The runs of one non-zero shift, in row order."""
+        idx = self.index
+        if not idx.numel():
+            return ()
+        cut = (torch.nonzero(idx[1:] != idx[:-1]).flatten() + 1).tolist()
+        starts, ends = [0, *cut], [*cut, idx.numel()]
+        values = idx[torch.tensor(starts)].tolist()
+        shifts = self.shifts.tolist()
+        return tuple(SharedSpan(a, b - a, shifts[i]) for a, b, i in zip(starts, ends, values)
+                     if i)
+
+
+@dataclass(frozen=True)
 class RowSpans:
-    """Every shared span of one request row, sorted and disjoint.
+    """How one request row is read: per-key shifts of its borrowed keys, and recomputed tokens.
 
     Attributes:
         rid: request id.
-        reads: the borrowed spans read re-positioned (shift != 0), in row coordinates.
+        key_shifts: the shift each row index is read at (0 for the row's own tokens and the
+            reader's exact leaves; reader position − owner position for borrowed ones).
         recomputed: borrowed tokens recomputed in this request's extend, or None.
         positions: [row_start + len(recomputed)] int64 true position of each row index up to the
             end of the recomputed tokens (rows after them sit at their own index); None when
@@ -83,14 +181,27 @@ class RowSpans:
     """
 
     rid: str
-    reads: tuple[SharedSpan, ...]
+    key_shifts: KeyShifts
     recomputed: RecomputedTokens | None = None
     positions: torch.Tensor | None = None
+
+    @classmethod
+    def of_reads(cls, rid: str, reads: Sequence[SharedSpan],
+                 recomputed: RecomputedTokens | None = None,
+                 positions: torch.Tensor | None = None) -> RowSpans:
+        """A row from its re-positioned spans (sorted, disjoint, row coordinates)."""
+        return cls(rid, KeyShifts.of_spans(reads), recomputed, positions)
+
+    @property
+    def reads(self) -> tuple[SharedSpan, ...]:
+        """The borrowed spans read re-positioned (shift != 0), in row coordinates (derived from
+        ``key_shifts``; for the reference path and tests)."""
+        return self.key_shifts.spans()
 
     @property
     def reads_transformed(self) -> bool:
         """Whether any borrowed span is read re-positioned (what decode must do)."""
-        return any(r.shift != 0 for r in self.reads)
+        return self.key_shifts.any
 
     @property
     def needs_transform(self) -> bool:

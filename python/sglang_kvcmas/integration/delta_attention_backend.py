@@ -4,8 +4,8 @@ re-positioned, registered with SGLang's attention registry.
 SGLang's torch_native backend gathers, per request and layer, ``k_cache[req_to_token[row, :n]]``
 (a transient copy) and runs SDPA on it. This backend does the same and, for a row whose entry in
 ``forward_batch`` (``batch_rows.py``) lists borrowed spans, re-positions the gathered
-keys of each span before SDPA (``attention/span_reads.py``: ``R(δ)·k_owner``; values need
-nothing). Nothing is written back to the pool: the owner's KV stays exact and shared. Rows
+keys by their per-key shifts before SDPA (``attention/span_reads.py``: ``R(δ)·k_owner``, one
+gather-and-rotate per row and layer however many runs the row has; values need nothing). Nothing is written back to the pool: the owner's KV stays exact and shared. Rows
 without an entry (every exact request, every request when sharing is off) take the parent's code
 path unchanged.
 
@@ -16,7 +16,8 @@ the row from a prefix that is that many tokens shorter; before the model runs,
 first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
 true positions, and the pool keeps their keys so rotated), and extend attention masks by true
 position instead of row order. Decode needs no mask: every cached token precedes the query, and
-it rotates the query per shift instead of every borrowed key (``attention/shifted_query.py``).
+it gathers the row's keys grouped by shift and rotates the query once per shift instead of every
+borrowed key (``attention/shifted_query.py``).
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
@@ -36,12 +37,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.shifted_query import (
-    key_shift_index,
-    shift_runs,
-    shifted_query_decode,
-)
-from sglang_kvcmas.attention.span_reads import head_mass, transform_spans
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
 from sglang_kvcmas.integration.batch_rows import rows_of_forward
 
@@ -71,7 +68,6 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         head_dim, theta = _rope_params(model_runner)
         self.inv_freq = rope_inv_freq(head_dim, theta)
         self._layer_id = 0
-        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
         self._batch_rows: tuple[BatchRow | None, ...] | None = None
 
@@ -206,11 +202,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             q = q_all[:, i : i + 1, :]
             row = rows[i]
             if row is not None:
-                # Rotate the query per shift instead of every borrowed key.
-                k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, None)
-                shifts, key_shift = self._shift_runs(i, n_kv, row, q.device)
-                out = shifted_query_decode(
-                    q, k, v, shifts, key_shift, self.inv_freq,
+                # Keys gathered grouped by shift; the query rotated once per shift.
+                tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
+                                                      req_pool_indices[i])
+                k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
+                out = grouped_shift_decode(
+                    q, k, v, row.key_shifts.shifts, groups, self.inv_freq,
                     scaling if scaling is not None else q.shape[-1] ** -0.5,
                 )
             else:
@@ -222,12 +219,15 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
 
-    def _shift_runs(self, i: int, n_kv: int, row: RowSpans, device) -> tuple:
-        """(shifts, per-key shift index) of batch row ``i``, once per forward."""
+    def _grouped_tokens(self, i: int, n_kv: int, row: RowSpans, req_to_token,
+                        req_pool_idx) -> tuple[torch.Tensor, tuple]:
+        """Pool slots of batch row ``i`` in shift-group order and the groups, once per forward
+        (every layer reads the same slots)."""
         key = (i, n_kv)
         if key not in self._groups:
-            shifts, runs = shift_runs(n_kv, [(r.start, r.end, r.shift) for r in row.reads])
-            self._groups[key] = (shifts, key_shift_index(n_kv, runs, device))
+            order, groups = row.key_shifts.grouped(n_kv)
+            tokens = req_to_token[req_pool_idx, :n_kv][order.to(req_to_token.device)]
+            self._groups[key] = (tokens, groups)
         return self._groups[key]
 
     def _gather(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row):
@@ -235,7 +235,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         tokens = req_to_token[req_pool_idx, :n_kv]
         k, v = k_cache[tokens], v_cache[tokens]  # advanced indexing: copies, never the pool
         if row is not None:
-            k = transform_spans(k, row, self.inv_freq, self._cos_sin)
+            k = rotate_keys(k, row.key_shifts, self.inv_freq)
         return k.movedim(0, 1), v.movedim(0, 1)
 
 

@@ -37,9 +37,9 @@ transcript tokens it computed after its borrowed span as an *owned* shared node 
 ``cache_protected_len`` past them, so release frees only its suffix and output.
 
 Locks and eviction: a reader locks its radix head path, its shared path (``lock_ref``) and every
-radix anchor on that path, so nothing it reads can be evicted or dropped. Evicting a radix node
-drops the shared nodes anchored on it; unlocked owned shared leaves are evicted when the radix
-tree alone cannot free enough. ``evictable_size``/``protected_size`` include owned shared slots,
+radix anchor on that path, so nothing it reads can be evicted or dropped. Eviction frees the
+cheapest to lose first: unlocked delta leaves and owned (approximate) shared leaves, then the
+radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored on it. ``evictable_size``/``protected_size`` include owned shared slots,
 so SGLang's pool invariant (available + evictable + protected + uncached == total) holds.
 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
@@ -59,6 +59,7 @@ from http import HTTPStatus
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
@@ -80,16 +81,16 @@ from sglang_kvcmas.policy.recompute import (
     RecomputeConfig,
     borrow_pays,
     kept_offsets,
-    select_recompute,
+    select_recompute_arrays,
 )
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
+from sglang_kvcmas.tokens import as_token_array
 from sglang_kvcmas.tree.agent_split import AgentSplit, ChatTemplateIds, split_request
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
     adopt_recomputed,
     borrowed_spans,
-    borrowed_tokens,
     row_spans,
 )
 from sglang_kvcmas.tree.shared_tree import SharedTree
@@ -114,13 +115,17 @@ class _RequestState:
     split: AgentSplit | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PendingOwner:
-    """An admitted agent request that will register new shared tokens at its checkpoint."""
+    """An admitted agent request that will register new shared tokens at its checkpoint.
+
+    Attributes:
+        shared: [n] int64 its shared-context token ids (``shared_tokens``).
+    """
 
     rid: str
     namespace: tuple
-    shared: tuple[int, ...]
+    shared: np.ndarray
     since: float
 
 
@@ -214,6 +219,30 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         """The request's agent split; None: not an agent request."""
         return self._state(req).split
 
+    def shared_tokens(self, req: Req) -> np.ndarray:
+        """[n] int64 the request's shared-context token ids (copied once: a lasting view would
+        pin the prompt's ``array('q')`` buffer); empty when it is not an agent request."""
+        view = getattr(req, "_kvcmas_shared", None)
+        if view is None:
+            split = self.split_of(req)
+            ids = as_token_array(req.origin_input_ids)
+            view = (ids[split.head_len : split.shared_end] if split is not None
+                    else ids[:0]).copy()
+            req._kvcmas_shared = view
+        return view
+
+    def shared_available(self, req: Req) -> int:
+        """How many of the request's shared tokens the shared tree holds (a peek), recomputed
+        only when the tree has gained or lost nodes since the request last asked."""
+        version = self.shared.version
+        cached = getattr(req, "_kvcmas_available", None)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        ns = namespace_of(req.extra_key, req.cache_salt)
+        available, _ = self.shared.match(ns, self.shared_tokens(req), split=False)
+        req._kvcmas_available = (version, available)
+        return available
+
     def options_of(self, req: Req) -> RequestOptions:
         return self._state(req).options or RequestOptions()
 
@@ -274,7 +303,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
-        handle = replace(handle, use_leaves=not own_knobs)
+        handle = replace(handle, use_leaves=not own_knobs).walked()
         config = RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.recompute_config
         recompute, keep = self._recompute_for(req, handle, config, spans)
@@ -291,8 +320,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         borrowed_spans(handle)``), or none when the extend could be chunked or the request asks
         for logprobs of prompt tokens whose computation order changes; and the subset it keeps as
         leaves afterwards (None: all of them)."""
-        tokens = [t.token for t in borrowed_tokens(handle)]
-        offsets = select_recompute(spans, tokens, config)
+        path = handle.borrowed()
+
+        def select(c: RecomputeConfig) -> tuple[int, ...]:
+            return select_recompute_arrays(spans, path.offsets, path.foreign, path.from_leaf,
+                                           path.mass, c)
+
+        offsets = select(config)
         if not offsets:
             return (), None
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
@@ -303,8 +337,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return (), None
         if config.keeps_all:
             return offsets, None
-        return offsets, kept_offsets(offsets, select_recompute(spans, tokens,
-                                                               config.for_leaves()))
+        return offsets, kept_offsets(offsets, select(config.for_leaves()))
 
     @staticmethod
     def recomputes(req: Req) -> bool:
@@ -330,7 +363,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not isinstance(handle, SharedPrefixHandle):
             return super().prefix_device_indices(req)
         own = self.path_device_indices(handle.radix_node)[: handle.radix_len]
-        borrowed = torch.tensor([t.slot for t in borrowed_tokens(handle)], dtype=torch.int64)
+        path = handle.borrowed()
+        borrowed = torch.from_numpy(path.slots[path.kept(handle.recompute)])
         out = torch.cat([own.to(torch.int64), borrowed.to(own.device)])
         return out[: req.prefix_len]
 
@@ -384,9 +418,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
         spans = probe = None
         if handle is not None:
-            tokens = borrowed_tokens(handle)
-            spans, repositioned = row_spans(req.rid, req.origin_input_ids, handle, tokens)
-            from_leaves = sum(t.token.from_leaf for t in tokens)
+            spans, kept = row_spans(req.rid, req.origin_input_ids, handle)
+            path = handle.borrowed()
+            repositioned = int(path.foreign[kept].sum())
+            from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
         else:
             repositioned = from_leaves = recomputed_borrowed = 0
@@ -405,8 +440,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
             ns = namespace_of(req.extra_key, req.cache_salt)
-            shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
-            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, shared, time.monotonic())
+            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, self.shared_tokens(req),
+                                                        time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
             else None
 
@@ -514,7 +549,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if node is None:
             return  # another request registered these tokens first: ours are freed at release
         new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len,
-                             recompute=())
+                             recompute=(), path=None)
         new_lock = self.lock(new_handle)
         self.unlock(req.lock)
         req.lock, req.last_node = new_lock, new_handle
@@ -537,11 +572,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             self._extra_freed += self.shared.drop_anchor(node)
 
     def evict(self, params: EvictParams) -> EvictResult:
+        """Free what is cheapest to lose first: the shared tree's unlocked delta leaves (exact
+        copies a reader re-derives by recomputing a few tokens) and owned nodes (computed over
+        borrowed KV: approximate), least recently used first; then SGLang's radix LRU, whose
+        nodes are exact (heads, and the owners' paths that anchor the shared bases)."""
+        freed = 0
+        if not self.disable and self.share_context:
+            freed = self.shared.evict(params.num_tokens)
+        if freed >= params.num_tokens:
+            return EvictResult(num_tokens_evicted=freed)
         self._extra_freed = 0
-        result = super().evict(params)
-        freed = result.num_tokens_evicted + self._extra_freed
-        if freed < params.num_tokens and not self.disable:
-            freed += self.shared.evict(params.num_tokens - freed)
+        result = super().evict(replace(params, num_tokens=params.num_tokens - freed))
+        freed += result.num_tokens_evicted + self._extra_freed
         self._extra_freed = 0
         return EvictResult(num_tokens_evicted=freed)
 

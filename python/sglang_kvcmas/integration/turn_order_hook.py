@@ -26,6 +26,12 @@ admitted, and a bound from arrival then released readers to recompute what their
 computing."""
 
 
+_prefix_memo: dict[tuple[int, int], tuple] = {}
+"""Common shared prefixes of (leader, candidate) pairs for ``plan_turns``, keyed by their token
+views (``cache.shared_tokens``, one object per request): each pair is compared once while both
+are queued or in flight."""
+
+
 def held_count() -> int:
     """Requests the hook is holding back right now (for ``/server_info``)."""
     return len(_held_since)
@@ -45,11 +51,10 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
         ns = namespace_of(req.extra_key, req.cache_salt)
         if ns in cache.broken_namespaces:
             continue  # sharing is off there: nothing to wait for
-        shared = tuple(int(t) for t in req.origin_input_ids[split.head_len : split.shared_end])
-        available, _ = cache.shared.match(ns, shared, split=False)
         out.append(
-            TurnCandidate(req.rid, ns, split.agent, shared, available,
-                          now - _held_since.get(req.rid, now), exact - split.head_len)
+            TurnCandidate(req.rid, ns, split.agent, cache.shared_tokens(req),
+                          cache.shared_available(req), now - _held_since.get(req.rid, now),
+                          exact - split.head_len)
         )
     return out
 
@@ -71,7 +76,11 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         del _held_since[rid]
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
     try:
-        plan = plan_turns(_candidates(cache, waiting, now), in_flight, config)
+        candidates = _candidates(cache, waiting, now)
+        views = {id(c.shared) for c in candidates} | {id(p.shared) for p in in_flight}
+        for pair in [p for p in _prefix_memo if p[0] not in views or p[1] not in views]:
+            del _prefix_memo[pair]
+        plan = plan_turns(candidates, in_flight, config, _prefix_memo)
     except Exception:  # our bug must not take the scheduler down: nobody waits this pass
         cache.faults += 1
         logger.exception("sglang-kvcmas: turn order failed; this pass holds nobody back")

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from sglang_kvcmas.config import ServingConfig
 
 _DEFAULTS = ServingConfig()
@@ -256,3 +258,59 @@ def select_recompute(
     offsets = tuple(sorted([o for o in picked if o not in exact][:budget]))
     return mass_offsets([t.offset for t in deviating], [t.mass for t in deviating], exact,
                         offsets, len(tokens), config)
+
+
+def select_recompute_arrays(
+    spans: Sequence[BorrowedSpan], offsets: np.ndarray, foreign: np.ndarray,
+    from_leaf: np.ndarray, mass: np.ndarray, config: RecomputeConfig,
+) -> tuple[int, ...]:
+    """:func:`select_recompute` over the borrowed tokens as arrays (the same offsets).
+
+    Args:
+        spans: the borrowed path as runs of one owner and shift.
+        offsets: [B] int64 shared offsets of every borrowed token, consecutive.
+        foreign: [B] bool; from_leaf: [B] bool; mass: [B] float owner head mass.
+    Returns:
+        sorted, distinct offsets.
+    """
+    n = int(offsets.shape[0])
+    if n == 0:
+        return ()
+    base = int(offsets[0])
+    budget = int(config.max_fraction * n)
+    picked = dict.fromkeys([*boundary_offsets(spans, config), *tail_offsets(spans, config)])
+    chosen = sorted([o for o in picked if foreign[o - base]][:budget])
+    room = budget - len(chosen)
+    top = round(config.mass_fraction * n)
+    if room <= 0 or top <= 0:
+        return tuple(chosen)
+    candidates = np.flatnonzero(foreign | from_leaf)
+    if chosen:
+        candidates = candidates[~np.isin(candidates, np.asarray(chosen, dtype=np.int64) - base)]
+    ranked = top_by_mass(candidates, mass, top)
+    stop = np.flatnonzero(mass[ranked] <= 0.0)
+    if stop.size:
+        ranked = ranked[: stop[0]]
+    added = ranked[foreign[ranked]][:room] + base
+    return tuple(sorted([*chosen, *added.tolist()]))
+
+
+def top_by_mass(candidates: np.ndarray, mass: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` candidates with the largest mass, largest first, ties in candidate order (what
+    a stable sort by descending mass would put first), without sorting all of them.
+
+    Args:
+        candidates: [c] int64 indices into ``mass``, increasing.
+        mass: [B] float.
+    Returns:
+        [min(k, c)] int64.
+    """
+    m = mass[candidates]
+    if k >= candidates.shape[0]:
+        return candidates[np.argsort(-m, kind="stable")]
+    kth = np.partition(m, m.shape[0] - k)[m.shape[0] - k]  # the k-th largest value
+    above = np.flatnonzero(m > kth)
+    ties = np.flatnonzero(m == kth)[: k - above.shape[0]]
+    pick = np.concatenate([above, ties])
+    pick.sort()  # candidate order, so the stable sort below keeps ties in it
+    return candidates[pick[np.argsort(-m[pick], kind="stable")]]

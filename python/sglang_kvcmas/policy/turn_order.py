@@ -11,15 +11,16 @@ tree, then reuse it. Pure functions over plain values: the scheduler hook
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from sglang_kvcmas.config import ServingConfig
+from sglang_kvcmas.tokens import as_token_array, common_prefix
 
 _DEFAULTS = ServingConfig()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TurnCandidate:
     """A waiting request as the policy sees it.
 
@@ -27,7 +28,7 @@ class TurnCandidate:
         rid: request id.
         namespace: sharing namespace ``(extra_key, cache_salt)``; never shared across.
         agent: agent id.
-        shared: the request's shared-context token ids.
+        shared: the request's shared-context token ids (a sequence or an int64 array).
         available: how many of ``shared`` the shared tree already holds (a reader reuses these).
         waited_s: seconds since the request was first held back (0 if never).
         own: how many of ``shared`` the request's agent holds exactly in its own context (its
@@ -37,19 +38,19 @@ class TurnCandidate:
     rid: str
     namespace: Hashable
     agent: str
-    shared: tuple[int, ...]
+    shared: Sequence[int]
     available: int
     waited_s: float
     own: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TurnLeader:
     """A request that is computing (or will compute first) shared tokens: in flight or admitted."""
 
     rid: str
     namespace: Hashable
-    shared: tuple[int, ...]
+    shared: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,15 @@ class TurnPlan:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the common prefix of two token sequences (one vector compare)."""
+    return common_prefix(as_token_array(a), as_token_array(b))
 
 
 def plan_turns(
     waiting: Sequence[TurnCandidate],
     in_flight: Sequence[TurnLeader],
     config: TurnConfig,
+    memo: MutableMapping[tuple[int, int], tuple[int, Sequence[int], Sequence[int]]] | None = None,
 ) -> TurnPlan:
     """Decide who waits.
 
@@ -110,6 +109,13 @@ def plan_turns(
     led a workflow's previous step holds all of the transcript exactly, so it leads again and
     its turns read nothing approximate, where a new leader would compute the new segment over
     the part it had borrowed, and every later reader would inherit that approximation.
+
+    Args:
+        memo: common prefix lengths by the identity of the two token sequences, read and
+            filled: ``(id(leader.shared), id(candidate.shared)) -> (length, leader.shared,
+            candidate.shared)`` (the entry holds both, so their ids stay theirs). A request's
+            shared tokens never change, so a caller that passes the same sequence objects
+            across passes compares each pair once; it drops entries of requests that left.
     """
     if config.policy == "fifo":
         return TurnPlan(frozenset(), {})
@@ -121,7 +127,15 @@ def plan_turns(
             for lead in leaders:
                 if lead.namespace != cand.namespace or lead.rid == cand.rid:
                     continue
-                gain = common_prefix_len(lead.shared, cand.shared) - cand.available
+                pair = (id(lead.shared), id(cand.shared))
+                hit = memo.get(pair) if memo is not None else None
+                if hit is not None:
+                    common = hit[0]
+                else:
+                    common = common_prefix_len(lead.shared, cand.shared)
+                    if memo is not None:
+                        memo[pair] = (common, lead.shared, cand.shared)
+                gain = common - cand.available
                 if gain > best:
                     best, best_rid = gain, lead.rid
         if best_rid is not None and best >= config.min_gain:

@@ -27,7 +27,10 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from sglang_kvcmas.policy.request_options import RequestOptions
+from sglang_kvcmas.tokens import as_token_array
 
 
 
@@ -80,15 +83,16 @@ def detect_chatml_split(ids: Sequence[int], chat: ChatTemplateIds) -> AgentSplit
     n = len(ids)
     if n < 4 or ids[0] != chat.im_start or ids[1] != chat.system:
         return None
-    try:
-        end = list(ids[: min(n, 1 << 16)]).index(chat.im_end)
-    except ValueError:
+    arr = as_token_array(ids)
+    ends = np.flatnonzero(arr[: min(n, 1 << 16)] == chat.im_end)
+    if not ends.size:
         return None
-    head_len = end + 1
+    head_len = int(ends[0]) + 1
     # Include the newline after <|im_end|>; it is the same token that follows the role name.
     if head_len < n and ids[head_len] == ids[2]:
         head_len += 1
-    last_start = n - 1 - list(reversed(ids)).index(chat.im_start) if chat.im_start in ids else -1
+    starts = np.flatnonzero(arr == chat.im_start)
+    last_start = int(starts[-1]) if starts.size else -1
     shared_end = last_start if last_start > head_len else n
     if shared_end <= head_len:
         return None

@@ -2,11 +2,15 @@
 
 When a request's own exact radix match ends inside the shared transcript, the tree cache matches
 the rest in the shared tree and hands SGLang a :class:`SharedPrefixHandle` as ``req.last_node``.
-The functions here walk the handle's shared path, once per question:
+The handle's shared path is walked once, at match time, into a :class:`BorrowedPath`: every
+borrowed token's pool slot, shift, owner head mass and whether the reader agent's own exact leaf
+holds it, as arrays (one slice per tree node, no per-token Python work). Selection
+(``policy/recompute.py``), the row's prefix slots, its spans for the attention backend
+(:func:`row_spans`) and its accounting all read those arrays.
 
 - :func:`borrowed_spans`: runs of one owner and one shift (what selection needs);
-- :func:`borrowed_tokens`: every borrowed token with its pool slot, shift and owner head mass,
-  read from the reader agent's own exact leaf where one holds it;
+- :func:`borrowed_tokens`: the same tokens one object each: the reference that tests compare
+  :class:`BorrowedPath` against;
 - :func:`row_spans`: the reader's row in row coordinates for the attention backend.
 
 Bookkeeping over plain values and CPU tensors; no SGLang import (the radix node is opaque).
@@ -15,12 +19,13 @@ Bookkeeping over plain values and CPU tensors; no SGLang import (the radix node 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
-from sglang_kvcmas.attention.spans import RecomputedTokens, RowSpans, SharedSpan
+from sglang_kvcmas.attention.spans import KeyShifts, RecomputedTokens, RowSpans
 from sglang_kvcmas.policy.recompute import BorrowedSpan, BorrowedToken
 from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.shared_tree import SharedNode, SharedTree
@@ -44,6 +49,9 @@ class SharedPrefixHandle:
             for a request that sets its own recompute knobs: it measures the owner's KV alone).
         keep: the recomputed offsets kept as leaves (None: all; the others are freed with the
             request, ``RecomputeConfig.leaf_mass_fraction``).
+        path: the borrowed tokens as arrays, walked once at match time (:meth:`walked`); valid
+            while the request holds its locks (locked nodes and their leaves never change
+            slots; a split keeps them).
     """
 
     radix_node: Any
@@ -56,6 +64,7 @@ class SharedPrefixHandle:
     recompute: tuple[int, ...] = ()
     use_leaves: bool = True
     keep: tuple[int, ...] | None = None
+    path: BorrowedPath | None = field(default=None, repr=False)
 
     @property
     def prefix_len(self) -> int:
@@ -67,6 +76,88 @@ class SharedPrefixHandle:
 
     def without_recompute(self) -> SharedPrefixHandle:
         return replace(self, recompute=(), keep=None)
+
+    def walked(self) -> SharedPrefixHandle:
+        """This handle with its :class:`BorrowedPath` (walked now if it has none)."""
+        return self if self.path is not None else replace(self, path=BorrowedPath.walk(self))
+
+    def borrowed(self) -> BorrowedPath:
+        """The borrowed tokens as arrays (walked now if the handle has none)."""
+        return self.path if self.path is not None else BorrowedPath.walk(self)
+
+
+@dataclass(frozen=True, eq=False)
+class BorrowedPath:
+    """Every token in ``[shared_begin, shared_end)`` of a handle's shared path, in shared order.
+
+    Attributes (numpy, [B] each, B = the handle's ``borrowed_len``):
+        offsets: int64 shared offsets (``shared_begin + arange(B)``).
+        slots: int64 pool slot read: the owner's, or the reader agent's own leaf slot.
+        shift: int64 key shift to apply (0 for a leaf slot: exact at the reader's position).
+        foreign: bool, read from another context (another owner, or a non-zero shift).
+        from_leaf: bool, read from the reader agent's own exact leaf.
+        mass: float32 owner head mass (0 where none was recorded).
+    """
+
+    offsets: np.ndarray
+    slots: np.ndarray
+    shift: np.ndarray
+    foreign: np.ndarray
+    from_leaf: np.ndarray
+    mass: np.ndarray
+
+    @classmethod
+    def walk(cls, handle: SharedPrefixHandle) -> BorrowedPath:
+        """One walk of the handle's path: a slice of each node's slots and mass, its leaf's
+        slots written over them."""
+        head, agent = handle.split.head_len, handle.split.agent
+        slots, shift, foreign, leaf_mask, mass = [], [], [], [], []
+        for piece in SharedTree.path(handle.shared_node):
+            node = piece.node
+            lo = max(piece.offset, handle.shared_begin) - piece.offset
+            hi = len(node)
+            if hi <= lo:
+                continue
+            n = hi - lo
+            d = head + piece.offset - node.owner_start
+            s = node.slots.numpy()[lo:hi].copy()
+            m = (node.head_mass.numpy()[lo:hi] if node.head_mass is not None
+                 else np.zeros(n, dtype=np.float32))
+            sh = np.full(n, d, dtype=np.int64)
+            fo = np.full(n, node.owner != agent or d != 0, dtype=bool)
+            fl = np.zeros(n, dtype=bool)
+            leaf = node.deltas.get(agent) if handle.use_leaves else None
+            if leaf is not None and leaf.reader_start == head + piece.offset and len(leaf):
+                at = leaf.offsets.numpy()
+                inside = (at >= lo) & (at < hi)
+                i = at[inside] - lo
+                s[i], sh[i], fo[i], fl[i] = leaf.slots.numpy()[inside], 0, False, True
+            slots.append(s)
+            shift.append(sh)
+            foreign.append(fo)
+            leaf_mask.append(fl)
+            mass.append(m.astype(np.float32, copy=False))
+        b = handle.shared_end - handle.shared_begin
+        if not slots:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=bool),
+                       np.zeros(0, dtype=np.float32))
+        out = cls(np.arange(handle.shared_begin, handle.shared_end, dtype=np.int64),
+                  np.concatenate(slots), np.concatenate(shift), np.concatenate(foreign),
+                  np.concatenate(leaf_mask), np.concatenate(mass))
+        if out.slots.shape[0] != b:
+            raise RuntimeError(f"borrowed path walked {out.slots.shape[0]} tokens, expected {b}")
+        return out
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def kept(self, recompute: Sequence[int]) -> np.ndarray:
+        """[B] bool: the tokens read borrowed (not in ``recompute``)."""
+        mask = np.ones(len(self), dtype=bool)
+        if len(recompute) and len(self):
+            mask[np.asarray(recompute, dtype=np.int64) - self.offsets[0]] = False
+        return mask
 
 
 @dataclass(frozen=True)
@@ -105,7 +196,8 @@ def borrowed_spans(handle: SharedPrefixHandle) -> list[BorrowedSpan]:
 
 def borrowed_tokens(handle: SharedPrefixHandle) -> list[SlotToken]:
     """Every borrowed token in shared order, recomputed ones left out: the owner's slot read
-    re-positioned, or the reader agent's own exact slot where its leaf holds one."""
+    re-positioned, or the reader agent's own exact slot where its leaf holds one. One object per
+    token: the reference :class:`BorrowedPath` is tested against."""
     head, agent, skip = handle.split.head_len, handle.split.agent, set(handle.recompute)
     out: list[SlotToken] = []
     for piece in SharedTree.path(handle.shared_node):
@@ -132,36 +224,28 @@ def borrowed_tokens(handle: SharedPrefixHandle) -> list[SlotToken]:
     return out
 
 
-def row_spans(rid: str, prompt_ids: Sequence[int], handle: SharedPrefixHandle,
-              tokens: list[SlotToken]) -> tuple[RowSpans, int]:
-    """The row's borrowed spans in row coordinates, from ``tokens = borrowed_tokens(handle)``
-    (recomputed tokens left out), with the recomputed tokens at their true positions; and how
-    many borrowed tokens are read from another context (re-positioned).
+def row_spans(rid: str, prompt_ids: Sequence[int], handle: SharedPrefixHandle
+              ) -> tuple[RowSpans, np.ndarray]:
+    """The row's per-key shifts in row coordinates (recomputed tokens left out of the borrowed
+    part) with the recomputed tokens at their true positions; and the mask of borrowed tokens
+    read (``BorrowedPath.kept``).
 
     Row layout (see ``integration/shared_tree_cache.py``): own radix match, borrowed tokens in
     shared order, then the recomputed tokens moved to the front of the extend.
     """
+    path = handle.borrowed()
     head = handle.split.head_len
-    spans: list[list[int]] = []  # [row start, length, shift]
-    positions = list(range(handle.radix_len))
-    foreign = 0
-    for tok in tokens:
-        row = len(positions)
-        positions.append(head + tok.token.offset)
-        foreign += tok.token.foreign
-        if spans and spans[-1][0] + spans[-1][1] == row and spans[-1][2] == tok.shift:
-            spans[-1][1] += 1
-        else:
-            spans.append([row, 1, tok.shift])
-    reads = tuple(SharedSpan(s, n, d) for s, n, d in spans if d != 0)
+    kept = path.kept(handle.recompute)
+    shifts = KeyShifts.of_row(handle.radix_len, torch.from_numpy(path.shift[kept]))
     if not handle.recompute:
-        return RowSpans(rid, reads), foreign
-    moved = tuple(head + o for o in handle.recompute)
-    recomputed = RecomputedTokens(
-        len(positions), tuple(int(prompt_ids[p]) for p in moved), moved
-    )
-    positions.extend(moved)
-    return RowSpans(rid, reads, recomputed, torch.tensor(positions)), foreign
+        return RowSpans(rid, shifts), kept
+    moved = np.asarray(handle.recompute, dtype=np.int64) + head
+    n_before = handle.radix_len + int(kept.sum())
+    positions = np.concatenate([np.arange(handle.radix_len, dtype=np.int64),
+                                head + path.offsets[kept], moved])
+    ids = np.asarray(prompt_ids, dtype=np.int64)[moved]
+    recomputed = RecomputedTokens(n_before, tuple(ids.tolist()), tuple(moved.tolist()))
+    return RowSpans(rid, shifts, recomputed, torch.from_numpy(positions)), kept
 
 
 def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.Tensor,
@@ -176,18 +260,20 @@ def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.
         [j] int64 slots the tree did not adopt (not kept, or a leaf already held the token); the
         caller frees them with the request.
     """
-    by_offset = dict(zip(handle.recompute, slots.tolist()))
-    kept = (set() if not handle.use_leaves
-            else set(handle.recompute if handle.keep is None else handle.keep))
-    transient = [by_offset[o] for o in handle.recompute if o not in kept]
-    rejected = [torch.tensor(transient, dtype=torch.int64)] if transient else []
+    offsets = torch.tensor(handle.recompute, dtype=torch.int64)
+    if not handle.use_leaves:
+        keep = torch.zeros(offsets.shape[0], dtype=torch.bool)
+    elif handle.keep is None:
+        keep = torch.ones(offsets.shape[0], dtype=torch.bool)
+    else:
+        keep = torch.isin(offsets, torch.tensor(handle.keep, dtype=torch.int64))
+    rejected = [slots[~keep]] if bool((~keep).any()) else []
     head = handle.split.head_len
-    for piece in SharedTree.path(handle.shared_node) if kept else ():
-        mine = [o for o in handle.recompute
-                if o in kept and piece.offset <= o < piece.offset + len(piece.node)]
-        if mine:
+    for piece in SharedTree.path(handle.shared_node) if bool(keep.any()) else ():
+        mine = keep & (offsets >= piece.offset) & (offsets < piece.offset + len(piece.node))
+        if bool(mine.any()):
             rejected.append(tree.add_overrides(
-                piece.node, handle.split.agent, torch.tensor(mine) - piece.offset,
-                torch.tensor([by_offset[o] for o in mine]), head + piece.offset, bytes_per_token,
+                piece.node, handle.split.agent, offsets[mine] - piece.offset, slots[mine],
+                head + piece.offset, bytes_per_token,
             ))
     return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)

@@ -18,6 +18,9 @@ hold a reader agent's exact KV for some of a node's tokens (the boundary tokens 
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
 the leaf (least recently used first) or its node is evicted.
 
+Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
+transcript matches in microseconds, not one Python step per token.
+
 NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
 and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
@@ -29,8 +32,10 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from sglang_kvcmas.tokens import as_token_array, common_prefix
 from sglang_kvcmas.tree.pool_overrides import PoolOverrides
 
 Namespace = Hashable
@@ -42,7 +47,7 @@ class SharedNode:
     """One run of shared tokens with a single owner.
 
     Attributes:
-        key: token ids, ``[len]``.
+        key: [len] int64 token ids (numpy).
         slots: [len] int64 pool slots holding the owner's KV of those tokens.
         owner: agent id of the owner.
         owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
@@ -52,7 +57,7 @@ class SharedNode:
             owner's pass (0 where not recorded); readers recompute the largest first.
     """
 
-    key: tuple[int, ...]
+    key: np.ndarray
     slots: torch.Tensor
     owner: str
     owner_start: int
@@ -70,7 +75,12 @@ class SharedNode:
         return self.head_mass if self.head_mass is not None else torch.zeros(len(self))
 
     def __len__(self) -> int:
-        return len(self.key)
+        return int(self.key.shape[0])
+
+    @property
+    def first(self) -> int:
+        """The first token id (the node's key in its parent's ``children``)."""
+        return int(self.key[0])
 
     @property
     def owns_slots(self) -> bool:
@@ -115,13 +125,18 @@ class SharedTree:
         self._by_anchor: dict[int, set[SharedNode]] = {}
         self.owned_size = 0
         self.owned_locked_size = 0
+        self.version = getattr(self, "version", 0) + 1
+        """Bumped whenever a node is added or removed (and on reset, never going back): a match
+        computed at one version holds until the next (splits and leaves change no match
+        length)."""
 
     # ----- reading -----
 
     def _root(self, ns: Namespace, create: bool) -> SharedNode | None:
         root = self.roots.get(ns)
         if root is None and create:
-            root = SharedNode((), torch.empty(0, dtype=torch.int64), "", 0, anchor=None)
+            root = SharedNode(np.zeros(0, dtype=np.int64), torch.empty(0, dtype=torch.int64), "",
+                              0, anchor=None)
             root.lock_ref = 1  # the root is never evicted
             self.roots[ns] = root
         return root
@@ -139,13 +154,14 @@ class SharedTree:
         node = self._root(ns, create=False)
         if node is None:
             return 0, None
+        tokens = as_token_array(tokens)
         now = time.monotonic()
         pos, deepest = 0, None
         while pos < len(tokens):
             child = node.children.get(int(tokens[pos]))
             if child is None:
                 break
-            n = _common_prefix(child.key, tokens, pos)
+            n = common_prefix(child.key, tokens, pos)
             if n < len(child):
                 if not split:
                     pos += n
@@ -211,11 +227,12 @@ class SharedTree:
             return matched, None
         parent = deepest if deepest is not None else self.roots[ns]
         node = SharedNode(
-            tuple(int(t) for t in tokens[start:]), slots.to(torch.int64).clone(), owner,
+            as_token_array(tokens)[start:].copy(), slots.to(torch.int64).clone(), owner,
             owner_start, anchor, parent=parent,
             head_mass=None if head_mass is None else head_mass.float().clone(),
         )
-        parent.children[node.key[0]] = node
+        parent.children[node.first] = node
+        self.version += 1
         if anchor is not None:
             self._by_anchor.setdefault(id(anchor), set()).add(node)
         else:
@@ -225,7 +242,7 @@ class SharedTree:
     def _split(self, node: SharedNode, n: int) -> SharedNode:
         """Split ``node`` after ``n`` tokens; returns the new first half (node keeps the tail)."""
         head = SharedNode(
-            node.key[:n], node.slots[:n].clone(), node.owner, node.owner_start, node.anchor,
+            node.key[:n].copy(), node.slots[:n].clone(), node.owner, node.owner_start, node.anchor,
             parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
         )
         parts = {a: d.split(n) for a, d in node.deltas.items()}
@@ -233,11 +250,11 @@ class SharedTree:
         node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
         if node.head_mass is not None:
             head.head_mass, node.head_mass = node.head_mass[:n].clone(), node.head_mass[n:].clone()
-        head.parent.children[head.key[0]] = head
-        node.key, node.slots = node.key[n:], node.slots[n:].clone()
+        head.parent.children[head.first] = head
+        node.key, node.slots = node.key[n:].copy(), node.slots[n:].clone()
         node.owner_start += n
         node.parent = head
-        head.children = {node.key[0]: node}
+        head.children = {node.first: node}
         if node.anchor is not None:
             self._by_anchor.setdefault(id(node.anchor), set()).add(head)
         return head
@@ -272,6 +289,7 @@ class SharedTree:
     def _remove_subtree(self, node: SharedNode) -> list[torch.Tensor]:
         freed = []
         stack = [node]
+        self.version += 1
         while stack:
             n = stack.pop()
             if n.lock_ref:
@@ -291,8 +309,8 @@ class SharedTree:
                     group.discard(n)
                     if not group:
                         del self._by_anchor[id(n.anchor)]
-        if node.parent is not None and node.parent.children.get(node.key[0]) is node:
-            del node.parent.children[node.key[0]]
+        if node.parent is not None and node.parent.children.get(node.first) is node:
+            del node.parent.children[node.first]
         return freed
 
     def drop_anchor(self, anchor: object) -> int:
@@ -412,7 +430,7 @@ class SharedTree:
         for n in self.nodes():
             if not n.alive:
                 problems.append(f"dropped node still linked ({len(n)} tokens)")
-            if n.parent is None or n.parent.children.get(n.key[0]) is not n:
+            if n.parent is None or n.parent.children.get(n.first) is not n:
                 problems.append("node not reachable from its parent")
             if n.lock_ref < 0 or (n.parent is not None and n.parent.parent is not None
                                   and n.parent.lock_ref < n.lock_ref):
@@ -435,11 +453,3 @@ class SharedTree:
             if any(not n.alive for n in group):
                 problems.append("an anchor lists a dropped node")
         return problems
-
-
-def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
-    n = min(len(key), len(tokens) - pos)
-    i = 0
-    while i < n and key[i] == tokens[pos + i]:
-        i += 1
-    return i
