@@ -59,6 +59,8 @@ class ServerProcess:
         module: the launcher module run with ``python -m``.
         on_wait: called about every 10 s while booting with the seconds waited and the log's
             last line (progress output), or None.
+        cpus: CPU cores the server and every process it starts may run on (set before it
+            starts, so SGLang's children inherit it), or None: any core.
     """
 
     args: list[str] = field(default_factory=list)
@@ -68,6 +70,7 @@ class ServerProcess:
     boot_timeout_s: float = 300.0
     module: str = "sglang_kvcmas.launch_server"
     on_wait: Callable[[float, str], None] | None = None
+    cpus: frozenset[int] | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -91,10 +94,12 @@ class ServerProcess:
         cmd = [sys.executable, "-m", self.module, *self.args,
                "--host", HOST, "--port", str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cpus = self.cpus
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self._environment(), start_new_session=True,
+                env=self._environment(), start_new_session=True, preexec_fn=pin,
             )
         start = time.monotonic()
         deadline, next_note = start + self.boot_timeout_s, start + 10.0
