@@ -1,0 +1,172 @@
+"""Several servers behind SGLang's router (``sglang_kvcmas.server.cluster``).
+
+The router's contract, against two stub workers (no model, a few seconds): a routing key
+stays on one worker and keys spread over both; only ``X-SMG-Routing-Key`` of our headers reaches
+a worker and the body loses ``custom_params``; a dead worker's keys move.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sglang_kvcmas.server.cluster import (
+    ROUTING_KEY_HEADER,
+    Cluster,
+    RouterSettings,
+    cluster_from_args,
+    free_ports,
+    router_process,
+    router_workers,
+    wait_for_workers,
+    workflow_headers,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+pytest.importorskip("sglang_router")
+
+
+def test_clients_send_the_workflow_in_the_routers_header_too():
+    assert ROUTING_KEY_HEADER.lower() == "x-smg-routing-key"
+    assert workflow_headers("w") == {"X-SMG-Routing-Key": "w", "X-KVCMAS-Workflow": "w"}
+
+
+def test_command_line_gives_every_other_argument_to_every_server():
+    c = cluster_from_args(["--workers", "3", "--port", "31500", "--kvcmas-share-context",
+                           "--max-total-tokens", "4096", "--pin-cores"])
+    assert (c.workers, c.port, c.pin_cores, c.request_log) == (3, 31500, True, False)
+    assert c.worker_args == ["--kvcmas-share-context", "--max-total-tokens", "4096"]
+    assert "--policy" in RouterSettings().argv() and "manual" in RouterSettings().argv()
+
+
+# ----- the router's contract, against stub workers ---------------------------------------------
+
+class StubWorker:
+    """An HTTP server that answers what the router asks a worker and records each
+    ``/generate`` it receives (headers, body), answering after ``delay_s``."""
+
+    def __init__(self, port: int, delay_s: float = 0.2):
+        self.port, self.received = port, []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, out: dict) -> None:
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer({"model_path": "stub", "tokenizer_path": "stub",
+                              "is_generation": True, "dp_size": 1})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                time.sleep(delay_s)
+                self._answer({"text": "ok", "port": stub.port,
+                              "meta_info": {"finish_reason": {"type": "stop"}}})
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def post(url: str, body: dict, headers: dict, path: str = "/generate") -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def stub_router(tmp_path):
+    router_port, *ports = free_ports(3, 32000, 32999)
+    stubs = [StubWorker(p) for p in ports]
+    router = router_process([s.url for s in stubs], router_port, tmp_path / "router.log",
+                            RouterSettings(log_level="info"))
+    try:
+        router.start()
+        wait_for_workers(router.url, 2, timeout_s=60)
+        yield router.url, stubs
+    finally:
+        router.stop()
+        for s in stubs:
+            s.close()
+
+
+def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
+    url, stubs = stub_router
+    keys = [f"wf-{i}" for i in range(8)]
+
+    def workflow(key: str) -> set[int]:
+        return {post(url, {"input_ids": [1, 2, 3]}, workflow_headers(key))["port"]
+                for _ in range(3)}
+
+    with ThreadPoolExecutor(len(keys)) as pool:  # new keys meet other keys in flight
+        ports = dict(zip(keys, pool.map(workflow, keys)))
+    assert all(len(p) == 1 for p in ports.values()), ports
+    per_worker = [sum(p == {s.port} for p in ports.values()) for s in stubs]
+    assert min(per_worker) >= 3, per_worker  # min_group: the fewest keys in flight
+
+
+def test_router_forwards_the_routing_key_only(stub_router):
+    """What reaches a worker through sglang-router 0.3.2: why the cluster's clients send the
+    workflow in ``X-SMG-Routing-Key`` and why ``kvcmas_*`` fields and ``cache_salt`` cannot be
+    used behind it."""
+    url, stubs = stub_router
+    custom = {"kvcmas_workflow": "wf-x", "kvcmas_exact": True}
+    post(url, {"input_ids": [1, 2, 3], "cache_salt": "tenant-a", "rid": "r-1",
+               "sampling_params": {"max_new_tokens": 4, "custom_params": custom}},
+         workflow_headers("wf-x"))
+    post(url, {"model": "default", "max_tokens": 4, "cache_salt": "tenant-a",
+               "custom_params": custom, "messages": [{"role": "user", "content": "hi"}]},
+         workflow_headers("wf-x"), path="/v1/chat/completions")
+    (gen_headers, gen), (chat_headers, chat) = [r for s in stubs for r in s.received]
+    for headers in (gen_headers, chat_headers):
+        assert headers["x-smg-routing-key"] == "wf-x"
+        assert "x-kvcmas-workflow" not in headers
+    assert gen["input_ids"] == [1, 2, 3] and gen["sampling_params"] == {"max_new_tokens": 4}
+    assert "cache_salt" not in gen and gen["rid"] == "r-1"
+    assert chat["messages"] == [{"role": "user", "content": "hi"}]
+    assert "custom_params" not in chat and "cache_salt" not in chat
+
+
+def test_router_moves_a_dead_workers_keys(stub_router):
+    url, stubs = stub_router
+    first = {k: post(url, {"input_ids": [1]}, workflow_headers(k))["port"]
+             for k in ("a", "b", "c", "d", "e", "f")}
+    dead = stubs[0]
+    dead.close()
+    t0 = time.monotonic()
+    after = {k: post(url, {"input_ids": [1]}, workflow_headers(k))["port"] for k in first}
+    assert time.monotonic() - t0 < 10
+    assert all(p != dead.port for p in after.values()), after
+    assert all(after[k] == p for k, p in first.items() if p != dead.port)  # the others stay
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len([w for w in router_workers(url)
+                                               if w["is_healthy"]]) != 1:
+        time.sleep(0.2)
+    assert [w["url"] for w in router_workers(url) if w["is_healthy"]] == [stubs[1].url]
