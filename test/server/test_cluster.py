@@ -1,8 +1,12 @@
 """Several servers behind SGLang's router (``sglang_kvcmas.server.cluster``).
 
-The router's contract, against two stub workers (no model, a few seconds): a routing key
+The router's contract first, against two stub workers (no model, a few seconds): a routing key
 stays on one worker and keys spread over both; only ``X-SMG-Routing-Key`` of our headers reaches
-a worker and the body loses ``custom_params``; a dead worker's keys move.
+a worker and the body loses ``custom_params``; a dead worker's keys move. Then two CPU sharing
+servers behind the router (one boot for the module; the kill test runs last): every request of a
+workflow lands on one server, workflows spread over both, readers there read the leader's KV; one
+server SIGKILLed mid-run: the router takes it out, every request is answered or fails clearly,
+none is lost, the other server's workflows finish.
 """
 
 from __future__ import annotations
@@ -170,3 +174,86 @@ def test_router_moves_a_dead_workers_keys(stub_router):
                                                if w["is_healthy"]]) != 1:
         time.sleep(0.2)
     assert [w["url"] for w in router_workers(url) if w["is_healthy"]] == [stubs[1].url]
+
+
+# ----- two sharing servers behind the router ---------------------------------------------------
+
+CLUSTER_FLAGS = ["--kvcmas-share-context", "--max-total-tokens", "4096",
+                 "--chunked-prefill-size", "256", "--mem-fraction-static", "0.3"]
+"""The sharing fixture's flags (``conftest.SHARING_FLAGS``) and the benchmark arms' memory
+fraction (``server_arms.COMMON_FLAGS``): with two servers on the host, the launcher's 0.1 left
+one of them too little to size its pool."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(workers=2, worker_args=CLUSTER_FLAGS, request_log=True,
+                log_dir=tmp_path_factory.mktemp("kvcmas-cluster"), boot_timeout_s=400)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+
+
+def debates(first: int, n: int) -> list:
+    """``n`` 2-round debates, each question followed by about 300 tokens of other questions, so
+    the agents of the first round share a transcript long enough to borrow."""
+    from benchmark.serving.workflows import debate
+    from sglang_kvcmas.datasets import gsm8k
+
+    items = gsm8k()
+    return [debate(first + i, items[first + i].question + "\n\nOther questions: " + " ".join(
+        items[100 + first + i + j].question for j in range(5)), rounds=2) for i in range(n)]
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_workflow_stays_on_one_server(cluster, tok):
+    from benchmark.serving import router_scale as rs
+
+    for i, url in enumerate(cluster.worker_urls):  # every agent's head cached on both
+        for flow in debates(90, 1):
+            for agent in flow.steps[0]:
+                rs.send(url, rs.prompt_ids(tok, flow, 0, agent), 1, f"warm-up-{i}")
+    flows = debates(0, 4)
+    turns, _ = rs.run_flows(cluster.url, flows, tok, max_new=16)
+    keys = {rs.routing_key(f) for f in flows}
+    placement = cluster.placement()
+    shares, split = rs.worker_shares(placement, keys)
+    assert not split, placement
+    assert all(sum(c[k] for c in placement) == 6 for k in keys), placement  # 3 agents x 2 rounds
+    assert min(shares) >= 0.25, (shares, placement)
+    # the agents of a workflow, all on one server, read the KV one of them computed
+    borrowed = {t["workflow"] for t in turns if t["borrowed"] > 0}
+    assert borrowed == keys, (borrowed, turns)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_killed_server_is_taken_out_and_nothing_is_lost(cluster, tok):
+    """Runs last: it kills one of the module's servers."""
+    from benchmark.serving import router_scale as rs
+
+    flows = debates(20, 4)
+    counts = rs.kill_run(cluster, flows, tok, max_new=32, kill_after=6)
+    print(counts)
+    assert counts.victim is not None and counts.victim_flows
+    assert counts.lost == 0, counts.lost_notes
+    assert counts.sent == counts.completed + counts.clear_errors
+    assert counts.router_out_s is not None and counts.router_out_s < 10
+    assert counts.finished_flows == counts.flows  # a failed turn is retried once and completes
+    survivor = 1 - counts.victim
+    assert cluster.healthy_workers() == [cluster.worker_urls[survivor]]
+    # every workflow after the kill ran on the survivor
+    assert all(k in cluster.placement()[survivor] for k in counts.victim_flows)
+
