@@ -10,9 +10,11 @@ Parts (each one server at a time, same binary, same KV pool):
   then decode ``--decode-tokens`` tokens each, all at once (after one warm turn each, so radix
   decodes from its own exact copies and ours from the owner's, re-positioned, plus each reader's
   leaves). Decode rate = tokens after the first / time from first to last token, over the batch.
-- ``panel``: 16 agents with their own system prompts review one essay document (≥ 7k tokens) in
-  two rounds (the second reads the first's answers): makespan, non-owner TTFT, peak KV held vs
-  the one-copy ideal.
+- ``panel``: 16 agents with their own system prompts introduce themselves in one short round,
+  then review one essay document (≥ 7k tokens) in two rounds (the second reads the first's
+  answers): makespan, non-owner TTFT (document rounds), peak KV held vs the one-copy ideal. The
+  short first round is where each agent's system prompt gets cached: an agent's first request
+  computes its whole prompt exactly under sharing too (a reader borrows only after its head).
 - router: ``router_scale.py`` measures it (it boots four server fleets); this script reads its
   latest JSON (``--router-json``) and names it.
 
@@ -140,7 +142,8 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
 
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path) -> dict:
-    """Two rounds of ``agents`` concurrent reviews of one document; one server."""
+    """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
+    one server."""
     heads = [head_of(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(arm, out / f"scale_panel_{arm}.log",
@@ -150,27 +153,33 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         sampler.start()
         t0 = time.perf_counter()
         turns, answers = [], []
-        for rnd in range(2):
-            user = doc + tok.encode("\n\n" + "\n".join(answers) + "\n\nYour review:",
-                                    add_special_tokens=False)
+        for rnd in range(3):
+            if rnd == 0:
+                user = tok.encode("The panel is about to start. Introduce yourself in one "
+                                  "sentence.", add_special_tokens=False)
+            else:
+                user = doc + tok.encode("\n\n" + "\n".join(answers) + "\n\nYour review:",
+                                        add_special_tokens=False)
             prompts = [chat_ids(tok, h, user) for h in heads]
             with ThreadPoolExecutor(agents) as pool_:
                 runs = list(pool_.map(lambda p: stream(server.url, p, new), prompts))
             for a, (p, r) in enumerate(zip(prompts, runs)):
                 turns.append({"round": rnd, "agent": a, "prompt_len": len(p), **r})
-            answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
+            if rnd:
+                answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
         makespan = time.perf_counter() - t0
         peak = sampler.stop()
-    first_round = [t for t in turns if t["round"] == 0]
+    first_round = [t for t in turns if t["round"] == 1]
     head_lens = [len(chat_ids(tok, h, [])) - len(tok.encode(
         "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
         for h in heads]
     shared = max(t["prompt_len"] for t in turns) - min(head_lens) - 3
-    live = max(sum(3 + t["tokens"] for t in turns if t["round"] == r) for r in (0, 1))
+    live = max(sum(3 + t["tokens"] for t in turns if t["round"] == r) for r in (1, 2))
     ideal = sum(head_lens) + shared + live
     borrowed = {(t["round"], t["agent"]): of_meta(t["meta"]).get("borrowed", 0) for t in turns}
     say(f"panel {arm}: makespan {makespan:.1f} s, peak KV {peak} tokens (one-copy ideal "
-        f"{ideal}), first-round TTFT median {statistics.median(t['ttft'] for t in first_round):.2f} s")
+        f"{ideal}), first document round TTFT median "
+        f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
     return {"makespan_s": makespan, "peak_kv_tokens": peak, "one_copy_ideal_tokens": ideal,
             "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens")}
                       | {"borrowed": borrowed[(t["round"], t["agent"])]} for t in turns],
@@ -178,8 +187,10 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
 
 
 def nonowner_ttft(panel: dict[str, dict]) -> dict[str, float]:
-    """Median TTFT per arm over the turns that borrowed in the kvcmas arm (same keys in radix)."""
-    readers = {(t["round"], t["agent"]) for t in panel["kvcmas"]["turns"] if t["borrowed"]}
+    """Median TTFT per arm over the document-round turns that borrowed in the kvcmas arm (the
+    same turns in radix)."""
+    readers = {(t["round"], t["agent"]) for t in panel["kvcmas"]["turns"]
+               if t["borrowed"] and t["round"] > 0}
     return {arm: statistics.median(t["ttft"] for t in p["turns"]
                                    if (t["round"], t["agent"]) in readers)
             for arm, p in panel.items()} if readers else {}
@@ -188,6 +199,8 @@ def nonowner_ttft(panel: dict[str, dict]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="host + decode only (< 15 min)")
+    ap.add_argument("--parts", default="host,decode,panel",
+                    help="comma-separated parts to run (--quick: host,decode)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8000])
     ap.add_argument("--readers", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -214,16 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "model": "embedded SmolLM2-135M-Instruct", "pool_tokens": args.pool,
     }
-    say("host path: 16 agents, 32k-token transcript (no model)")
-    host = host_path.run(host_path.main_args([]))
-    result["host"] = {k: host[k] for k in ("host_ms_per_admission", "hook_ms_per_iter",
-                                           "hook_waiting", "hook_held")}
-    decode = {arm: decode_arm(arm, tok, args.contexts, args.readers, args.decode_tokens,
-                              args.pool, logs) for arm in ("radix", "kvcmas")}
-    ratios = {c: decode["kvcmas"][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
-              for c in args.contexts}
-    result["decode"] = {"arms": decode, "ratio_by_context": ratios}
-    if not args.quick:
+    parts = {"host", "decode"} if args.quick else set(args.parts.split(","))
+    host, ratios = None, {}
+    if "host" in parts:
+        say("host path: 16 agents, 32k-token transcript (no model)")
+        host = host_path.run(host_path.main_args([]))
+        result["host"] = {k: host[k] for k in ("host_ms_per_admission", "hook_ms_per_iter",
+                                               "hook_waiting", "hook_held")}
+    if "decode" in parts:
+        decode = {arm: decode_arm(arm, tok, args.contexts, args.readers, args.decode_tokens,
+                                  args.pool, logs) for arm in ("radix", "kvcmas")}
+        ratios = {c: decode["kvcmas"][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
+                  for c in args.contexts}
+        result["decode"] = {"arms": decode, "ratio_by_context": ratios}
+    if "panel" in parts:
         panel = {arm: panel_arm(arm, tok, args.panel_agents, args.panel_doc, args.panel_tokens,
                                 args.pool, logs) for arm in ("radix", "kvcmas")}
         no = nonowner_ttft(panel)
@@ -244,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for c, r in ratios.items():
-        print(f"decode at {decode['radix'][c]['context']} tokens, {args.readers} readers: "
-              f"kvcmas {decode['kvcmas'][c]['decode_tok_s']:.1f} tok/s vs radix "
-              f"{decode['radix'][c]['decode_tok_s']:.1f} ({r:.2f}x)")
+        print(f"decode at {result['decode']['arms']['radix'][c]['context']} tokens, {args.readers} readers: "
+              f"kvcmas {result['decode']['arms']['kvcmas'][c]['decode_tok_s']:.1f} tok/s vs "
+              f"radix {result['decode']['arms']['radix'][c]['decode_tok_s']:.1f} ({r:.2f}x)")
     if "panel" in result:
         p = result["panel"]
         print(f"panel ({args.panel_agents} agents, {args.panel_doc}-token document): makespan "
@@ -254,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
               f"peak KV / one-copy ideal kvcmas {p['peak_kv_vs_ideal']['kvcmas']:.2f} radix "
               f"{p['peak_kv_vs_ideal']['radix']:.2f}")
     router_txt = f"{router:.2f}" if isinstance(router, (int, float)) else "n/a"
-    print(f"HEADLINE host_ms_per_admission_32k={host['host_ms_per_admission']:.2f} "
-          f"hook_ms_per_iter_16agents={host['hook_ms_per_iter']:.3f} "
-          f"decode_ratio_vs_radix={min(ratios.values()):.2f} "
+    def fmt(x: float | None, digits: int) -> str:
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    print(f"HEADLINE host_ms_per_admission_32k={fmt(host and host['host_ms_per_admission'], 2)} "
+          f"hook_ms_per_iter_16agents={fmt(host and host['hook_ms_per_iter'], 3)} "
+          f"decode_ratio_vs_radix={fmt(min(ratios.values()) if ratios else None, 2)} "
           f"router_sharing_ratio={router_txt}")
     return 0
 
