@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--panel-doc", type=int, default=7000, help="document tokens")
     ap.add_argument("--panel-tokens", type=int, default=24, help="answer tokens per turn")
     ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
-    ap.add_argument("--router-json", type=Path, default=RESULTS / "router_scale.json")
+    ap.add_argument("--router-json", type=Path, default=None,
+                    help="router_scale.py's JSON (default: the first of router_scale.json, "
+                         "router_scale_quick.json, router_scale_quick_busy.json in results/)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     out = args.out or RESULTS / ("scale_quick.json" if args.quick else "scale.json")
@@ -252,10 +254,14 @@ def main(argv: list[str] | None = None) -> int:
                                  for a, p in panel.items()},
         }
     router = None
+    if args.router_json is None:
+        names = ("router_scale.json", "router_scale_quick.json", "router_scale_quick_busy.json")
+        args.router_json = next((RESULTS / n for n in names if (RESULTS / n).exists()),
+                                RESULTS / names[0])
     if args.router_json.exists():
         data = json.loads(args.router_json.read_text())
         router = data.get("router_sharing_ratio")
-        result["router"] = {"from": str(args.router_json.relative_to(ROOT)),
+        result["router"] = {"from": str(args.router_json),
                             "commit": data.get("commit"), "router_sharing_ratio": router}
     result["seconds"] = round(time.monotonic() - t_start, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
