@@ -72,7 +72,7 @@ from benchmark.serving.head_to_head import build_workflows  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ARMS, COMMON_FLAGS, ArmServer  # noqa: E402
 from benchmark.serving.workflows import Workflow, debate  # noqa: E402
-from sglang_kvcmas.server.cluster import Cluster, workflow_headers  # noqa: E402
+from sglang_kvcmas.server.cluster import Cluster, RouterSettings, workflow_headers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_TOKENS = 40000
@@ -347,7 +347,8 @@ def measure_single(arm: str, out: Path, flows_fn, tok, max_new: int) -> dict:
 def measure_cluster(arm: str, out: Path, flows_fn, tok, max_new: int, pin: bool,
                     kill: dict | None = None) -> tuple[dict, KillCounts | None]:
     with Cluster(workers=2, worker_args=arm_flags(arm), log_dir=out / f"cluster_{arm}",
-                 request_log=True, pin_cores=pin) as cluster:
+                 request_log=True, pin_cores=pin,
+                 settings=RouterSettings(log_level="info")) as cluster:
         say(f"{arm} x2 up: router {cluster.url} -> {cluster.worker_urls}")
         for i, wurl in enumerate(cluster.worker_urls):
             send(wurl, tok.encode("Warm up."), 4, f"warm-up-{i}")

@@ -277,8 +277,13 @@ class Cluster:
         return out
 
     def stop(self) -> None:
-        """Stop the router, then every server (together)."""
+        """Stop the router, then every server (together). A router that had already exited is
+        reported on stderr with its exit status (a negative status: the signal that ended it)."""
         if self.router is not None:
+            proc = self.router.proc
+            if proc is not None and proc.poll() is not None:
+                print(f"[cluster] the router had exited with status {proc.returncode}; log "
+                      f"{self.router.log_path}", file=sys.stderr, flush=True)
             self.router.stop()
             self.router = None
         if self.servers:
