@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -231,6 +232,8 @@ class Cluster:
         if self.port is None:
             self.port = free_port()
         ports = free_ports(self.workers, self.port + 1)
+        for i in range(self.workers):  # SGLang appends to its request log: start it afresh
+            shutil.rmtree(self._request_dir(i), ignore_errors=True)
         self.servers = [self._worker(i, p) for i, p in enumerate(ports)]
         try:
             for server in self.servers:  # one at a time: see start()
