@@ -10,8 +10,8 @@ SIGTERM. Clients talk to the router's port as to one server.
 Placement. Agents share KV only inside one server, so every request of a workflow must reach the
 same one. The router's ``manual`` policy keeps each routing key, the ``X-SMG-Routing-Key`` header,
 on the worker it first sent it to; a new key goes to the worker with the fewest keys in flight
-(``--assignment-mode min_group``); a key moves only when its worker is unhealthy, and then stays
-on its new worker. The router hashes or reads no other header (its ``consistent_hashing`` policy,
+(``--assignment-mode min_group``; with equal counts, e.g. nothing in flight, to either at random);
+a key moves only when its worker is unhealthy, and then stays on its new worker. The router hashes or reads no other header (its ``consistent_hashing`` policy,
 not offered by its command line, reads the same one), so clients send the workflow id in both
 ``X-SMG-Routing-Key`` and ``X-KVCMAS-Workflow`` (:func:`workflow_headers`).
 
