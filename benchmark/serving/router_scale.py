@@ -191,6 +191,7 @@ def run_flows(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[list[
                                   "cached_tokens": out.meta.get("cached_tokens", 0),
                                   "completion_tokens": out.meta.get("completion_tokens", 0),
                                   "borrowed": of_meta(out.meta).get("borrowed", 0),
+                                  "served_workflow": served_workflow(out.meta),
                                   "latency_s": out.seconds})
             flow.record(step, {a: outs[a].text for a in agents})
         return time.perf_counter() - t0
@@ -229,6 +230,8 @@ class KillCounts:
         how: what each request ended with (``Outcome.how``), counted.
         flows, finished_flows: workflows started and finished (every turn completed).
         victim: the index of the killed worker; victim_flows: the workflows it held.
+        moved_flows: those of ``victim_flows`` that sent a request after the router took the
+            victim out (a workflow can finish before the kill: it then never moves).
         router_out_s: kill to the router reporting the worker unhealthy (None: never).
         router_tries_on_victim: requests the router sent to the dead worker (each failed and
             was retried or answered with an error; from the router's log).
@@ -244,6 +247,7 @@ class KillCounts:
     finished_flows: int = 0
     victim: int | None = None
     victim_flows: list[str] = field(default_factory=list)
+    moved_flows: list[str] = field(default_factory=list)
     router_out_s: float | None = None
     router_tries_on_victim: int = 0
     lost_notes: list[str] = field(default_factory=list)
@@ -260,6 +264,14 @@ class KillCounts:
             self.lost_notes.append(f"{what}: {out.how} after {out.seconds:.0f} s")
 
 
+def served_workflow(meta: dict) -> str | None:
+    """The workflow the server reported for a request (from the routing key behind the
+    router)."""
+    rec = (meta or {}).get("kvcmas_reuse")
+    rec = rec[0] if isinstance(rec, list) and rec else rec
+    return rec.get("workflow") if isinstance(rec, dict) else None
+
+
 def kill_run(cluster: Cluster, flows: list[Workflow], tok, max_new: int,
              kill_after: int) -> KillCounts:
     """Run ``flows`` through ``cluster`` and SIGKILL one worker once ``kill_after`` requests
@@ -267,11 +279,16 @@ def kill_run(cluster: Cluster, flows: list[Workflow], tok, max_new: int,
     counts = KillCounts(flows=len(flows))
     lock = threading.Lock()
     completed = threading.Event()
+    taken_out = threading.Event()
+    sent_after_out: set[str] = set()
     keys = {routing_key(f) for f in flows}
 
     def turn(flow: Workflow, step: int, agent: str, ids: list[int]) -> Outcome:
         stream = flow.steps[step].index(agent) % 2 == 1
         for attempt in range(2):
+            if taken_out.is_set():
+                with lock:
+                    sent_after_out.add(routing_key(flow))
             out = send(cluster.url, ids, max_new, routing_key(flow), stream=stream)
             with lock:
                 counts.count(out, f"{routing_key(flow)} step {step} {agent} try {attempt}")
@@ -307,6 +324,7 @@ def kill_run(cluster: Cluster, flows: list[Workflow], tok, max_new: int,
         while time.monotonic() - t0 < 60:
             if victim_url not in cluster.healthy_workers():
                 counts.router_out_s = time.monotonic() - t0
+                taken_out.set()
                 break
             time.sleep(0.1)
 
@@ -323,6 +341,7 @@ def kill_run(cluster: Cluster, flows: list[Workflow], tok, max_new: int,
         counts.finished_flows = sum(pool.map(one_flow, flows))
     completed.set()
     kill_thread.join(timeout=120)
+    counts.moved_flows = sorted(set(counts.victim_flows) & sent_after_out)
     if counts.victim is not None:
         counts.router_tries_on_victim = tries_on_victim()
     return counts

@@ -22,6 +22,22 @@ def test_workflow_header_reaches_every_prompt_and_conflicts_are_refused():
             "kvcmas_workflow": "a"}}), {"x-kvcmas-workflow": "b"})
 
 
+def test_router_routing_key_names_the_workflow_when_nothing_else_does():
+    obj = SimpleNamespace(sampling_params={})
+    label_and_check(obj, {"x-smg-routing-key": "debate-3"})
+    assert obj.sampling_params["custom_params"]["kvcmas_workflow"] == "debate-3"
+    both = SimpleNamespace(sampling_params={})
+    label_and_check(both, {"x-smg-routing-key": "k", "x-kvcmas-workflow": "ours"})
+    assert both.sampling_params["custom_params"]["kvcmas_workflow"] == "ours"
+    body = SimpleNamespace(sampling_params={"custom_params": {"kvcmas_workflow": "body"}})
+    label_and_check(body, {"x-smg-routing-key": "k"})  # the body's name wins, no conflict
+    assert body.sampling_params["custom_params"]["kvcmas_workflow"] == "body"
+    for bad in ("", "x" * 129, "tab\there"):  # not a valid name: ignored, never a 400
+        odd = SimpleNamespace(sampling_params={})
+        label_and_check(odd, {"x-smg-routing-key": bad})
+        assert odd.sampling_params == {}
+
+
 def test_bad_fields_are_refused_before_the_scheduler_and_others_pass():
     with pytest.raises(RequestOptionError, match="custom_params.kvcmas_head_len"):
         label_and_check(SimpleNamespace(sampling_params={"custom_params": {

@@ -5,7 +5,9 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
 
 - AROUND ``TokenizerManager.generate_request``: the ``X-KVCMAS-Workflow`` header becomes
   ``custom_params.kvcmas_workflow`` of every prompt of the request (a body that names another
-  workflow is an error); every prompt's ``custom_params`` is parsed strictly
+  workflow is an error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of
+  prompts whose body names none (the router forwards that header and drops ours and the body's
+  ``custom_params``); every prompt's ``custom_params`` is parsed strictly
   (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
   (an error event on a stream that has not started). While an OpenAI stream is being served it
   also collects the reuse records for the stream's usage chunk (``usage_stream.py``).
@@ -25,6 +27,7 @@ from sglang_kvcmas.policy.request_options import (
     WORKFLOW_HEADER,
     RequestOptionError,
     RequestOptions,
+    workflow_from_headers,
 )
 
 GENERATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
@@ -45,12 +48,13 @@ def _sampling_dicts(obj: Any, create: bool) -> list[dict]:
 
 
 def label_and_check(obj: Any, headers: Any) -> None:
-    """Apply the workflow header, then parse every prompt's ``kvcmas_*`` fields.
+    """Apply the workflow header (ours, else the router's routing key), then parse every
+    prompt's ``kvcmas_*`` fields.
 
     Raises:
         RequestOptionError: (a ``ValueError``) naming the field.
     """
-    workflow = headers.get(WORKFLOW_HEADER) if headers is not None else None
+    workflow, ours = workflow_from_headers(headers)
     for params in _sampling_dicts(obj, create=workflow is not None):
         custom = params.get("custom_params")
         if workflow is not None:
@@ -58,11 +62,12 @@ def label_and_check(obj: Any, headers: Any) -> None:
                 custom = params["custom_params"] = {}
             if isinstance(custom, dict):
                 given = custom.get(WORKFLOW_FIELD)
-                if given is not None and given != workflow:
+                if given is not None and given != workflow and ours:
                     raise RequestOptionError(
                         f"custom_params.{WORKFLOW_FIELD}={given!r} disagrees with the "
                         f"{WORKFLOW_HEADER} header ({workflow!r})")
-                custom[WORKFLOW_FIELD] = workflow
+                if given is None:  # a body's own name wins over the router's key
+                    custom[WORKFLOW_FIELD] = workflow
         RequestOptions.parse(custom)
 
 

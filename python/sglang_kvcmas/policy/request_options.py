@@ -10,7 +10,8 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
                                         transcript (default: the whole prompt)
 ``kvcmas_exact``: bool                  read no other agent's KV (computed exactly, as radix)
 ``kvcmas_workflow``: str                the workflow the request belongs to (also the HTTP
-                                        header ``X-KVCMAS-Workflow``); reported with its usage
+                                        header ``X-KVCMAS-Workflow``, or else the router's
+                                        ``X-SMG-Routing-Key``); reported with its usage
 ``kvcmas_<knob>``                       a per-request knob of ``config.ServingConfig``
                                         (``kvcmas_recompute_boundary``, ...)
 ======================================  ==========================================================
@@ -37,6 +38,9 @@ WORKFLOW_FIELD = "kvcmas_workflow"
 WORKFLOW_HEADER = "x-kvcmas-workflow"
 """HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
 server); same meaning as ``custom_params.kvcmas_workflow``."""
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+"""The header SGLang's router places requests by (and the only one of ours it forwards): a
+request without ``X-KVCMAS-Workflow`` or ``kvcmas_workflow`` takes it as its workflow."""
 MAX_NAME_CHARS = 128
 """Longest agent or workflow name: names are echoed in usage and logs."""
 
@@ -140,6 +144,24 @@ def _field(ours: Mapping[str, Any], name: str, kind: type, low: int | None = Non
     if name not in ours:
         return None
     return Knob(name, kind, None, "", low=low).parse(ours[name], f"custom_params.{name}")
+
+
+def workflow_from_headers(headers: Mapping[str, Any] | None) -> tuple[str | None, bool]:
+    """The workflow an HTTP request's headers name, and whether it was named by our own header.
+
+    ``X-KVCMAS-Workflow`` wins (taken as given; :meth:`RequestOptions.parse` checks it); else the
+    router's ``X-SMG-Routing-Key`` when it is a valid name (a key that is not one is the router's
+    business, never an error of the request: it is ignored).
+    """
+    if headers is None:
+        return None, False
+    ours = headers.get(WORKFLOW_HEADER)
+    if ours is not None:
+        return ours, True
+    key = headers.get(ROUTING_KEY_HEADER)
+    if isinstance(key, str) and 0 < len(key) <= MAX_NAME_CHARS and key.isprintable():
+        return key, False
+    return None, False
 
 
 def _name(ours: Mapping[str, Any], name: str) -> str | None:

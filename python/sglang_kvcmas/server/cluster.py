@@ -12,8 +12,9 @@ same one. The router's ``manual`` policy keeps each routing key, the ``X-SMG-Rou
 on the worker it first sent it to; a new key goes to the worker with the fewest keys in flight
 (``--assignment-mode min_group``; with equal counts, e.g. nothing in flight, to either at random);
 a key moves only when its worker is unhealthy, and then stays on its new worker. The router hashes or reads no other header (its ``consistent_hashing`` policy,
-not offered by its command line, reads the same one), so clients send the workflow id in both
-``X-SMG-Routing-Key`` and ``X-KVCMAS-Workflow`` (:func:`workflow_headers`).
+not offered by its command line, reads the same one), so clients send the workflow id in
+``X-SMG-Routing-Key`` (:func:`workflow_headers`), which the server also takes as the workflow id
+when ``X-KVCMAS-Workflow`` (not forwarded) is absent.
 
 What the router passes on (0.3.2; checked in ``test/server/test_cluster.py``): of the request
 headers only ``authorization``, ``x-request-id*``, ``x-correlation-id``, ``traceparent``,
@@ -21,7 +22,7 @@ headers only ``authorization``, ``x-request-id*``, ``x-correlation-id``, ``trace
 ``/generate`` and ``/v1/chat/completions`` bodies from its own request types, dropping
 ``custom_params`` (every ``kvcmas_*`` field) and ``cache_salt`` (and a chat request's ``rid``).
 Behind the router, agents are told apart by ChatML detection only, and every tenant is in one
-namespace. Responses come back unchanged (``meta_info.kvcmas_reuse``, OpenAI usage).
+namespace (``cache_salt`` isolation does not hold). Responses come back unchanged (``meta_info.kvcmas_reuse``, OpenAI usage).
 
 Failures (:class:`RouterSettings`): the router asks every worker's ``/health`` each second (our
 servers answer it without running the model) and takes a worker out after two failures; a request
