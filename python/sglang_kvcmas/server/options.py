@@ -12,13 +12,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 from sglang_kvcmas.config import KNOBS, ConfigError, ServingConfig, resolve
+from sglang_kvcmas.server.memory import (
+    MIN_FRACTION,
+    footprint_of_folder,
+    free_host_bytes,
+    static_fraction,
+)
 
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
 SHARED_ATTENTION_BACKEND = "kvcmas_delta"
 """The attention backend that reads borrowed KV re-positioned (needed with sharing on)."""
 PROG = "sglang-kvcmas-server"
+CPU_MAX_TOTAL_TOKENS = 16384
+"""Our CPU default KV pool (tokens): without a bound SGLang sizes it from host RAM."""
 
 
 @dataclass(frozen=True)
@@ -100,11 +109,29 @@ def knobs_help() -> str:
     return "\n".join(lines)
 
 
-def _device_of(argv: list[str]) -> str | None:
+def _peek(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``), or None."""
     peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    peek.add_argument("--device", default=None)
-    known, _ = peek.parse_known_args(argv)
-    return known.device
+    peek.add_argument(flag, dest="value", default=None)
+    known, _ = peek.parse_known_args(list(argv))
+    return known.value
+
+
+def _device_of(argv: list[str]) -> str | None:
+    return _peek(argv, "--device")
+
+
+def cpu_mem_fraction(options: LauncherOptions, model_path: str) -> float:
+    """Our CPU default ``--mem-fraction-static`` for this model and the pool asked for
+    (``--max-total-tokens``, else ours), at the served ``--dtype`` (see ``server/memory.py``)."""
+    tokens = _peek(options.sglang_argv, "--max-total-tokens")
+    dtype = _peek(options.sglang_argv, "--dtype") or "float32"
+    try:
+        max_tokens = int(tokens) if tokens is not None else CPU_MAX_TOTAL_TOKENS
+    except ValueError:
+        return MIN_FRACTION  # SGLang's parser reports the bad value
+    footprint = footprint_of_folder(Path(model_path), dtype)
+    return static_fraction(footprint, max_tokens, free_host_bytes())
 
 
 def parse_launcher_args(argv: list[str]) -> LauncherOptions:
@@ -128,8 +155,15 @@ def parse_launcher_args(argv: list[str]) -> LauncherOptions:
                            device=_device_of(rest))
 
 
-def default_flags(options: LauncherOptions) -> tuple[DefaultFlag, ...]:
-    """Our defaults for SGLang's options, for this launch."""
+def default_flags(
+    options: LauncherOptions, mem_fraction_static: float = MIN_FRACTION
+) -> tuple[DefaultFlag, ...]:
+    """Our defaults for SGLang's options, for this launch.
+
+    Args:
+        mem_fraction_static: the CPU default of ``--mem-fraction-static`` (see
+            :func:`cpu_mem_fraction`).
+    """
     flags = [
         DefaultFlag("device", ("--device", "cpu"), cpu_only=True),
         # fp16 (SGLang's CPU default cast) decodes far slower than fp32 on CPUs.
@@ -140,8 +174,11 @@ def default_flags(options: LauncherOptions) -> tuple[DefaultFlag, ...]:
         else DefaultFlag("attention_backend", ("--attention-backend", "torch_native"),
                          cpu_only=True),
         # Without a bound SGLang sizes the KV pool from host RAM.
-        DefaultFlag("max_total_tokens", ("--max-total-tokens", "16384"), cpu_only=True),
-        DefaultFlag("mem_fraction_static", ("--mem-fraction-static", "0.1"), cpu_only=True),
+        DefaultFlag("max_total_tokens", ("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)),
+                    cpu_only=True),
+        # Sized from the model's weights and the pool (a fixed 0.1 fails a 0.5B model's boot).
+        DefaultFlag("mem_fraction_static", ("--mem-fraction-static", f"{mem_fraction_static:g}"),
+                    cpu_only=True),
         DefaultFlag("enable_cache_report", ("--enable-cache-report",)),
     ]
     if importlib.util.find_spec("prometheus_client") is not None:
@@ -164,7 +201,10 @@ def build_sglang_argv(
         explicit_dests: SGLang option dests the user set (see ``integration.serve``).
     """
     argv = [*options.sglang_argv, "--model-path", model_path]
-    for flag in default_flags(options):
+    fraction = (cpu_mem_fraction(options, model_path)
+                if options.on_cpu and "mem_fraction_static" not in explicit_dests
+                else MIN_FRACTION)
+    for flag in default_flags(options, fraction):
         if flag.dest not in explicit_dests:
             argv.extend(flag.tokens)
     return argv
