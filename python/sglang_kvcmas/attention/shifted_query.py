@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
+from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 
 
 def grouped_shift_decode(
@@ -33,7 +33,7 @@ def grouped_shift_decode(
     v: torch.Tensor,
     shifts: torch.Tensor,
     groups: tuple[tuple[int, int, int], ...],
-    inv_freq: torch.Tensor,
+    rope: ShiftRope | torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Attention of one query per head over keys gathered in shift-group order.
@@ -49,16 +49,19 @@ def grouped_shift_decode(
         shifts: [S] int64 distinct shifts.
         groups: ``(lo, hi, i)``: keys ``lo .. hi-1`` are read at ``shifts[i]``; they cover
             ``[0, n_kv)``.
-        inv_freq: [d // 2] float32 RoPE frequencies.
+        rope: the model's rotary (:class:`ShiftRope`: partial rotary rotates the first
+            ``rotary_dim`` dims of the query, GPT-J style its pairs), or full-width
+            ``inv_freq: [d // 2]``.
         scale: softmax scale.
     Returns:
         [H, 1, d] in ``q.dtype``.
     """
+    rope = as_shift_rope(rope)
     h, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
     g, n_kv = h // hkv, k.shape[1]
-    cos, sin = rope_cos_sin(-shifts.to(q.device), inv_freq.to(q.device))  # [S, d/2] each
+    cos, sin = rope_cos_sin(-shifts.to(q.device), rope.inv_freq)  # [S, rotary_dim/2] each
     qf = q.reshape(hkv, g, d).to(torch.float32)
-    q_s = rotate_halves(qf, cos[:, None, None, :], sin[:, None, None, :]) * scale  # [S, H_kv, g, d]
+    q_s = rotate(qf, cos[:, None, None, :], sin[:, None, None, :], rope) * scale  # [S, H_kv, g, d]
     kf = k.to(torch.float32)
     scores = torch.empty((hkv, g, n_kv), dtype=torch.float32, device=q.device)
     for lo, hi, i in groups:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
+from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
 
 PROBE_BLOCK = 256
@@ -26,7 +26,7 @@ PROBE_BLOCK = 256
 def transform_spans(
     k: torch.Tensor,
     row: RowSpans,
-    inv_freq: torch.Tensor,
+    rope: ShiftRope | torch.Tensor,
     cos_sin_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Re-position one row's borrowed keys by their spans' shifts, in place.
@@ -34,44 +34,49 @@ def transform_spans(
     Args:
         k: [seq_len, H_kv, d] keys gathered from the pool in row order (a copy, not the pool)
         row: the row's borrowed spans; positions are row indices
-        inv_freq: [d // 2] float32 RoPE frequencies
-        cos_sin_cache: optional memo ``shift -> (cos, sin)``, each [d // 2] on ``k``'s device
+        rope: the model's rotary (:class:`ShiftRope`), or full-width ``inv_freq: [d // 2]``
+        cos_sin_cache: optional memo ``shift -> (cos, sin)``, each [rotary_dim // 2] on ``k``'s
+            device
     Returns:
         k, the same tensor.
     """
+    rope = as_shift_rope(rope)
     for span in row.reads:
         if span.start >= k.shape[0] or not span.shift:
             continue
         sl = slice(span.start, min(span.end, k.shape[0]))
         cs = None if cos_sin_cache is None else cos_sin_cache.get(span.shift)
         if cs is None:
-            cos, sin = rope_cos_sin(torch.tensor([span.shift]), inv_freq)
+            cos, sin = rope_cos_sin(torch.tensor([span.shift]), rope.inv_freq)
             cs = (cos[0].to(k.device), sin[0].to(k.device))
             if cos_sin_cache is not None:
                 cos_sin_cache[span.shift] = cs
-        k[sl] = rotate_halves(k[sl].to(torch.float32), *cs).to(k.dtype)
+        k[sl] = rotate(k[sl].to(torch.float32), *cs, rope).to(k.dtype)
     return k
 
 
-def rotate_keys(k: torch.Tensor, key_shifts: KeyShifts, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate_keys(
+    k: torch.Tensor, key_shifts: KeyShifts, rope: ShiftRope | torch.Tensor
+) -> torch.Tensor:
     """Every key re-positioned by its shift (a new tensor; ``k`` is not modified).
 
     Args:
         k: [n, H_kv, d] keys gathered from the pool in row order.
         key_shifts: the row's per-key shift map.
-        inv_freq: [d // 2] float32 RoPE frequencies.
+        rope: the model's rotary (:class:`ShiftRope`), or full-width ``inv_freq: [d // 2]``.
     Returns:
         [n, H_kv, d] in ``k.dtype``; equals :func:`transform_spans` over the map's spans.
     """
+    rope = as_shift_rope(rope)
     n = k.shape[0]
     m = min(n, key_shifts.index.numel())
     if m == 0 or not key_shifts.any:
         return k
-    cos, sin = rope_cos_sin(key_shifts.shifts, inv_freq)  # [S, d/2]
+    cos, sin = rope_cos_sin(key_shifts.shifts, rope.inv_freq)  # [S, rotary_dim/2]
     idx = key_shifts.index[:m].to(k.device)
     cos, sin = cos.to(k.device)[idx][:, None, :], sin.to(k.device)[idx][:, None, :]
     out = k.clone()
-    out[:m] = rotate_halves(k[:m].to(torch.float32), cos, sin).to(k.dtype)
+    out[:m] = rotate(k[:m].to(torch.float32), cos, sin, rope).to(k.dtype)
     return out
 
 
