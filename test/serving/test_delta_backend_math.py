@@ -7,7 +7,7 @@ import torch
 
 from sglang_kvcmas_lab.attention.batch import DeltaRequest
 from sglang_kvcmas_lab.attention.reference import reader_kv
-from sglang_kvcmas.attention.rope import apply_rope, rope_inv_freq
+from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
 from sglang_kvcmas.attention.span_reads import transform_spans
 from sglang_kvcmas.attention.spans import BatchRow, RecomputedTokens, RowSpans, SharedSpan
 
@@ -35,7 +35,7 @@ def _backend():
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
 
     be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
-    be.inv_freq, be._layer_id, be._cos_sin = rope_inv_freq(64, 1e5), 0, {}
+    be.shift_rope, be._layer_id, be._cos_sin = ShiftRope.full(rope_inv_freq(64, 1e5)), 0, {}
     be._batch_rows = None
     return be
 

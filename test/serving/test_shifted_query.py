@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans
 from sglang_kvcmas.attention.spans import BatchRow, KeyShifts, RowSpans, SharedSpan
@@ -71,7 +71,8 @@ def test_backend_decode_takes_the_grouped_path_and_matches_the_reference():
 
     torch.manual_seed(0)
     be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
-    be.inv_freq, be._layer_id, be._cos_sin, be._groups = rope_inv_freq(64, 1e5), 0, {}, {}
+    be._layer_id, be._cos_sin, be._groups = 0, {}, {}
+    be.shift_rope = ShiftRope.full(rope_inv_freq(64, 1e5))
     d, h, hkv, lens = 64, 6, 2, [40, 75]
     k_cache, v_cache = torch.randn(256, hkv, d), torch.randn(256, hkv, d)
     req_to_token = torch.zeros(4, 128, dtype=torch.int64)
@@ -86,7 +87,7 @@ def test_backend_decode_takes_the_grouped_path_and_matches_the_reference():
     for i, (idx, n, r) in enumerate([(1, 40, None), (3, 75, row)]):
         k, v = k_cache[req_to_token[idx, :n]], v_cache[req_to_token[idx, :n]]
         if r is not None:
-            k = transform_spans(k, r, be.inv_freq)
+            k = transform_spans(k, r, be.shift_rope)
         ref = scaled_dot_product_attention(query[i][:, None][None], k.movedim(0, 1)[None],
                                            v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)

@@ -24,6 +24,11 @@ tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_
 records each token's softmax mass on the row's agent head (``span_reads.head_mass``). Probing a
 layer costs about one more attention pass over the row at that layer; nothing else changes.
 
+RoPE: the shift rotates with the model's rotary embedding as SGLang built it
+(``integration/rope_shift.py``: scaled RoPE, partial rotary, GPT-J style); a model the shift
+cannot serve exactly (multimodal rotary, sliding-window layers, other rope types) is refused
+when this backend starts, that is whenever ``--kvcmas-share-context`` is on.
+
 GPU: not served yet (CPU serving only); the lab's kernels (``sglang_kvcmas_lab.attention``) read the
 same span layout.
 """
@@ -36,11 +41,11 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
 from sglang_kvcmas.integration.batch_rows import rows_of_forward
+from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -50,23 +55,13 @@ PROBE_EVERY, PROBE_PHASE = 4, 2
 """Probe layers: 2, 6, 10, ... (benchmark/lab/owner_mass_study.py compares them with all layers)."""
 
 
-def _rope_params(model_runner: ModelRunner) -> tuple[int, float]:
-    cfg = model_runner.model_config.hf_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    theta = getattr(cfg, "rope_theta", None)
-    if theta is None:
-        params = getattr(cfg, "rope_parameters", None) or {}
-        theta = params.get("rope_theta", 10000.0)
-    return int(head_dim), float(theta)
-
-
 class DeltaAttnBackend(TorchNativeAttnBackend):
     """torch_native + shared-span re-positioning and deltas (see module docstring)."""
 
     def __init__(self, model_runner: ModelRunner):
         super().__init__(model_runner)
-        head_dim, theta = _rope_params(model_runner)
-        self.inv_freq = rope_inv_freq(head_dim, theta)
+        # The model's rotary as SGLang built it, or a refusal (UnsupportedRope) before serving.
+        self.shift_rope = shift_rope_for_runner(model_runner)
         self._layer_id = 0
         self._groups: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
         self._batch_rows: tuple[BatchRow | None, ...] | None = None
@@ -139,6 +134,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
     ):
         rows = self._rows(req_pool_indices)
+        _no_window(rows, sliding_window_size)
         probes = self._probes(req_pool_indices) if causal else [None] * len(rows)
         if encoder_lens is not None or sliding_window_size is not None or not (
             any(rows) or any(probes)
@@ -191,6 +187,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         # with a shift differ from the parent.
         rows = [r if r is not None and r.reads_transformed else None
                 for r in self._rows(req_pool_indices)]
+        _no_window(rows, sliding_window_size)
         if encoder_lens is not None or sliding_window_size is not None or not any(rows):
             return super()._run_sdpa_forward_decode(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -207,7 +204,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                                       req_pool_indices[i])
                 k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
                 out = grouped_shift_decode(
-                    q, k, v, row.key_shifts.shifts, groups, self.inv_freq,
+                    q, k, v, row.key_shifts.shifts, groups, self.shift_rope,
                     scaling if scaling is not None else q.shape[-1] ** -0.5,
                 )
             else:
@@ -235,8 +232,15 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         tokens = req_to_token[req_pool_idx, :n_kv]
         k, v = k_cache[tokens], v_cache[tokens]  # advanced indexing: copies, never the pool
         if row is not None:
-            k = rotate_keys(k, row.key_shifts, self.inv_freq)
+            k = rotate_keys(k, row.key_shifts, self.shift_rope)
         return k.movedim(0, 1), v.movedim(0, 1)
+
+
+def _no_window(rows: list, sliding_window_size: Optional[int]) -> None:
+    """Shifted rows never take the parent's sliding-window path (refused at start; a backstop)."""
+    if sliding_window_size is not None and any(rows):
+        raise RuntimeError("sglang-kvcmas: a sliding-window layer reads re-positioned spans "
+                           "(sliding-window models are refused at start)")
 
 
 def create_delta_backend(runner: ModelRunner) -> DeltaAttnBackend:
