@@ -2,7 +2,8 @@
 borrowed KV re-positioned (torch only; the SGLang backend in ``integration/`` calls these).
 
 Modules (one noun each):
-  ``rope``           neox RoPE helpers (rotations compose: the re-positioning algebra)
+  ``rope``           RoPE helpers and ``ShiftRope`` (neox or GPT-J, partial rotary; rotations
+                     compose: the re-positioning algebra)
   ``spans``          ``SharedSpan``, a row's borrowed spans, recomputed tokens, head-mass probe
   ``span_reads``     keys re-positioned by span (the reference), head mass on the agent head
   ``shifted_query``  decode that rotates the query per shift instead of every borrowed key
