@@ -11,9 +11,10 @@ memory for the KV cache"). So the fraction must cover what the scheduler allocat
 
 A fixed fraction cannot be right for every model: 0.1 of a few GiB free fits SmolLM2-135M
 (0.5 GiB of float32 weights) but not Qwen2.5-0.5B (2.5 GiB). :func:`static_fraction` is that
-rule with headroom (the runtime and allocator overhead, other processes starting meanwhile);
-a larger fraction than needed costs nothing on CPU, as the pool is capped at
-``--max-total-tokens`` anyway. Pure functions except :func:`free_host_bytes` and
+rule with headroom, measured on Qwen2.5-Coder-0.5B: ``pre`` was 15.1 GiB when the launcher had
+seen 21 GiB free (the server's other processes, and other jobs, start in between), and loading
+2.5 GiB of weights took 4.0 GiB at its peak. A larger fraction than needed costs nothing on CPU,
+as the pool is capped at ``--max-total-tokens`` anyway. Pure functions except :func:`free_host_bytes` and
 :func:`footprint_of_folder`, which read the machine and a model folder.
 """
 
@@ -34,8 +35,10 @@ MIN_FRACTION = 0.1
 MAX_FRACTION = 0.95
 OVERHEAD_BYTES = 1 * GIB
 """Fixed headroom: the torch runtime, activations of a chunked prefill, allocator slack."""
-WEIGHT_HEADROOM = 0.25
-"""Extra share of the weights' bytes: loading temporaries that are still resident."""
+WEIGHT_HEADROOM = 1.0
+"""Extra share of the weights' bytes: loading temporaries (a second copy at most)."""
+LAUNCH_RESERVE_BYTES = 4 * GIB
+"""Free memory assumed gone before the scheduler measures ``pre`` (its sibling processes)."""
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,21 @@ class ModelFootprint:
 
 def static_fraction(footprint: ModelFootprint, max_total_tokens: int, free_bytes: int) -> float:
     """The smallest ``--mem-fraction-static`` that fits ``footprint`` with a pool of
-    ``max_total_tokens`` tokens in ``free_bytes`` of free host memory, with headroom.
+    ``max_total_tokens`` tokens in ``free_bytes`` of free host memory (as the launcher sees it),
+    with headroom: ``need = 2 * weights + pool + 1 GiB`` over ``pre = free - min(4 GiB,
+    free / 4)``.
 
-    Rounded up to 3 decimals and kept within ``[MIN_FRACTION, MAX_FRACTION]`` (at the top the
+    An unknown footprint (no weights found) gets ``MIN_FRACTION``. Rounded up to 3 decimals and kept within ``[MIN_FRACTION, MAX_FRACTION]`` (at the top the
     machine lacks the memory asked for; SGLang then sizes the pool smaller or fails, saying so).
     """
-    if free_bytes <= 0:
+    if footprint.weight_bytes <= 0:
+        return MIN_FRACTION  # nothing known of the model (SGLang reports a bad path itself)
+    pre = free_bytes - min(LAUNCH_RESERVE_BYTES, free_bytes // 4)
+    if pre <= 0:
         return MAX_FRACTION
     need = (footprint.weight_bytes * (1 + WEIGHT_HEADROOM)
             + max_total_tokens * footprint.kv_bytes_per_token + OVERHEAD_BYTES)
-    fraction = math.ceil(need / free_bytes * 1000) / 1000
+    fraction = math.ceil(need / pre * 1000) / 1000
     return min(MAX_FRACTION, max(MIN_FRACTION, fraction))
 
 
