@@ -331,14 +331,15 @@ def print_arm(s: dict) -> None:
 def one_copy_ideal(turns: list[dict]) -> int:
     """Tokens if each shared transcript were held once, plus agent heads, plus the live suffix
     and output of the largest concurrent step of each workflow."""
-    from sglang_kvcmas.tree.agent_split import ChatTemplateIds, detect_chatml_split
+    from sglang_kvcmas.tree.agent_split import detect_template_split
+    from sglang_kvcmas.tree.template_markers import TemplateMarkers
 
-    chat = ChatTemplateIds(1, 2, 9690)
+    chat = TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,), assistant=(520, 9531))
     heads: dict[str, int] = {}
     shared: dict[tuple, int] = {}
     live: dict[tuple, int] = {}
     for t in turns:
-        sp = detect_chatml_split(t["prompt_ids"], chat)
+        sp = detect_template_split(t["prompt_ids"], chat)
         heads[t["agent"]] = sp.head_len
         key = (t["kind"], t["wid"])
         shared[key] = max(shared.get(key, 0), sp.shared_len)

@@ -40,11 +40,12 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import turn_order_hook
 from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
-from sglang_kvcmas.tree.agent_split import ChatTemplateIds
+from sglang_kvcmas.tree.template_markers import TemplateMarkers
 
 RESULTS = Path(__file__).parent / "results"
-CHAT = ChatTemplateIds(im_start=1, im_end=2, system=9)
 NL = 5
+CHAT = TemplateMarkers.chatml(im_start=1, im_end=2, newline=NL, system=(9,), user=(7,),
+                              assistant=(8,))
 SUFFIX = [2, NL, 1, 8, NL]  # <|im_end|>\n<|im_start|>assistant\n
 
 
@@ -102,7 +103,7 @@ class HostSim:
         self.cache = KvcmasSharedTreeCache(
             CacheInitParams(disable=False, req_to_token_pool=self.pool,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
-            chat_ids=CHAT, config=config)
+            markers=CHAT, config=config)
         self.next_slot = 1
         self.gen = torch.Generator().manual_seed(0)
 

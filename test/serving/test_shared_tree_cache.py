@@ -15,15 +15,15 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from sglang_kvcmas.tree.agent_split import ChatTemplateIds  # noqa: E402
+from sglang_kvcmas.tree.template_markers import TemplateMarkers  # noqa: E402
 from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
     KvcmasSharedTreeCache,
     SharedPrefixHandle,
 )
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
-CHAT = ChatTemplateIds(1, 2, 9)
 NL = 5
+CHAT = TemplateMarkers.chatml(1, 2, NL, system=(9,), user=(7,), assistant=(8,))
 
 
 def head(agent_tok: int, n: int) -> list[int]:
@@ -78,7 +78,7 @@ class Harness:
         self.cache = KvcmasSharedTreeCache(
             CacheInitParams(disable=False, req_to_token_pool=self.pool,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
-            chat_ids=CHAT, share_context=share)
+            markers=CHAT, share_context=share)
         self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary,
                                                       min_borrowed=min_borrowed)
         self.next_slot, self.allocated = 1000, []
@@ -518,7 +518,7 @@ def test_leaf_share_is_read_from_the_environment(monkeypatch):
         return KvcmasSharedTreeCache(
             CacheInitParams(disable=False, req_to_token_pool=Pool(),
                             token_to_kv_pool_allocator=Allocator(), page_size=1),
-            chat_ids=CHAT, share_context=True).recompute_config
+            markers=CHAT, share_context=True).recompute_config
 
     monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "0.1")
     assert config().leaf_mass_fraction == 0.1

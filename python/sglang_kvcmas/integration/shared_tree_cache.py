@@ -86,7 +86,8 @@ from sglang_kvcmas.policy.recompute import (
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tokens import as_token_array
-from sglang_kvcmas.tree.agent_split import AgentSplit, ChatTemplateIds, split_request
+from sglang_kvcmas.tree.agent_split import AgentSplit, split_request
+from sglang_kvcmas.tree.template_markers import TemplateMarkers
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
     adopt_recomputed,
@@ -140,14 +141,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def __init__(
         self,
         params: CacheInitParams,
-        chat_ids: ChatTemplateIds | None = None,
+        markers: TemplateMarkers | None = None,
         share_context: bool | None = None,
         config: ServingConfig | None = None,
         chunk_limit: int = 0,
     ):
         """
         Args:
-            chat_ids: the served tokenizer's ChatML delimiters (None: no ChatML detection;
+            markers: the served chat template's head markers (None: no template detection;
                 requests then name their head explicitly).
             share_context: overrides ``config.share_context`` (tests).
             config: the serving knobs (default: read from the environment once).
@@ -159,7 +160,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             config = config.with_values(share_context=share_context)
         self.config = config
         self.shared = SharedTree(self._free_slots)
-        self.chat_ids = chat_ids
+        self.markers = markers
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
         self.recompute_config = RecomputeConfig.from_serving(config)
@@ -179,9 +180,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     @property
     def head_preamble(self) -> int:
-        """Leading head tokens every agent shares (``<|im_start|>system\n`` for ChatML, else the
-        first token): their KV is the same for all agents, so mass on them is not a signal."""
-        return 3 if self.chat_ids is not None else 1
+        """Leading head tokens every agent shares (the template's ``system_open``, e.g.
+        ``<|im_start|>system\n`` for ChatML, else the first token): their KV is the same for all
+        agents, so mass on them is not a signal."""
+        return len(self.markers.system_open) if self.markers is not None else 1
 
     def _state(self, req: Req) -> _RequestState:
         """The request's options and agent split, parsed once and kept on the request (so
@@ -198,7 +200,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                                "sharing", req.rid)
             else:
                 try:
-                    split = split_request(req.origin_input_ids, options, self.chat_ids)
+                    split = split_request(req.origin_input_ids, options, self.markers)
                 except ValueError as e:
                     logger.warning("sglang-kvcmas: request %s: %s; served without sharing",
                                    req.rid, e)

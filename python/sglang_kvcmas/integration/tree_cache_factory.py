@@ -12,10 +12,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from sglang_kvcmas.config import ServingConfig
+from sglang_kvcmas.integration.chat_template_markers import markers_for_server
 from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
-from sglang_kvcmas.tree.agent_split import chat_ids_for
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -62,16 +62,16 @@ def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache
                 f"--kvcmas-share-context reads other agents' KV re-positioned, which only the "
                 f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
             )
-    chat = chat_ids_for(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None))
+    markers = markers_for_server(args)
     chunk = getattr(args, "chunked_prefill_size", None)
-    cache = KvcmasSharedTreeCache(ctx.params, chat_ids=chat, config=config,
+    cache = KvcmasSharedTreeCache(ctx.params, markers=markers, config=config,
                                   chunk_limit=int(chunk) if chunk and chunk > 0 else 0)
     cls = type(cache)
     logger.info(
         "sglang-kvcmas: tree cache %s.%s in use (radix cache backend %r, page_size=%d, "
-        "disabled=%s, tp_rank=%d, share_context=%s, chatml=%s, boundary_recompute=%d)",
+        "disabled=%s, tp_rank=%d, share_context=%s, template=%s, boundary_recompute=%d)",
         cls.__module__, cls.__qualname__, cls.backend_name, ctx.params.page_size,
-        ctx.disable_radix_cache, ctx.tp_rank, share, chat is not None,
+        ctx.disable_radix_cache, ctx.tp_rank, share, markers.name if markers else None,
         cache.recompute_config.boundary_tokens,
     )
     return cache

@@ -9,14 +9,20 @@
 
 Two ways to get the split, no engine imports here (pure bookkeeping):
 
-- **ChatML detection (zero config).** A prompt that starts with a system turn
-  (``<|im_start|>system\\n ... <|im_end|>\\n``) has that whole turn as its head; the shared context
-  runs up to the last ``<|im_start|>`` (the assistant opener ``<|im_start|>assistant\\n`` and
-  anything after it is the suffix). The agent is the head itself (its token ids), so two requests
-  with the same system prompt are the same agent.
-- **Explicit (``/generate``).** ``sampling_params.custom_params = {"kvcmas_agent": NAME,
-  "kvcmas_head_len": H}`` (optionally ``"kvcmas_shared_end": S``), parsed by
-  ``policy/request_options.py``. Explicit values win.
+- **Template detection (zero config).** The served chat template's markers
+  (``template_markers.TemplateMarkers``, derived from the template itself) find a prompt's
+  system turn: a prompt that starts with ``system_open`` has as head everything up to the end of
+  the first system close after it (``head_close``: the ``head_keep`` ids of ``head_sep`` that
+  close the system turn, or the whole separator when none does); the shared context runs up to
+  the last generation opener (the assistant opener and anything after it is the suffix; without
+  one, the prompt's end, so a prompt rendered without the generation prompt has its last
+  assistant turn, if any, as suffix). ChatML: ``<|im_start|>system\\n ... <|im_end|>\\n``
+  is the head and ``<|im_start|>assistant\\n`` starts the suffix. The agent is the head itself
+  (its token ids), so two requests with the same system prompt are the same agent.
+- **Explicit (``/generate``, and ``/v1/chat/completions`` through ``custom_params``, which the
+  chat route also sets from the request's messages: ``integration/chat_split_hook.py``).**
+  ``sampling_params.custom_params = {"kvcmas_agent": NAME, "kvcmas_head_len": H}`` (optionally
+  ``"kvcmas_shared_end": S``), parsed by ``policy/request_options.py``. Explicit values win.
 
 A request without a head is not an agent request: it is served by plain prefix caching only.
 """
@@ -31,22 +37,7 @@ import numpy as np
 
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.tokens import as_token_array
-
-
-
-@dataclass(frozen=True)
-class ChatTemplateIds:
-    """Token ids that delimit ChatML turns.
-
-    Attributes:
-        im_start: id of ``<|im_start|>``.
-        im_end: id of ``<|im_end|>``.
-        system: id of the ``system`` role token that follows ``<|im_start|>``.
-    """
-
-    im_start: int
-    im_end: int
-    system: int
+from sglang_kvcmas.tree.template_markers import TemplateMarkers
 
 
 @dataclass(frozen=True)
@@ -78,25 +69,85 @@ def head_agent_id(head: Sequence[int]) -> str:
     return f"head:{digest}"
 
 
-def detect_chatml_split(ids: Sequence[int], chat: ChatTemplateIds) -> AgentSplit | None:
-    """The ChatML split of ``ids``, or None when the prompt has no system turn or no shared part."""
-    n = len(ids)
-    if n < 4 or ids[0] != chat.im_start or ids[1] != chat.system:
+HEAD_SEARCH_LIMIT = 1 << 16
+"""The head's separator is looked for in the first this many tokens only."""
+
+
+def find_first(arr: np.ndarray, pattern: Sequence[int], start: int = 0) -> int:
+    """Index of the first occurrence of ``pattern`` in ``arr[start:]`` (as an index of ``arr``),
+    or -1. One vector compare per pattern token (patterns are a few ids)."""
+    hits = _occurrences(arr, pattern, start)
+    return int(hits[0]) if hits.size else -1
+
+
+def find_last(arr: np.ndarray, pattern: Sequence[int], start: int = 0) -> int:
+    """Index of the last occurrence of ``pattern`` in ``arr[start:]``, or -1."""
+    hits = _occurrences(arr, pattern, start)
+    return int(hits[-1]) if hits.size else -1
+
+
+def _occurrences(arr: np.ndarray, pattern: Sequence[int], start: int) -> np.ndarray:
+    m, n = len(pattern), arr.shape[0]
+    if m == 0 or n - start < m:
+        return np.zeros(0, np.int64)
+    mask = arr[start : n - m + 1] == pattern[0]
+    for i in range(1, m):
+        mask &= arr[start + i : n - m + 1 + i] == pattern[i]
+    return np.flatnonzero(mask) + start
+
+
+def find_first_reference(ids: Sequence[int], pattern: Sequence[int], start: int = 0) -> int:
+    """Reference for :func:`find_first`: one Python step per position."""
+    m = len(pattern)
+    for i in range(start, len(ids) - m + 1):
+        if m and list(ids[i : i + m]) == list(pattern):
+            return i
+    return -1
+
+
+def _opener_end(arr: np.ndarray, opener: tuple[int, ...]) -> int:
+    """Where the system text starts: after ``opener`` at 0, or at 1 when a tokenizer added its
+    BOS again before a rendered prompt that already starts with it; -1 when neither."""
+    m = len(opener)
+    for at in (0, 1):
+        if at and not (arr.shape[0] > m and arr[0] == opener[0]):
+            break
+        if tuple(int(t) for t in arr[at : at + m]) == opener:
+            return at + m
+    return -1
+
+
+def detect_template_split(ids: Sequence[int], markers: TemplateMarkers) -> AgentSplit | None:
+    """The template split of ``ids`` (see the module docstring), or None when the prompt has no
+    system turn or no shared part."""
+    n, opener = len(ids), markers.system_open
+    if n <= len(opener) + len(markers.head_sep):
         return None
     arr = as_token_array(ids)
-    ends = np.flatnonzero(arr[: min(n, 1 << 16)] == chat.im_end)
-    if not ends.size:
+    start = _opener_end(arr, opener)
+    if start < 0:
         return None
-    head_len = int(ends[0]) + 1
-    # Include the newline after <|im_end|>; it is the same token that follows the role name.
-    if head_len < n and ids[head_len] == ids[2]:
-        head_len += 1
-    starts = np.flatnonzero(arr == chat.im_start)
-    last_start = int(starts[-1]) if starts.size else -1
-    shared_end = last_start if last_start > head_len else n
-    if shared_end <= head_len:
+    window = arr[: min(n, HEAD_SEARCH_LIMIT)]
+    close = markers.head_close
+    sep_at = find_first(window, close, start)
+    if sep_at < 0:
+        return None
+    head_len = sep_at + markers.head_keep
+    shared_end = shared_end_after(arr, head_len, markers.generation_open)
+    if shared_end is None:
         return None
     return AgentSplit(head_agent_id(ids[:head_len]), head_len, shared_end)
+
+
+def shared_end_after(ids: Sequence[int], head_len: int,
+                     generation_open: Sequence[int]) -> int | None:
+    """Where the shared transcript after a head of ``head_len`` ends: at the last generation
+    opener past the head (the suffix is the opener and anything after it), else the prompt's
+    end; None when nothing would be shared."""
+    n = len(ids)
+    last_gen = find_last(as_token_array(ids), generation_open, head_len) if generation_open else -1
+    shared_end = last_gen if last_gen > head_len else n
+    return shared_end if shared_end > head_len else None
 
 
 def explicit_split(ids: Sequence[int], options: RequestOptions) -> AgentSplit | None:
@@ -118,9 +169,9 @@ def explicit_split(ids: Sequence[int], options: RequestOptions) -> AgentSplit | 
 
 
 def split_request(
-    ids: Sequence[int], options: RequestOptions, chat: ChatTemplateIds | None
+    ids: Sequence[int], options: RequestOptions, markers: TemplateMarkers | None
 ) -> AgentSplit | None:
-    """Explicit split if given, else ChatML detection, else None (not an agent request).
+    """Explicit split if given, else template detection, else None (not an agent request).
 
     Raises:
         RequestOptionError: if explicit fields do not fit the prompt.
@@ -128,18 +179,4 @@ def split_request(
     split = explicit_split(ids, options)
     if split is not None:
         return split
-    return detect_chatml_split(ids, chat) if chat is not None else None
-
-
-def chat_ids_for(tokenizer_path: str | None) -> ChatTemplateIds | None:
-    """ChatML delimiter ids of a tokenizer, or None when it has no ChatML tokens."""
-    if not tokenizer_path:
-        return None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    system = tok.encode("system", add_special_tokens=False)
-    if any(i is None or i == tok.unk_token_id for i in ids) or len(system) != 1:
-        return None
-    return ChatTemplateIds(ids[0], ids[1], system[0])
+    return detect_template_split(ids, markers) if markers is not None else None
