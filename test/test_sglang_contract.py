@@ -57,6 +57,10 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.runtime_context", "get_server_args"): (),
     ("sglang.srt.server_args", "ATTENTION_BACKEND_CHOICES"): None,
     ("sglang.srt.server_args", "add_attention_backend_choices"): ("iterable",),
+    # agent detection from the served chat template (chat_template_markers.py)
+    ("sglang.srt.parser.conversation", "chat_templates"): None,
+    ("sglang.srt.parser.conversation", "chat_template_exists"): ("template_name",),
+    ("sglang.srt.parser.conversation", "get_conv_template_by_model_path"): ("model_path",),
 }
 
 
@@ -173,6 +177,25 @@ def test_admission_hook_target():
     assert schedule_policy.AddReqResult.OTHER
     init = inspect.getsource(schedule_policy.PrefillAdder.__init__)
     assert "self.can_run_list" in init and "self.tree_cache" in init
+
+
+def test_chat_split_hook_target():
+    """The chat route's conversion: ``(request, raw_request)`` -> ``(GenerateReqInput,
+    request)``, rendering ``messages`` through the template manager's named template or the
+    tokenizer's Jinja one, with ``custom_params`` passed into the sampling params."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    from sglang_kvcmas.integration.chat_split_hook import TARGET
+
+    method = pkgutil.resolve_name(TARGET)
+    assert _params(method)[:2] == ["request", "raw_request"]
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                    custom_params={"kvcmas_head_len": 3})
+    assert request.to_sampling_params(stop=[], model_generation_config={})[
+        "custom_params"] == {"kvcmas_head_len": 3}
+    from sglang.srt.parser.template_manager import TemplateManager
+
+    assert isinstance(inspect.getattr_static(TemplateManager, "chat_template_name"), property)
 
 
 def test_hook_registry_api():

@@ -13,7 +13,9 @@ registers — no model load, no device initialisation, no environment changes:
   row's span metadata carried with its forward batch (AFTER ``ForwardBatch.init_new``) and the
   ``/server_info`` readback of the tree cache actually built;
 - request hooks in the HTTP process: ``kvcmas_*`` fields checked (400 before the scheduler) and
-  the ``X-KVCMAS-Workflow`` header applied (``request_hooks``);
+  the ``X-KVCMAS-Workflow`` header applied (``request_hooks``); on the OpenAI chat route, each
+  request's agent head named from its system messages (AROUND
+  ``OpenAIServingChat._convert_to_internal_request``, ``chat_split_hook``);
 - OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details``, streamed or not, and
   its JSON.
 
@@ -34,6 +36,7 @@ from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_back
 from sglang_kvcmas.integration import (
     admission_hook,
     batch_rows,
+    chat_split_hook,
     request_hooks,
     reuse_accounting,
     turn_order_hook,
@@ -95,6 +98,7 @@ def register_all() -> None:
     _register_hook(batch_rows.TARGET, batch_rows.attach_rows, HookType.AFTER)
     _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
     _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
+    _register_hook(chat_split_hook.TARGET, chat_split_hook.convert_around, HookType.AROUND)
     _register_hook(usage_stream.CHAT_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(usage_stream.COMPLETION_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
