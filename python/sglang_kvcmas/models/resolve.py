@@ -20,6 +20,7 @@ from sglang_kvcmas.models.gguf_convert import (
     sha256_file,
     verify_folder,
 )
+from sglang_kvcmas.models.install import converted_folder
 from sglang_kvcmas.models.registry import EMBEDDED, KNOWN_MODELS, KnownModel
 
 __all__ = ["EMBEDDED", "ModelPathError", "embedded_gguf_path", "resolve_model_path"]
@@ -73,8 +74,6 @@ def _check_hf_folder(folder: Path) -> Path:
 
 def _installed_folder(model: KnownModel) -> Path:
     """The converted folder of a model installed on demand (see ``models/install.py``)."""
-    from sglang_kvcmas.models.install import converted_folder
-
     folder = converted_folder(model)
     if not folder.is_dir():
         raise ModelPathError(
