@@ -24,6 +24,7 @@ from sglang_kvcmas.tree.agent_split import (  # noqa: E402
     detect_template_split,
     find_first,
     find_first_reference,
+    shared_end_after,
 )
 from sglang_kvcmas.tree.template_markers import TemplateMarkers, derive_markers  # noqa: E402
 from sglang_kvcmas.tokens import as_token_array  # noqa: E402
@@ -188,6 +189,15 @@ def test_find_first_matches_its_reference():
     arr = as_token_array([5, 1, 2, 1, 2, 3, 1, 2, 3, 9])
     for pattern, start in (([1, 2, 3], 0), ([1, 2, 3], 6), ([1, 2, 3], 7), ([2], 3), ([4], 0)):
         assert find_first(arr, pattern, start) == find_first_reference(list(arr), pattern, start)
+
+
+def test_shared_end_is_the_last_generation_opener_past_the_head():
+    gen = (1, 8, 5)
+    assert shared_end_after([0, 0, 7, 1, 8, 5], 2, gen) == 3  # ends with the opener
+    assert shared_end_after([0, 0, 7, 1, 8, 5, 44, 45], 2, gen) == 3  # assistant prefill
+    assert shared_end_after([0, 0, 1, 8, 5, 7, 7], 2, gen) == 7  # opener at the head: the end
+    assert shared_end_after([0, 0, 7, 7], 2, ()) == 4
+    assert shared_end_after([0, 0], 2, gen) is None
 
 
 # ----- the chat route: the split from the request's messages ---------------------------------

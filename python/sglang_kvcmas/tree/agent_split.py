@@ -144,8 +144,11 @@ def shared_end_after(ids: Sequence[int], head_len: int,
     """Where the shared transcript after a head of ``head_len`` ends: at the last generation
     opener past the head (the suffix is the opener and anything after it), else the prompt's
     end; None when nothing would be shared."""
-    n = len(ids)
-    last_gen = find_last(as_token_array(ids), generation_open, head_len) if generation_open else -1
+    n, m = len(ids), len(generation_open)
+    arr = as_token_array(ids)
+    if m and n - m > head_len and tuple(int(t) for t in arr[n - m :]) == tuple(generation_open):
+        return n - m  # the common case: the prompt ends with the generation prompt
+    last_gen = find_last(arr, generation_open, head_len) if m else -1
     shared_end = last_gen if last_gen > head_len else n
     return shared_end if shared_end > head_len else None
 
