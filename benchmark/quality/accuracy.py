@@ -1,0 +1,348 @@
+"""Accuracy of multi-agent workflows with ground truth: no sharing, radix and sglang-kvcmas.
+
+    .venv/bin/python benchmark/quality/accuracy.py --quick                      # embedded model
+    .venv/bin/python benchmark/quality/accuracy.py --model-path qwen2.5-coder-0.5b --items 164
+
+Two tasks (``tasks.py``): a program-aided GSM8K debate (3 agents, 2 rounds, each agent's program
+run in the sandbox, final answer by vote) and a HumanEval coder → reviewer → fixer chain (pass@1
+by running the problem's tests in the sandbox). Each arm is one server on the same model, booted
+alone (one server at a time, same pool), answering the same items with greedy decoding:
+
+    no_cache   SGLang with the radix cache off: every prompt computed whole (the no-sharing
+               reference accuracy of the model)
+    radix      SGLang's radix cache (exact prefix reuse; what a user runs today)
+    kvcmas     sglang-kvcmas with sharing on, default configuration
+
+Resumable: every finished item is appended to ``<out>/items_<arm>.jsonl``; a rerun skips items
+already there, so a full run can accumulate over several sittings (``--items`` raises the count).
+Progress goes to stderr (items done, running accuracy per arm).
+
+The summary pairs the arms per item over the items every arm has done: accuracy per arm and task,
+ours − radix in accuracy points with a paired-bootstrap 95% interval and McNemar's exact p, the
+same-final-answer rate (GSM8K: the same voted number; HumanEval: the same pass/fail and the same
+final code), where the first divergent turn lies, and non-owner TTFT (turns where our server read
+another agent's KV) against the same turns under radix. It ends with::
+
+    HEADLINE model=<name> n=<items per task> acc_radix=<x> acc_ours=<x> gsm8k_delta=<x>
+             humaneval_delta=<x> ci_low=<x> same_answer=<x> ttft_speedup_vs_radix=<x>
+
+(accuracies in [0, 1] averaged over the tasks; deltas and ci_low in points, ours − radix; ci_low
+the worse task's lower bound.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.quality import tasks  # noqa: E402
+from benchmark.quality.sandbox import isolation  # noqa: E402
+from benchmark.quality.stats import paired_diff  # noqa: E402
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+
+ARMS = ("no_cache", "radix", "kvcmas")
+TASKS = ("gsm8k", "humaneval")
+QUICK_ITEMS = 16
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def say(text: str) -> None:
+    print(f"[accuracy] {text}", file=sys.stderr, flush=True)
+
+
+def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
+    """One streamed greedy ``/generate``: TTFT, latency, text and ``meta_info``."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[5:])
+    if last is None:
+        raise RuntimeError("the server sent no data")
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": last["text"],
+            "meta": last["meta_info"]}
+
+
+# ----- items --------------------------------------------------------------------------------
+
+def build_flow(task: str, item: int) -> tasks.Flow:
+    from sglang_kvcmas.datasets import gsm8k, humaneval
+
+    if task == "gsm8k":
+        return tasks.gsm8k_flow(item, gsm8k()[item].question)
+    return tasks.humaneval_flow(item, humaneval()[item]["prompt"])
+
+
+def grade(flow: tasks.Flow) -> tuple[bool, str | None]:
+    """Whether the workflow's final answer is right, and that answer (GSM8K: the voted number;
+    HumanEval: the fixer's code)."""
+    from sglang_kvcmas.datasets import gsm8k, humaneval
+
+    if flow.task == "gsm8k":
+        final = tasks.gsm8k_vote(flow)
+        return tasks.same_number(final, gsm8k()[flow.item].final), final
+    reply = flow.outputs[-1][flow.steps[-1][0]]
+    return tasks.humaneval_passes(humaneval()[flow.item], reply), tasks.code_block(reply)
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """The model's own chat template over ``messages``, with the generation prompt."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def run_item(url: str, tok, task: str, item: int, max_new: int) -> dict:
+    """Run one item's workflow on one server; the record appended to the arm's file."""
+    flow = build_flow(task, item)
+    turns = []
+    t0 = time.perf_counter()
+    for step, agents in enumerate(flow.steps):
+        prompts = {a: prompt_ids(tok, flow.messages(step, a)) for a in agents}
+        with ThreadPoolExecutor(len(agents)) as pool:
+            outs = dict(zip(agents, pool.map(
+                lambda a: stream_generate(url, prompts[a], max_new), agents)))
+        flow.record(step, {a: o["text"] for a, o in outs.items()})
+        for a, o in outs.items():
+            reuse = of_meta(o["meta"])
+            turns.append({"step": step, "agent": a, "text": o["text"], "ttft": o["ttft"],
+                          "latency": o["latency"], "prompt_tokens": len(prompts[a]),
+                          "completion_tokens": o["meta"].get("completion_tokens"),
+                          "cached_tokens": o["meta"].get("cached_tokens", 0),
+                          "borrowed": reuse.get("borrowed", 0),
+                          "printed": flow.executions[step].get(a)})
+    correct, final = grade(flow)
+    return {"key": flow.key, "task": task, "item": item, "correct": correct, "final": final,
+            "seconds": time.perf_counter() - t0, "turns": turns}
+
+
+def load(path: Path) -> dict[str, dict]:
+    """An arm's finished items by key (a torn last line from an interrupted run is skipped)."""
+    done: dict[str, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            done[rec["key"]] = rec
+    return done
+
+
+def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
+    path = args.out / f"items_{arm}.jsonl"
+    done = load(path)
+    todo = [(t, i) for t, i in wanted if f"{t}/{i}" not in done]
+    if not todo:
+        say(f"{arm}: all {len(wanted)} items already done")
+        return
+    say(f"{arm}: {len(todo)} items to run ({len(wanted) - len(todo)} done before)")
+    extra = ["--model-path", args.model_path] if args.model_path else []
+    if args.max_total_tokens:
+        extra += ["--max-total-tokens", str(args.max_total_tokens)]
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    with ArmServer(arm, args.out / f"server_{arm}.log", extra) as server:
+        stream_generate(server.url, tok.encode("Warm up."), 4)
+
+        def one(ti: tuple[str, int]) -> None:
+            rec = run_item(server.url, tok, *ti, args.max_new_tokens)
+            with lock:
+                with path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                done[rec["key"]] = rec
+                mine = [r for r in done.values() if (r["task"], r["item"]) in set(wanted)]
+                acc = {t: [r["correct"] for r in mine if r["task"] == t] for t in args.tasks}
+                running = "  ".join(f"{t} {sum(v)}/{len(v)}" for t, v in acc.items() if v)
+                say(f"{arm}: {len(mine)}/{len(wanted)} items, correct {running} "
+                    f"({time.perf_counter() - t0:.0f} s)")
+
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            list(pool.map(one, todo))
+
+
+# ----- summary --------------------------------------------------------------------------------
+
+def first_divergence(a: dict, b: dict) -> int | None:
+    """The index of the first turn whose text differs between two records of one item."""
+    for i, (ta, tb) in enumerate(zip(a["turns"], b["turns"])):
+        if ta["text"] != tb["text"]:
+            return i
+    return None
+
+
+def same_final(task: str, a: dict, b: dict) -> bool:
+    if task == "gsm8k":
+        return tasks.same_number(a["final"], b["final"]) or (a["final"] is b["final"] is None)
+    return a["correct"] == b["correct"] and a["final"] == b["final"]
+
+
+def summarize(args, wanted: list[tuple[str, int]]) -> dict:
+    recs = {arm: load(args.out / f"items_{arm}.jsonl") for arm in args.arms}
+    keys = [f"{t}/{i}" for t, i in wanted if all(f"{t}/{i}" in recs[a] for a in args.arms)]
+    out: dict = {"model": args.model_name, "arms": list(args.arms), "isolation": isolation(),
+                 "tasks": {}}
+    ttft_ours, ttft_radix = [], []
+    for task in args.tasks:
+        tk = [k for k in keys if k.startswith(task + "/")]
+        row: dict = {"n": len(tk)}
+        for arm in args.arms:
+            row[f"acc_{arm}"] = (sum(recs[arm][k]["correct"] for k in tk) / len(tk)) if tk else None
+        if "radix" in recs and "kvcmas" in recs and tk:
+            radix, ours = recs["radix"], recs["kvcmas"]
+            d = paired_diff([int(radix[k]["correct"]) for k in tk],
+                            [int(ours[k]["correct"]) for k in tk])
+            row.update(delta=d.delta, ci_low=d.ci_low, ci_high=d.ci_high, only_radix=d.only_a,
+                       only_ours=d.only_b, mcnemar_p=d.mcnemar_p)
+            row["same_answer"] = sum(same_final(task, ours[k], radix[k]) for k in tk) / len(tk)
+            firsts = [first_divergence(ours[k], radix[k]) for k in tk]
+            row["identical_items"] = sum(f is None for f in firsts)
+            row["first_divergent_turn"] = {str(i): firsts.count(i)
+                                           for i in sorted({f for f in firsts if f is not None})}
+            for k in tk:
+                for to, tr in zip(ours[k]["turns"], radix[k]["turns"]):
+                    if to["borrowed"] > 0 and to["ttft"] and tr["ttft"]:
+                        ttft_ours.append(to["ttft"])
+                        ttft_radix.append(tr["ttft"])
+        if "no_cache" in recs and "radix" in recs and tk:
+            d = paired_diff([int(recs["no_cache"][k]["correct"]) for k in tk],
+                            [int(recs["radix"][k]["correct"]) for k in tk])
+            row["radix_minus_no_cache"] = d.delta
+        out["tasks"][task] = row
+    out["nonowner_turns"] = len(ttft_ours)
+    out["ttft_speedup_vs_radix"] = (statistics.median(ttft_radix) / statistics.median(ttft_ours)
+                                    if ttft_ours else None)
+    return out
+
+
+def headline(s: dict) -> str:
+    rows = [r for r in s["tasks"].values() if r["n"]]
+
+    def mean(field: str) -> float | None:
+        vals = [r[field] for r in rows if r.get(field) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def fmt(x: float | None, nd: int = 3) -> str:
+        return "nan" if x is None else f"{x:.{nd}f}"
+
+    n = min((r["n"] for r in rows), default=0)
+    deltas = {t: r.get("delta") for t, r in s["tasks"].items()}
+    lows = [r["ci_low"] for r in rows if r.get("ci_low") is not None]
+    return (f"HEADLINE model={s['model']} n={n} acc_radix={fmt(mean('acc_radix'))} "
+            f"acc_ours={fmt(mean('acc_kvcmas'))} gsm8k_delta={fmt(deltas.get('gsm8k'), 1)} "
+            f"humaneval_delta={fmt(deltas.get('humaneval'), 1)} "
+            f"ci_low={fmt(min(lows) if lows else None, 1)} "
+            f"same_answer={fmt(mean('same_answer'))} "
+            f"ttft_speedup_vs_radix={fmt(s['ttft_speedup_vs_radix'], 2)}")
+
+
+def print_summary(s: dict) -> None:
+    print(f"model {s['model']}; sandbox isolation: {s['isolation']}")
+    for task, r in s["tasks"].items():
+        accs = "  ".join(f"{a} {r[f'acc_{a}']:.3f}" for a in s["arms"]
+                         if r.get(f"acc_{a}") is not None)
+        print(f"{task:<10} n={r['n']:<4} accuracy: {accs}")
+        if "delta" in r:
+            print(f"{'':<10} ours − radix {r['delta']:+.1f} points "
+                  f"[{r['ci_low']:+.1f}, {r['ci_high']:+.1f}] (paired bootstrap 95%), "
+                  f"McNemar p={r['mcnemar_p']:.3f} ({r['only_ours']} only ours, "
+                  f"{r['only_radix']} only radix); same final answer {r['same_answer']:.3f}; "
+                  f"identical items {r['identical_items']}; first divergent turn "
+                  f"{r['first_divergent_turn']}")
+    if s["ttft_speedup_vs_radix"] is not None:
+        print(f"non-owner TTFT: radix / ours = {s['ttft_speedup_vs_radix']:.2f}x "
+              f"over {s['nonowner_turns']} turns")
+
+
+def plot(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    width = 0.8 / len(s["arms"])
+    for j, arm in enumerate(s["arms"]):
+        xs = [i + j * width for i in range(len(s["tasks"]))]
+        ax.bar(xs, [r.get(f"acc_{arm}") or 0 for r in s["tasks"].values()], width, label=arm)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(s["tasks"]))])
+    ax.set_xticklabels([f"{t} (n={r['n']})" for t, r in s["tasks"].items()])
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"accuracy per arm, {s['model']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None,
+                    help="anything the launcher accepts (default: the embedded model)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"the first {QUICK_ITEMS} items of each task")
+    ap.add_argument("--items", type=int, default=164, help="items per task (the first N)")
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--max-new-tokens", type=int, default=320)
+    ap.add_argument("--concurrency", type=int, default=4, help="items in flight per arm")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="every arm's KV pool")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: results/accuracy_<model>[_quick])")
+    ap.add_argument("--summary-only", action="store_true", help="run nothing; summarize")
+    args = ap.parse_args(argv)
+    args.tasks = tuple(args.tasks.split(","))
+    args.arms = tuple(args.arms.split(","))
+    for t in args.tasks:
+        if t not in TASKS:
+            ap.error(f"unknown task {t!r} (known: {', '.join(TASKS)})")
+    for a in args.arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a!r} (known: {', '.join(ARMS)})")
+    if args.quick:
+        args.items = QUICK_ITEMS
+
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    folder = resolve_model_path(args.model_path)
+    args.model_name = folder.name
+    args.out = args.out or RESULTS / f"accuracy_{args.model_name}{'_quick' if args.quick else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    wanted = [(t, i) for t in args.tasks for i in range(args.items)]
+    say(f"model {args.model_name}, {args.items} items per task, arms {', '.join(args.arms)}, "
+        f"sandbox isolation {isolation()}, results in {args.out}")
+    if not args.summary_only:
+        for arm in args.arms:  # one server at a time
+            run_arm(arm, args, tok, wanted)
+    s = summarize(args, wanted)
+    (args.out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    print_summary(s)
+    plot(s, args.out / "accuracy.png")
+    print(headline(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
