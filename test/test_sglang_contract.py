@@ -57,6 +57,15 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.runtime_context", "get_server_args"): (),
     ("sglang.srt.server_args", "ATTENTION_BACKEND_CHOICES"): None,
     ("sglang.srt.server_args", "add_attention_backend_choices"): ("iterable",),
+    # the shift's rotary from SGLang's own modules (rope_shift.py)
+    ("sglang.srt.layers.rotary_embedding", "get_rope"): (
+        "head_size", "rotary_dim", "max_position", "base", "is_neox_style", "rope_scaling"),
+    ("sglang.srt.layers.rotary_embedding.base", "RotaryEmbedding"): None,
+    ("sglang.srt.layers.rotary_embedding.base", "LinearScalingRotaryEmbedding"): None,
+    ("sglang.srt.layers.rotary_embedding.rope_variant", "DynamicNTKAlphaRotaryEmbedding"): None,
+    ("sglang.srt.layers.rotary_embedding.rope_variant", "DynamicNTKScalingRotaryEmbedding"): None,
+    ("sglang.srt.layers.rotary_embedding.rope_variant", "Llama3RotaryEmbedding"): None,
+    ("sglang.srt.layers.rotary_embedding.yarn", "YaRNScalingRotaryEmbedding"): None,
     # agent detection from the served chat template (chat_template_markers.py)
     ("sglang.srt.parser.conversation", "chat_templates"): None,
     ("sglang.srt.parser.conversation", "chat_template_exists"): ("template_name",),
