@@ -13,9 +13,11 @@ alone (one server at a time, same pool), answering the same items with greedy de
     radix      SGLang's radix cache (exact prefix reuse; what a user runs today)
     kvcmas     sglang-kvcmas with sharing on, default configuration
 
-Resumable: every finished item is appended to ``<out>/items_<arm>.jsonl``; a rerun skips items
-already there, so a full run can accumulate over several sittings (``--items`` raises the count).
-Progress goes to stderr (items done, running accuracy per arm).
+Resumable: every finished item is appended to ``results/accuracy_<model>[_quick]_<arm>.jsonl``
+(committed with the summary, so a full run can accumulate over several sittings; ``--items``
+raises the count); a rerun skips items already there. Progress goes to stderr (items done,
+running accuracy per arm). The summary goes to ``accuracy_<model>[_quick].{txt,json,png}``, the
+servers' logs to ``results/logs_accuracy_<model>[_quick]/`` (not committed).
 
 The summary pairs the arms per item over the items every arm has done: accuracy per arm and task,
 ours − radix in accuracy points with a paired-bootstrap 95% interval and McNemar's exact p, the
@@ -33,6 +35,8 @@ the worse task's lower bound.)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import sys
@@ -148,8 +152,12 @@ def load(path: Path) -> dict[str, dict]:
     return done
 
 
+def records_path(args, arm: str) -> Path:
+    return args.out / f"{args.prefix}_{arm}.jsonl"
+
+
 def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
-    path = args.out / f"items_{arm}.jsonl"
+    path = records_path(args, arm)
     done = load(path)
     todo = [(t, i) for t, i in wanted if f"{t}/{i}" not in done]
     if not todo:
@@ -161,7 +169,7 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
         extra += ["--max-total-tokens", str(args.max_total_tokens)]
     lock = threading.Lock()
     t0 = time.perf_counter()
-    with ArmServer(arm, args.out / f"server_{arm}.log", extra) as server:
+    with ArmServer(arm, args.logs / f"server_{arm}.log", extra) as server:
         stream_generate(server.url, tok.encode("Warm up."), 4)
 
         def one(ti: tuple[str, int]) -> None:
@@ -197,7 +205,7 @@ def same_final(task: str, a: dict, b: dict) -> bool:
 
 
 def summarize(args, wanted: list[tuple[str, int]]) -> dict:
-    recs = {arm: load(args.out / f"items_{arm}.jsonl") for arm in args.arms}
+    recs = {arm: load(records_path(args, arm)) for arm in args.arms}
     keys = [f"{t}/{i}" for t, i in wanted if all(f"{t}/{i}" in recs[a] for a in args.arms)]
     out: dict = {"model": args.model_name, "arms": list(args.arms), "isolation": isolation(),
                  "tasks": {}}
@@ -256,7 +264,7 @@ def headline(s: dict) -> str:
 
 
 def print_summary(s: dict) -> None:
-    print(f"model {s['model']}; sandbox isolation: {s['isolation']}")
+    print(f"model {s['model']}; sandbox isolation: {s['isolation']}; arms one at a time")
     for task, r in s["tasks"].items():
         accs = "  ".join(f"{a} {r[f'acc_{a}']:.3f}" for a in s["arms"]
                          if r.get(f"acc_{a}") is not None)
@@ -306,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=320)
     ap.add_argument("--concurrency", type=int, default=4, help="items in flight per arm")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="every arm's KV pool")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results folder (default: results/accuracy_<model>[_quick])")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     ap.add_argument("--summary-only", action="store_true", help="run nothing; summarize")
     args = ap.parse_args(argv)
     args.tasks = tuple(args.tasks.split(","))
@@ -326,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_kvcmas.models.resolve import resolve_model_path
 
     folder = resolve_model_path(args.model_path)
-    args.model_name = folder.name
-    args.out = args.out or RESULTS / f"accuracy_{args.model_name}{'_quick' if args.quick else ''}"
-    args.out.mkdir(parents=True, exist_ok=True)
+    given = args.model_path or "embedded"
+    args.model_name = given if "/" not in given and not given.endswith(".gguf") else folder.name
+    args.prefix = f"accuracy_{args.model_name}{'_quick' if args.quick else ''}"
+    args.logs = args.out / f"logs_{args.prefix}"
+    args.logs.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(folder))
     wanted = [(t, i) for t in args.tasks for i in range(args.items)]
     say(f"model {args.model_name}, {args.items} items per task, arms {', '.join(args.arms)}, "
@@ -337,10 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         for arm in args.arms:  # one server at a time
             run_arm(arm, args, tok, wanted)
     s = summarize(args, wanted)
-    (args.out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
-    print_summary(s)
-    plot(s, args.out / "accuracy.png")
-    print(headline(s))
+    s["command"] = " ".join(["python", *sys.argv])
+    (args.out / f"{args.prefix}.json").write_text(json.dumps(s, indent=1) + "\n")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print(f"# {s['command']}")
+        print_summary(s)
+        print(headline(s))
+    (args.out / f"{args.prefix}.txt").write_text(buf.getvalue())
+    print(buf.getvalue(), end="")
+    plot(s, args.out / f"{args.prefix}.png")
     return 0
 
 
