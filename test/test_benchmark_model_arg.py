@@ -1,0 +1,93 @@
+"""``benchmark/model_arg.py``: one ``--model-path`` for every benchmark and lab, and every
+benchmark that takes it still answers ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import BenchModel, ModelPathError, add_model_arg  # noqa: E402
+
+TAKE_MODEL_PATH = [
+    "benchmark/serving/behaviour_check.py",
+    "benchmark/serving/consistency_frontier.py",
+    "benchmark/serving/head_to_head.py",
+    "benchmark/serving/model_smoke.py",
+    "benchmark/serving/recompute_fidelity.py",
+    "benchmark/serving/reliability.py",
+    "benchmark/serving/router_scale.py",
+    "benchmark/serving/scale.py",
+    "benchmark/serving/soak.py",
+    "benchmark/serving/throughput.py",
+]
+
+
+def tiny_qwen2(folder: Path) -> Path:
+    """A Qwen2 config folder (no weights): 2 layers, 4 heads of 16, 2 KV heads."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    return folder
+
+
+def test_embedded_model_is_the_default_and_keeps_todays_numbers_and_names():
+    p = argparse.ArgumentParser()
+    add_model_arg(p)
+    model = BenchModel.resolve(p.parse_args([]).model_path)
+    assert model.is_embedded and model.name == "embedded"
+    assert model.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4  # head_to_head's constant
+    assert (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim) == (30, 9, 3, 64)
+    assert model.server_args == ["--model-path", "embedded"]
+    out = Path("results/head_to_head")
+    assert model.named(out) == out and model.out_or_named(out, out) == out
+    assert model.out_or_named(None, out) == out
+
+
+def test_a_qwen2_folder_gives_its_own_bytes_name_and_suffix(tmp_path):
+    folder = tiny_qwen2(tmp_path / "Tiny.Qwen")
+    model = BenchModel.resolve(str(folder))
+    assert not model.is_embedded and model.model_type == "qwen2"
+    assert model.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4
+    assert model.name == "Tiny.Qwen" and model.slug == "tiny-qwen"
+    assert model.server_args == ["--model-path", str(folder.resolve())]
+    default = Path("results/consistency_frontier")
+    named = model.out_or_named(default, default)
+    assert named == Path("results/consistency_frontier_tiny-qwen")
+    assert named.with_suffix(".jsonl").name == "consistency_frontier_tiny-qwen.jsonl"
+    assert model.named(Path("r/scale.json")) == Path("r/scale_tiny-qwen.json")
+    assert model.out_or_named(Path("mine"), default) == Path("mine")  # what the user gave wins
+    model.require_lab_support()
+    with pytest.raises(ModelPathError, match="embedded"):
+        model.require_embedded("the adapters are the embedded model's")
+
+
+def test_a_bad_model_path_says_what_is_wrong(tmp_path):
+    with pytest.raises(ModelPathError, match="does not exist"):
+        BenchModel.resolve(str(tmp_path / "nothing"))
+
+
+def test_embedded_template_markers_are_the_chatml_ids_head_to_head_used():
+    from benchmark.model_arg import chat_markers
+    from sglang_kvcmas.tree.template_markers import TemplateMarkers
+
+    got = chat_markers(BenchModel.resolve().tokenizer())
+    old = TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,), assistant=(520, 9531))
+    assert (got.system_open, got.head_sep, got.head_keep, got.generation_open) == (
+        old.system_open, old.head_sep, old.head_keep, old.generation_open)
+
+
+@pytest.mark.parametrize("script", TAKE_MODEL_PATH)
+def test_every_benchmark_takes_model_path(script):
+    out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--model-path" in out.stdout
