@@ -13,6 +13,8 @@ agent, recomputed; the correction label) and its greedy output token ids.
 after a change that must not change behaviour (a refactor): both records must match exactly.
 Accounting fields are read under their current and earlier names (``reuse_records.py``;
 ``borrowed`` = every token read from another context, re-positioned or corrected).
+``--model-path`` (``benchmark/model_arg.py``): the served model; the record names it, and the
+default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving.reuse_records import normalized, of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "behaviour_check.json"
 
 
 def generate(url: str, ids: list[int], max_new: int) -> dict:
@@ -44,13 +48,15 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
         return json.loads(r.read())
 
 
-def record(url: str, max_new: int, n_debates: int, n_chains: int) -> list[dict]:
+def record(url: str, max_new: int, n_debates: int, n_chains: int,
+           model_folder: Path | None = None) -> list[dict]:
+    """Every turn's record (``model_folder``: the served model's, default the embedded one)."""
     from transformers import AutoTokenizer
 
     from sglang_kvcmas.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    tok = AutoTokenizer.from_pretrained(str(model_folder or resolve_model_path(None)))
     items = gsm8k()
     flows = [debate(i, items[i].question) for i in range(n_debates)]
     flows += [reviewer_chain(100 + i, items[50 + i].question) for i in range(n_chains)]
@@ -110,7 +116,8 @@ def compare(a_path: Path, b_path: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=RESULTS / "behaviour_check.json")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="record path (default: results/behaviour_check[_<model>].json)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"))
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--debates", type=int, default=4)
@@ -118,20 +125,24 @@ def main() -> int:
     ap.add_argument("--min-borrowed", type=int, default=64,
                     help="KVCMAS_MIN_BORROWED for the server (lower than the default so that "
                          "short answers still borrow)")
+    add_model_arg(ap)
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare)
+    model = BenchModel.resolve(args.model_path)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     env = {"KVCMAS_MIN_BORROWED": str(args.min_borrowed)}
-    with ArmServer("kvcmas", args.out.with_suffix(".log"), env=env) as server:
+    with ArmServer("kvcmas", args.out.with_suffix(".log"), model.server_args, env=env) as server:
         print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
               flush=True)
-        turns = record(server.url, args.max_new_tokens, args.debates, args.chains)
+        turns = record(server.url, args.max_new_tokens, args.debates, args.chains, model.folder)
     args.out.write_text(json.dumps({
-        "commit": commit, "machine": platform.node(), "max_new_tokens": args.max_new_tokens,
+        "commit": commit, "machine": platform.node(), "model": model.name,
+        "max_new_tokens": args.max_new_tokens,
         "min_borrowed": args.min_borrowed, "seconds": round(time.perf_counter() - t0, 1),
         "turns": turns}, indent=1))
     print(f"[behaviour] {len(turns)} turns in {time.perf_counter() - t0:.0f} s -> {args.out}")

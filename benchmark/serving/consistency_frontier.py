@@ -20,7 +20,10 @@ temporary folder), and ``--from-turns`` recomputes the table from them without a
 (several folders, comma-separated: their debates are pooled).
 
     python benchmark/serving/consistency_frontier.py [--debates 16] [--max-new-tokens 64] \
-        [--configs 16:0.1,16:0.2,16:0.5,100000:1.0]
+        [--configs 16:0.1,16:0.2,16:0.5,100000:1.0] [--model-path NAME]
+
+``--model-path`` serves one model in every run (``benchmark/model_arg.py``); rows name it, and
+the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg, chat_markers  # noqa: E402
 from benchmark.serving.head_to_head import (  # noqa: E402
     KV_BYTES_PER_TOKEN,
     KvSampler,
@@ -57,6 +61,7 @@ from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "consistency_frontier"
 TTFT_TARGET, KV_IDEAL_TARGET, SAME_TARGET = 2.0, 1.25, 0.9
 
 
@@ -72,7 +77,8 @@ def run_arm(arm: str, env: dict[str, str], args, tok, name: str) -> dict:
     """One server, one workload: its turns, makespan and peak KV slots (also written to
     ``args.turns / f"{name}.json"``)."""
     log = args.turns / f"server_{name}.log"
-    with ArmServer(arm, log, ["--max-total-tokens", str(args.max_total_tokens)], env) as server:
+    flags = [*args.model.server_args, "--max-total-tokens", str(args.max_total_tokens)]
+    with ArmServer(arm, log, flags, env) as server:
         stream_generate(server.url, tok.encode("Warm up."), 4)
         sampler = KvSampler(server.url)
         sampler.start()
@@ -108,8 +114,10 @@ def readers_of(turns: list[dict]) -> set[tuple]:
                                                      "exact_from_leaves"))}
 
 
-def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
-    """One configuration's row against the radix run."""
+def compare(name: str, ours: dict, radix: dict, n_debates: int,
+            kv_bytes_per_token: int = KV_BYTES_PER_TOKEN, chat=None) -> dict:
+    """One configuration's row against the radix run (``kv_bytes_per_token`` and the template
+    markers ``chat``: the model's, default the embedded one's)."""
     non_owner = readers_of(ours["turns"])
     ref = {turn_key(t): t for t in radix["turns"]}
 
@@ -130,14 +138,14 @@ def compare(name: str, ours: dict, radix: dict, n_debates: int) -> dict:
             t = first_divergent_turn(ours["turns"], ref, w) or {"step": None, "agent": None}
             diverged.append({"wid": w, "kvcmas": a_ours[w], "radix": a_ref[w],
                              "step": t["step"], "agent": t["agent"]})
-    ideal = one_copy_ideal(ours["turns"])
+    ideal = one_copy_ideal(ours["turns"], chat)
     return {
         "config": name, "nonowner_turns": len(non_owner),
         "nonowner_ttft_median_s": mine, "radix_nonowner_ttft_median_s": theirs,
         "ttft_speedup_vs_radix": (theirs / mine) if mine and theirs else None,
         "makespan_s": ours["makespan_s"], "radix_makespan_s": radix["makespan_s"],
         "peak_kv_tokens": ours["peak_kv_tokens"], "radix_peak_kv_tokens": radix["peak_kv_tokens"],
-        "peak_kv_bytes": ours["peak_kv_tokens"] * KV_BYTES_PER_TOKEN,
+        "peak_kv_bytes": ours["peak_kv_tokens"] * kv_bytes_per_token,
         "kv_ratio_vs_radix": ours["peak_kv_tokens"] / max(1, radix["peak_kv_tokens"]),
         "one_copy_ideal_tokens": ideal, "kv_ratio_to_ideal": ours["peak_kv_tokens"] / max(1, ideal),
         "recomputed_share": recomputed / max(1, recomputed + corrected),
@@ -243,7 +251,8 @@ def one_run(args, configs, tok, meta: dict, source: Path | None) -> list[dict]:
         ours = (load_arm(source, name) if source
                 else run_arm("kvcmas", config_env(*cfg), args, tok, name))
         n = len({t["wid"] for t in ours["turns"]})
-        rows.append({**meta, **compare(name, ours, radix, n), "debates": n})
+        rows.append({**meta, **compare(name, ours, radix, n, args.model.kv_bytes_per_token,
+                                       chat_markers(tok)), "debates": n})
         sp = rows[-1]["ttft_speedup_vs_radix"]
         when = "" if source else f" measured at {time.perf_counter() - t0:.0f} s"
         print(f"[frontier] {name}{when}: same answer {rows[-1]['answer_consistency']:.3f}, "
@@ -261,28 +270,28 @@ def main() -> int:
     ap.add_argument("--max-total-tokens", type=int, default=40000,
                     help="KV pool of every server: above the radix arm's demand, so peak KV is "
                          "not clipped")
-    ap.add_argument("--out", type=Path, default=RESULTS / "consistency_frontier")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results stem (default: results/consistency_frontier[_<model>])")
     ap.add_argument("--turns", type=Path, default=None,
                     help="folder for every run's turns and server log (default: a new "
                          "temporary folder)")
     ap.add_argument("--from-turns", default=None,
                     help="recompute the table from --turns folders (comma-separated: their "
                          "debates are pooled); starts no server")
+    add_model_arg(ap)
     args = ap.parse_args()
+    args.model = BenchModel.resolve(args.model_path)
+    args.out = args.model.out_or_named(args.out, DEFAULT_OUT)
     if args.from_turns is None:
         args.turns = args.turns or Path(tempfile.mkdtemp(prefix="consistency_frontier_"))
         args.turns.mkdir(parents=True, exist_ok=True)
     configs = [parse_config(c) for c in args.configs.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok = args.model.tokenizer()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     meta = {"commit": commit, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-            "max_new_tokens": args.max_new_tokens}
+            "model": args.model.name, "max_new_tokens": args.max_new_tokens}
     t0 = time.perf_counter()
     sources = [Path(d) for d in args.from_turns.split(",")] if args.from_turns else [None]
     runs = [one_run(args, configs, tok, meta, src) for src in sources]

@@ -17,8 +17,10 @@ greedy continuations are replayed on the kvcmas server step by step (so non-owne
 KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
 
 Output: a summary on stdout, ``head_to_head.jsonl`` (one record per arm + one fidelity record)
-and a plot under ``--out`` (default ``benchmark/serving/results/head_to_head/``), and with
-``--quick`` a final ``HEADLINE ...`` line.
+and a plot under ``--out`` (default ``benchmark/serving/results/head_to_head/``, with
+``_<model>`` for a model other than the embedded one), and with ``--quick`` a final
+``HEADLINE ...`` line. ``--model-path`` (``benchmark/model_arg.py``) serves one model in every
+arm; every record names it.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg, chat_markers  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
 from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import Workflow, debate, reviewer_chain  # noqa: E402
 
-KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # layers x kv heads x head_dim x (K, V) x fp32
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # the embedded model's (BenchModel.kv_bytes_per_token)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "head_to_head"
 
 
 def post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -286,7 +290,8 @@ def divergence_detail(url: str, turn: dict, ref_turn: dict) -> dict:
     return out
 
 
-def summarize(arm: str, turns: list[dict], makespan: float, peak: int, non_owner: set) -> dict:
+def summarize(arm: str, turns: list[dict], makespan: float, peak: int, non_owner: set,
+              kv_bytes_per_token: int = KV_BYTES_PER_TOKEN) -> dict:
     ttft = [t["ttft"] for t in turns]
     no = [t["ttft"] for t in turns if turn_key(t) in non_owner]
     out_tok = sum(t["meta"].get("completion_tokens", 0) for t in turns)
@@ -303,7 +308,7 @@ def summarize(arm: str, turns: list[dict], makespan: float, peak: int, non_owner
         "input_tokens": in_tok, "output_tokens": out_tok, "cached_tokens": cached,
         "output_throughput_tok_s": out_tok / makespan,
         "total_throughput_tok_s": (in_tok + out_tok) / makespan,
-        "peak_kv_tokens": peak, "peak_kv_bytes": peak * KV_BYTES_PER_TOKEN,
+        "peak_kv_tokens": peak, "peak_kv_bytes": peak * kv_bytes_per_token,
     }
 
 
@@ -328,13 +333,15 @@ def print_arm(s: dict) -> None:
         print(f"{k.capitalize() + ' TTFT (ms):':<40}{(v or float('nan')) * 1000:>12.2f}")
 
 
-def one_copy_ideal(turns: list[dict]) -> int:
+def one_copy_ideal(turns: list[dict], chat=None) -> int:
     """Tokens if each shared transcript were held once, plus agent heads, plus the live suffix
-    and output of the largest concurrent step of each workflow."""
+    and output of the largest concurrent step of each workflow. ``chat``: the model's template
+    markers (``model_arg.chat_markers``; default: the embedded model's ChatML ids)."""
     from sglang_kvcmas.tree.agent_split import detect_template_split
     from sglang_kvcmas.tree.template_markers import TemplateMarkers
 
-    chat = TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,), assistant=(520, 9531))
+    chat = chat or TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,),
+                                          assistant=(520, 9531))
     heads: dict[str, int] = {}
     shared: dict[tuple, int] = {}
     live: dict[tuple, int] = {}
@@ -381,7 +388,9 @@ def main() -> int:
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="KV pool size of every arm (default: the launcher's 16384); make it "
                          "larger than the radix arm's demand to measure peak KV unclipped")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "head_to_head")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results folder (default: results/head_to_head[_<model>])")
+    add_model_arg(ap)
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workload and write "
                          "profile_<arm>.txt (where the time goes)")
@@ -390,14 +399,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
-    pool_args = ([] if args.max_total_tokens is None
-                 else ["--max-total-tokens", str(args.max_total_tokens)])
+    model = BenchModel.resolve(args.model_path)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    pool_args = model.server_args + ([] if args.max_total_tokens is None
+                                     else ["--max-total-tokens", str(args.max_total_tokens)])
     args.out.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok = model.tokenizer()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
@@ -460,7 +467,8 @@ def main() -> int:
 
     non_owner = {turn_key(t) for t in results["kvcmas"][0]}
     non_owner -= owners_of(results["kvcmas"][0])
-    summaries = [{**summarize(a, *results[a], non_owner), "kv_pool_tokens": pools.get(a)}
+    summaries = [{**summarize(a, *results[a], non_owner, model.kv_bytes_per_token),
+                  "kv_pool_tokens": pools.get(a)}
                  for a in arms]
     ref_turns = results["radix"][0]
     ref = {turn_key(t): t for t in ref_turns}
@@ -469,7 +477,7 @@ def main() -> int:
         print_arm(s)
         print(f"{'Greedy output agreement vs radix:':<40}{s['greedy_agreement']:>12.3f}"
               f"  (n={s['greedy_compared_turns']} turns with identical prompts)")
-    ideal = one_copy_ideal(results["kvcmas"][0])
+    ideal = one_copy_ideal(results["kvcmas"][0], chat_markers(tok))
     ours = next(s for s in summaries if s["arm"] == "kvcmas")
     radix = summaries[0]
     deb = [w for w in range(args.debates)]
@@ -523,7 +531,7 @@ def main() -> int:
               + ("n/a" if gap is None else f"{gap:.3f}"))
     print(f"peak KV: kvcmas/radix {1 / kv_ratio:.3f}; kvcmas / one-copy ideal "
           f"({ideal} tokens) {fid['kv_ratio_to_ideal']:.3f}")
-    meta = {"commit": commit, "machine": machine, "debates": args.debates, "chains": args.chains,
+    meta = {"commit": commit, "machine": machine, "model": model.name, "debates": args.debates, "chains": args.chains,
             "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains,
             "arms_side_by_side": not args.sequential}
     with open(args.out / "head_to_head.jsonl", "a") as f:

@@ -15,7 +15,11 @@ computation, mean KL on the exact computation's top-20 tokens (KL20: both distri
 renormalized there), mean |Δ log p| of the forced token, the server-side time to first token of the reader
 request, and the tokens recomputed.
 
-    python benchmark/serving/recompute_fidelity.py [--questions 4] [--configs 0:0,16:0,16:0.1:32]
+    python benchmark/serving/recompute_fidelity.py [--questions 4] [--configs 0:0,16:0,16:0.1:32] \
+        [--model-path NAME]
+
+``--model-path`` (``benchmark/model_arg.py``): the served model; records and the summary name
+it, and the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving.head_to_head import pct, post  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS, debate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "recompute_fidelity"
 TOP = 20
 
 
@@ -135,22 +141,24 @@ def main() -> int:
                     help="boundary:mass_fraction pairs")
     ap.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens")
     ap.add_argument("--answer-tokens", type=int, default=64, help="tokens per debate answer")
-    ap.add_argument("--out", type=Path, default=RESULTS / "recompute_fidelity")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results stem (default: results/recompute_fidelity[_<model>])")
+    add_model_arg(ap)
     args = ap.parse_args()
+    model = BenchModel.resolve(args.model_path)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
     configs = [parse_config(c) for c in args.configs.split(",")]
 
     from sglang_kvcmas.datasets import gsm8k
-    from sglang_kvcmas.models.resolve import resolve_model_path
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok = model.tokenizer()
     questions = [q.question for q in gsm8k()[: args.questions]]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     t_start = time.perf_counter()
     log = Path(tempfile.mkdtemp(prefix="kvcmas-fidelity-")) / "server.log"
     print(f"[recompute_fidelity] server log: {log}", file=sys.stderr, flush=True)
-    with ArmServer("kvcmas", log) as server:
+    with ArmServer("kvcmas", log, model.server_args) as server:
         url = server.url
         for name, head in DEBATERS.items():  # every agent's head cached, as in a running service
             generate(url, prompt_ids(tok, [{"role": "system", "content": head},
@@ -172,7 +180,7 @@ def main() -> int:
                     ref = forced(url, ids, cont, salt=f"ref-{uuid.uuid4()}")
                     for b, m, t in configs:
                         got = forced(url, ids, cont, config=(b, m, t))
-                        rec = {"question": qi, "round": step + 1, "agent": a, "boundary": b,
+                        rec = {"model": model.name, "question": qi, "round": step + 1, "agent": a, "boundary": b,
                                "mass_fraction": m, "tail": t, "config": config_name(b, m, t),
                                "prompt_tokens": len(ids), **compare(ref, got, cont),
                                "ttft_s": got["ttft_s"], "wall_s": got["wall_s"],
@@ -229,7 +237,7 @@ def main() -> int:
                      + ", ".join(f"< {t}: {sum(g < t for g in gaps) / len(gaps):.3f}"
                                  for t in (0.02, 0.05, 0.1, 0.2, 0.5))
                      + f" (n={len(gaps)}); a flip needs the reader to move the gap past it")
-    lines.append(f"run time {run_s:.0f} s; command: python benchmark/serving/recompute_fidelity.py "
+    lines.append(f"model {model.name}; run time {run_s:.0f} s; command: python benchmark/serving/recompute_fidelity.py "
                  + " ".join(sys.argv[1:]))
     summary = "\n".join(lines)
     print(summary)

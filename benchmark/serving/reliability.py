@@ -19,6 +19,10 @@ Summary::
     python benchmark/serving/reliability.py --quick      # < 10 min on 2 cores
     python benchmark/serving/reliability.py              # the storm at 64 workflows
 
+``--model-path`` (``benchmark/model_arg.py``): the model served (or, with ``--url``, the one the
+running server serves: its tokenizer builds the prompts); ``reliability.json`` names it, and the
+default ``--out`` gets ``_<model>`` for a model other than the embedded one.
+
 Isolation note: a request under another ``cache_salt`` reads nothing across the salt and is never
 held back by another salt's leader; what remains is what stock SGLang has (the shared scheduler's
 queueing and batch timing are visible to every tenant).
@@ -46,10 +50,12 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "reliability"
 
 
 def say(text: str) -> None:
@@ -187,13 +193,15 @@ def settle(url: str, cat: Category, timeout_s: float = 120.0) -> None:
 class Prompts:
     """ChatML prompts of the debate agents over a transcript, as token ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_folder: Path | None = None) -> None:
+        """``model_folder``: the served model's HF folder (default: the embedded model's)."""
         from transformers import AutoTokenizer
 
         from sglang_kvcmas.datasets import gsm8k
         from sglang_kvcmas.models.resolve import resolve_model_path
 
-        self.tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+        folder = model_folder or resolve_model_path(None)
+        self.tok = AutoTokenizer.from_pretrained(str(folder))
         self.questions = [it.question for it in gsm8k()[:200]]
         self.agents = list(DEBATERS)
 
@@ -455,8 +463,8 @@ CATEGORIES = ("bad_fields", "odd_chat", "too_long", "same_name", "disconnects", 
 
 
 def run(url: str, log: Path, quick: bool, names: tuple[str, ...], pool: int,
-        context: int) -> list[Category]:
-    p = Prompts()
+        context: int, model_folder: Path | None = None) -> list[Category]:
+    p = Prompts(model_folder)
     cats = []
     for name in names:
         cat = Category(name)
@@ -500,8 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=None,
                     help="KV pool tokens (default: about a quarter of the storm's demand)")
     ap.add_argument("--url", help="an already running sharing server (skips booting one)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "reliability")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results folder (default: results/reliability[_<model>])")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
+    model = BenchModel.resolve(args.model_path)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
     names = tuple(n for n in args.categories.split(",") if n)
     unknown = set(names) - set(CATEGORIES)
     if unknown:
@@ -512,13 +524,14 @@ def main(argv: list[str] | None = None) -> int:
     log = args.out / "server.log"
     t0 = time.perf_counter()
     if args.url:
-        cats = run(args.url, log, args.quick, names, pool, context)
+        cats = run(args.url, log, args.quick, names, pool, context, model.folder)
         n_crash = crashes(args.url, log)
     else:
-        flags = ["--max-total-tokens", str(pool), "--chunked-prefill-size", "256"]
+        flags = [*model.server_args, "--max-total-tokens", str(pool), "--chunked-prefill-size",
+                 "256"]
         with ArmServer("kvcmas", log, flags) as server:
             say(f"sharing server up at {server.url} (pool {pool}, chunks of 256)")
-            cats = run(server.url, log, args.quick, names, pool, context)
+            cats = run(server.url, log, args.quick, names, pool, context, model.folder)
             n_crash = crashes(server.url, log)
     rows = [{"category": c.name, **c.counts, "leaked_slots": c.leaked_slots,
              "invariant_problems": c.invariant_problems, "lost_notes": c.notes,
@@ -526,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     line = summary_line(cats, n_crash)
     problems = [p for c in cats for p in c.invariant_problems]
     (args.out / "reliability.json").write_text(json.dumps(
-        {"quick": args.quick, "pool": pool, "seconds": round(time.perf_counter() - t0, 1),
+        {"model": model.name, "quick": args.quick, "pool": pool, "seconds": round(time.perf_counter() - t0, 1),
          "categories": rows, "summary": line}, indent=1))
     print(f"{'category':<12} {'sent':>5} {'done':>5} {'4xx':>5} {'drop':>5} {'lost':>5} "
           f"{'leaked':>6}  problems")

@@ -43,7 +43,9 @@ Final line::
     python benchmark/serving/router_scale.py --quick    # 4 debates + 2 chains, 48 tokens
 
 Writes ``results/router_scale[_quick][_pinned].json`` (every arm summarized, placement, the kill
-run's counts) and the servers' logs under ``--out`` (default ``/tmp/<that name>``).
+run's counts) and the servers' logs under ``--out`` (default ``/tmp/<that name>``). ``--model-path``
+(``benchmark/model_arg.py``) serves one model on every server; the JSON names it, and its name
+gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving.head_to_head import build_workflows  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ARMS, COMMON_FLAGS, ArmServer  # noqa: E402
@@ -349,13 +352,17 @@ def kill_run(cluster: Cluster, flows: list[Workflow], tok, max_new: int,
 
 # ----- the benchmark ---------------------------------------------------------------------------
 
-def arm_flags(arm: str) -> list[str]:
-    return [*ARMS[arm][1], *COMMON_FLAGS, "--max-total-tokens", str(POOL_TOKENS)]
+def arm_flags(arm: str, model_args: list[str] | None = None) -> list[str]:
+    """One cluster worker's flags (``model_args``: the launcher's ``--model-path``, default the
+    embedded model)."""
+    return [*ARMS[arm][1], *COMMON_FLAGS, *(model_args or []), "--max-total-tokens",
+            str(POOL_TOKENS)]
 
 
-def measure_single(arm: str, out: Path, flows_fn, tok, max_new: int) -> dict:
+def measure_single(arm: str, out: Path, flows_fn, tok, max_new: int,
+                   model_args: list[str] | None = None) -> dict:
     with ArmServer(arm, out / f"server_{arm}_x1.log",
-                   ["--max-total-tokens", str(POOL_TOKENS)]) as server:
+                   [*(model_args or []), "--max-total-tokens", str(POOL_TOKENS)]) as server:
         send(server.url, tok.encode("Warm up."), 4, "warm-up")
         turns, makespan = run_flows(server.url, flows_fn(), tok, max_new)
     return {"arm": f"{arm}_x1", "turns": len(turns), "makespan_s": makespan,
@@ -364,8 +371,9 @@ def measure_single(arm: str, out: Path, flows_fn, tok, max_new: int) -> dict:
 
 
 def measure_cluster(arm: str, out: Path, flows_fn, tok, max_new: int, pin: bool,
-                    kill: dict | None = None) -> tuple[dict, KillCounts | None]:
-    with Cluster(workers=2, worker_args=arm_flags(arm), log_dir=out / f"cluster_{arm}",
+                    kill: dict | None = None,
+                    model_args: list[str] | None = None) -> tuple[dict, KillCounts | None]:
+    with Cluster(workers=2, worker_args=arm_flags(arm, model_args), log_dir=out / f"cluster_{arm}",
                  request_log=True, pin_cores=pin,
                  settings=RouterSettings(log_level="info")) as cluster:
         say(f"{arm} x2 up: router {cluster.url} -> {cluster.worker_urls}")
@@ -398,19 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-cores", action="store_true", help="pin worker i to core i")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for the servers' logs (default /tmp/<results name>)")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.debates, args.chains, args.max_new_tokens, args.kill_debates = 4, 2, 48, 4
-    name = "router_scale" + ("_quick" if args.quick else "") + ("_pinned" if args.pin_cores
-                                                                 else "")
+    model = BenchModel.resolve(args.model_path)
+    name = model.named(Path("router_scale" + ("_quick" if args.quick else "")
+                            + ("_pinned" if args.pin_cores else ""))).name
     logs = args.out or Path("/tmp") / name
     logs.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.datasets import gsm8k
-    from sglang_kvcmas.models.resolve import resolve_model_path
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    tok = model.tokenizer()
     questions = gsm8k()
 
     def flows_fn() -> list[Workflow]:
@@ -424,14 +431,16 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     arms: dict[str, dict] = {}
     for arm in ("radix", "kvcmas"):
-        arms[f"{arm}_x1"] = measure_single(arm, logs, flows_fn, tok, args.max_new_tokens)
+        arms[f"{arm}_x1"] = measure_single(arm, logs, flows_fn, tok, args.max_new_tokens,
+                                           model.server_args)
         say(f"{arm} x1: {arms[f'{arm}_x1']['makespan_s']:.1f} s, prefill "
             f"{arms[f'{arm}_x1']['prefill_tokens']} ({time.perf_counter() - t_start:.0f} s)")
     arms["radix_x2"], _ = measure_cluster("radix", logs, flows_fn, tok, args.max_new_tokens,
-                                          args.pin_cores)
+                                          args.pin_cores, model_args=model.server_args)
     say(f"radix x2: {arms['radix_x2']['makespan_s']:.1f} s ({time.perf_counter() - t_start:.0f} s)")
     arms["kvcmas_x2"], counts = measure_cluster("kvcmas", logs, flows_fn, tok,
-                                                args.max_new_tokens, args.pin_cores, kill)
+                                                args.max_new_tokens, args.pin_cores, kill,
+                                                model.server_args)
     say(f"kvcmas x2: {arms['kvcmas_x2']['makespan_s']:.1f} s, kill run done "
         f"({time.perf_counter() - t_start:.0f} s)")
 
@@ -448,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python benchmark/serving/router_scale.py " + " ".join(sys.argv[1:] if argv
                                                                            is None else argv),
-        "commit": commit, "machine": machine, "debates": args.debates, "chains": args.chains,
+        "commit": commit, "machine": machine, "model": model.name, "debates": args.debates, "chains": args.chains,
         "max_new_tokens": args.max_new_tokens, "pool_tokens": POOL_TOKENS,
         "pin_cores": args.pin_cores, "seconds": round(time.perf_counter() - t_start, 1),
         "load_average_1_5_15": {"start": load_start, "end": os.getloadavg()},

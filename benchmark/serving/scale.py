@@ -22,7 +22,9 @@ Parts (each one server at a time, same binary, same KV pool):
     python benchmark/serving/scale.py              # + the 16-agent panel
 
 Ends with ``HEADLINE host_ms_per_admission_32k=<x> hook_ms_per_iter_16agents=<x>
-decode_ratio_vs_radix=<x> router_sharing_ratio=<x>``; writes ``results/scale[_quick].json``.
+decode_ratio_vs_radix=<x> router_sharing_ratio=<x>``; writes ``results/scale[_quick].json``
+(``_<model>`` added for a model other than the embedded one: ``--model-path``, served in every
+arm, ``benchmark/model_arg.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving import host_path  # noqa: E402
 from benchmark.serving.head_to_head import KvSampler  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
@@ -108,12 +111,13 @@ def stream(url: str, ids: list[int], max_new: int, ignore_eos: bool = True) -> d
 
 
 def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool: int,
-               out: Path) -> dict:
-    """Decode tokens/s of ``readers`` agents at once over each context, one server."""
+               out: Path, model_args: list[str] | None = None) -> dict:
+    """Decode tokens/s of ``readers`` agents at once over each context, one server
+    (``model_args``: the launcher's ``--model-path``, default the embedded model)."""
     heads = [head_of(p) for p in PERSONAS[: readers + 1]]
     rows = {}
     with ArmServer(arm, out / f"scale_decode_{arm}.log",
-                   ["--max-total-tokens", str(pool)]) as server:
+                   [*(model_args or []), "--max-total-tokens", str(pool)]) as server:
         for c in contexts:
             stream(server.url, tok.encode("Warm up."), 2)
             doc = essay_ids(tok, c)
@@ -141,13 +145,13 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
 
 
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
-              out: Path) -> dict:
+              out: Path, model_args: list[str] | None = None) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
-    one server."""
+    one server (``model_args``: as in :func:`decode_arm`)."""
     heads = [head_of(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(arm, out / f"scale_panel_{arm}.log",
-                   ["--max-total-tokens", str(pool)]) as server:
+                   [*(model_args or []), "--max-total-tokens", str(pool)]) as server:
         stream(server.url, tok.encode("Warm up."), 2)
         sampler = KvSampler(server.url)
         sampler.start()
@@ -211,23 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-json", type=Path, default=None,
                     help="router_scale.py's JSON (default: the first of router_scale.json, "
                          "router_scale_quick.json, router_scale_quick_busy.json in results/)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default: results/scale[_quick][_<model>].json)")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
-    out = args.out or RESULTS / ("scale_quick.json" if args.quick else "scale.json")
-    logs = RESULTS / "scale"
+    model = BenchModel.resolve(args.model_path)
+    out = args.out or model.named(RESULTS / ("scale_quick.json" if args.quick else "scale.json"))
+    logs = model.named(RESULTS / "scale")
     logs.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok = model.tokenizer()
     t_start = time.monotonic()
     result: dict = {
         "command": "python benchmark/serving/scale.py" + (" --quick" if args.quick else ""),
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip(),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "model": "embedded SmolLM2-135M-Instruct", "pool_tokens": args.pool,
+        "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
+        "pool_tokens": args.pool,
     }
     parts = {"host", "decode"} if args.quick else set(args.parts.split(","))
     host, ratios = None, {}
@@ -238,13 +242,15 @@ def main(argv: list[str] | None = None) -> int:
                                                "hook_waiting", "hook_held")}
     if "decode" in parts:
         decode = {arm: decode_arm(arm, tok, args.contexts, args.readers, args.decode_tokens,
-                                  args.pool, logs) for arm in ("radix", "kvcmas")}
+                                  args.pool, logs, model.server_args)
+                  for arm in ("radix", "kvcmas")}
         ratios = {c: decode["kvcmas"][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
                   for c in args.contexts}
         result["decode"] = {"arms": decode, "ratio_by_context": ratios}
     if "panel" in parts:
         panel = {arm: panel_arm(arm, tok, args.panel_agents, args.panel_doc, args.panel_tokens,
-                                args.pool, logs) for arm in ("radix", "kvcmas")}
+                                args.pool, logs, model.server_args)
+                 for arm in ("radix", "kvcmas")}
         no = nonowner_ttft(panel)
         result["panel"] = {
             "arms": panel, "nonowner_ttft_median_s": no,
@@ -256,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     router = None
     if args.router_json is None:
         names = ("router_scale.json", "router_scale_quick.json", "router_scale_quick_busy.json")
-        args.router_json = next((RESULTS / n for n in names if (RESULTS / n).exists()),
-                                RESULTS / names[0])
+        paths = [model.named(RESULTS / n) for n in names]
+        args.router_json = next((p for p in paths if p.exists()), paths[0])
     if args.router_json.exists():
         data = json.loads(args.router_json.read_text())
         router = data.get("router_sharing_ratio")

@@ -15,7 +15,10 @@ time) and prints::
 The slope is a least-squares fit of total resident memory against time over the samples after
 ``--warmup-min``.
 
-    python benchmark/serving/soak.py --minutes 30
+    python benchmark/serving/soak.py --minutes 30 [--model-path NAME]
+
+``--model-path`` (``benchmark/model_arg.py``): the served model; every sample names it, and the
+default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
 from benchmark.serving.reliability import Prompts, call, kvcmas_state, raw_stream  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "soak"
 
 
 def rss_mib(pid: int) -> float:
@@ -150,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--pool", type=int, default=8192)
-    ap.add_argument("--out", type=Path, default=RESULTS / "soak")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results folder (default: results/soak[_<model>])")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
+    model = BenchModel.resolve(args.model_path)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = Prompts()
+    prompts = Prompts(model.folder)
     samples: list[dict] = []
+    print(f"[soak] model {model.name}", file=sys.stderr, flush=True)
     with ArmServer("kvcmas", args.out / "server.log",
-                   ["--max-total-tokens", str(args.pool)]) as server:
+                   [*model.server_args, "--max-total-tokens", str(args.pool)]) as server:
         load = Load(server.url, prompts, args.drop_share, args.max_new_tokens)
         threads = [threading.Thread(target=load.worker, args=(i,), daemon=True)
                    for i in range(args.clients)]
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 used = 1 - (pool.get("available", 0) + pool.get("evictable", 0)) / max(
                     pool.get("total", 1), 1)
                 tree = state.get("shared_tree") or {}
-                sample = {"t_min": round(elapsed / 60, 3), "rss_mib": round(rss_mib(
+                sample = {"model": model.name, "t_min": round(elapsed / 60, 3), "rss_mib": round(rss_mib(
                     server.proc.pid), 1), "pool_used": round(used, 4),
                     "pool_cached": round(pool.get("evictable", 0) / max(pool.get("total", 1), 1),
                                          4),

@@ -11,6 +11,9 @@ Prints a summary and appends one JSONL record per configuration to ``--out``. Ab
 on shared 2-core machines are noisy; compare configurations measured in one run.
 
     python benchmark/serving/throughput.py --threads 1 2 --out benchmark/serving/results/throughput.jsonl
+
+``--model-path`` (``benchmark/model_arg.py``): the served model; records name it, and the default
+``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from pathlib import Path
 
 import requests
 
-from sglang_kvcmas.server.process import ServerProcess
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from sglang_kvcmas.server.process import ServerProcess  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.jsonl"
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,8 @@ def run_config(args: argparse.Namespace, threads: int | None) -> Throughput:
         return _measure(args.url)
     env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
     log = Path(tempfile.gettempdir()) / f"kvcmas-throughput-{os.getpid()}-{threads}.log"
-    with ServerProcess(args=list(args.server_args), log_path=log, env=env) as server:
+    with ServerProcess(args=[*args.model.server_args, *args.server_args], log_path=log,
+                       env=env) as server:
         return _measure(server.url)
 
 
@@ -103,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "throughput.jsonl")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="JSONL appended to (default: results/throughput[_<model>].jsonl)")
+    add_model_arg(p)
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="after '--': extra flags for sglang-kvcmas-server")
     args = p.parse_args(argv)
     args.server_args = [a for a in args.server_args if a != "--"]
+    args.model = BenchModel.resolve(args.model_path)
+    args.out = args.model.out_or_named(args.out, DEFAULT_OUT)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
                "load_avg_1m": os.getloadavg()[0]}
@@ -117,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({result.prompt_tokens} tokens in {result.prefill_s:.2f} s), "
               f"decode {result.decode_tok_s:5.1f} tok/s", flush=True)
         record = {"benchmark": "serving_throughput", "time": time.time(), "commit": _commit(),
-                  "machine": machine, "server_args": args.server_args, **asdict(result)}
+                  "machine": machine, "model": args.model.name, "server_args": args.server_args, **asdict(result)}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
     return 0
