@@ -19,6 +19,8 @@ from functools import cached_property
 
 import torch
 
+from sglang_kvcmas.attention.lowrank import RowCorrection
+
 
 @dataclass(frozen=True)
 class SharedSpan:
@@ -178,12 +180,15 @@ class RowSpans:
         positions: [row_start + len(recomputed)] int64 true position of each row index up to the
             end of the recomputed tokens (rows after them sit at their own index); None when
             every row index is its position.
+        correction: which borrowed keys the reader's low-rank correction applies to, and its
+            factors (``attention/lowrank.py``), or None (read re-positioned only).
     """
 
     rid: str
     key_shifts: KeyShifts
     recomputed: RecomputedTokens | None = None
     positions: torch.Tensor | None = None
+    correction: RowCorrection | None = None
 
     @classmethod
     def of_reads(cls, rid: str, reads: Sequence[SharedSpan],

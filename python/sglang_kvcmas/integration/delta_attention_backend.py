@@ -29,6 +29,14 @@ RoPE: the shift rotates with the model's rotary embedding as SGLang built it
 cannot serve exactly (multimodal rotary, sliding-window layers, other rope types) is refused
 when this backend starts, that is whenever ``--kvcmas-share-context`` is on.
 
+Low-rank correction (``attention.lowrank.RowCorrection``, leaf modes ``lowrank`` and
+``lowrank+exact``): a row's extend first fits, at each layer, the reader's factors from the pairs
+its recomputed tokens give (their exact K/V just written, the owner's K/V re-positioned:
+``corrected_reads.gather_pairs``), then reads its borrowed keys and values corrected
+(``correct_rows``); decode applies the factors on the query and output side over keys grouped by
+(shift, corrected) (``corrected_reads.corrected_grouped_decode``). A row or layer without
+factors (none, or rank 0) takes the path above unchanged, bit for bit.
+
 GPU: not served yet (CPU serving only); the lab's kernels (``sglang_kvcmas_lab.attention``) read the
 same span layout.
 """
@@ -41,6 +49,13 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_kvcmas.attention.corrected_reads import (
+    correct_rows,
+    corrected_grouped_decode,
+    gather_pairs,
+    grouped_marked,
+)
+from sglang_kvcmas.attention.lowrank import LayerCorrection
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
@@ -123,16 +138,42 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             return [None] * n
         return [e.probe if (e := self._entry(i)) is not None else None for i in range(n)]
 
-    def _rows(self, req_pool_indices: torch.Tensor) -> list[RowSpans | None]:
+    def _rows(self, req_pool_indices: torch.Tensor, decode: bool = False
+              ) -> list[RowSpans | None]:
+        """Rows that differ from plain attention at this layer (decode: only a shift or a
+        correction; extend: also a position mask)."""
         rows = [e.spans if (e := self._entry(i)) is not None else None
                 for i in range(req_pool_indices.shape[0])]
-        return [r if r is not None and r.needs_transform else None for r in rows]
+        return [r if r is not None and ((r.reads_transformed if decode else r.needs_transform)
+                                        or self._layer_correction(r) is not None) else None
+                for r in rows]
+
+    def _layer_correction(self, row: RowSpans | None) -> LayerCorrection | None:
+        """The row's correction at the current layer, or None (none, or zero factors)."""
+        if row is None or row.correction is None:
+            return None
+        return row.correction.layer(self._layer_id)
+
+    def _fit_corrections(self, k_cache, v_cache, req_to_token, req_pool_indices,
+                         seq_lens) -> None:
+        """Fit this layer's factors for every row whose extend carries recomputed pairs."""
+        for i in range(req_pool_indices.shape[0]):
+            entry = self._entry(i)
+            row = entry.spans if entry is not None else None
+            fit = row.correction.fit if row is not None and row.correction is not None else None
+            if fit is None or not fit.fits or self._layer_id in fit.layers:
+                continue
+            slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])]
+            fit.fit_layer(self._layer_id,
+                          *gather_pairs(k_cache, v_cache, slots, fit, self.shift_rope))
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
         causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
     ):
+        if encoder_lens is None and sliding_window_size is None and self._batch_rows is not None:
+            self._fit_corrections(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens)
         rows = self._rows(req_pool_indices)
         _no_window(rows, sliding_window_size)
         probes = self._probes(req_pool_indices) if causal else [None] * len(rows)
@@ -185,8 +226,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
     ):
         # Decode needs no position mask (every cached token precedes the query): only rows
         # with a shift differ from the parent.
-        rows = [r if r is not None and r.reads_transformed else None
-                for r in self._rows(req_pool_indices)]
+        rows = self._rows(req_pool_indices, decode=True)
         _no_window(rows, sliding_window_size)
         if encoder_lens is not None or sliding_window_size is not None or not any(rows):
             return super()._run_sdpa_forward_decode(
@@ -198,7 +238,17 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             n_kv = int(seq_lens[i])
             q = q_all[:, i : i + 1, :]
             row = rows[i]
-            if row is not None:
+            lc = self._layer_correction(row)
+            if lc is not None:
+                # Keys grouped by (shift, corrected); the corrected query rotated per shift.
+                tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
+                                                      req_pool_indices[i], marked=True)
+                k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
+                out = corrected_grouped_decode(
+                    q, k, v, row.key_shifts.shifts, groups, self.shift_rope,
+                    scaling if scaling is not None else q.shape[-1] ** -0.5, lc,
+                )
+            elif row is not None:
                 # Keys gathered grouped by shift; the query rotated once per shift.
                 tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
                                                       req_pool_indices[i])
@@ -217,12 +267,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         return output
 
     def _grouped_tokens(self, i: int, n_kv: int, row: RowSpans, req_to_token,
-                        req_pool_idx) -> tuple[torch.Tensor, tuple]:
+                        req_pool_idx, marked: bool = False) -> tuple[torch.Tensor, tuple]:
         """Pool slots of batch row ``i`` in shift-group order and the groups, once per forward
-        (every layer reads the same slots)."""
-        key = (i, n_kv)
+        (every layer reads the same slots); ``marked``: grouped by (shift, corrected)."""
+        key = (i, n_kv, True) if marked else (i, n_kv)
         if key not in self._groups:
-            order, groups = row.key_shifts.grouped(n_kv)
+            order, groups = (grouped_marked(row.key_shifts, row.correction.mask, n_kv) if marked
+                             else row.key_shifts.grouped(n_kv))
             tokens = req_to_token[req_pool_idx, :n_kv][order.to(req_to_token.device)]
             self._groups[key] = (tokens, groups)
         return self._groups[key]
@@ -233,6 +284,9 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         k, v = k_cache[tokens], v_cache[tokens]  # advanced indexing: copies, never the pool
         if row is not None:
             k = rotate_keys(k, row.key_shifts, self.shift_rope)
+            lc = self._layer_correction(row)
+            if lc is not None:
+                k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc)
         return k.movedim(0, 1), v.movedim(0, 1)
 
 
