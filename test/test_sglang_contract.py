@@ -33,6 +33,7 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
         "disable", "req_to_token_pool", "token_to_kv_pool_allocator", "page_size"),
     ("sglang.srt.mem_cache.radix_cache", "RadixCache"): ("params",),
     ("sglang.launch_server", "run_server"): ("server_args",),
+    ("sglang.srt.entrypoints.http_server", "app"): None,  # our /kvcmas/workflows routes
     ("sglang.srt.plugins", "load_plugins"): (),
     ("sglang.srt.server_args", "ServerArgs"): None,
     ("sglang.srt.server_args", "prepare_server_args"): ("argv",),

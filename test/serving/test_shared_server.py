@@ -135,6 +135,33 @@ def test_workflow_header_labels_the_request(server):
     assert out["meta_info"]["kvcmas_reuse"][0]["workflow"] == "wf-8"
 
 
+def test_workflow_ledger_adds_up_each_workflows_requests(server):
+    usages = []
+    for system in (SA, SB):  # two agents of one workflow, over one transcript
+        usages.append(chat(server, system, T1,
+                           custom_params={"kvcmas_workflow": "wf-ledger"})["usage"])
+    with urllib.request.urlopen(server.url + "/kvcmas/workflows/wf-ledger", timeout=60) as r:
+        flow = json.loads(r.read())
+    assert flow["requests"] == 2 and flow["agents"] == 2 and len(flow["turns"]) == 2
+    assert flow["prompt_tokens"] == sum(u["prompt_tokens"] for u in usages)
+    assert flow["completion_tokens"] == sum(u["completion_tokens"] for u in usages)
+    for field in ("reused_exact", "reused_repositioned", "recomputed"):
+        assert flow[field] == sum(u["prompt_tokens_details"][f"kvcmas_{field}"] for u in usages)
+    assert flow["computed"] == flow["recomputed"] + flow["completion_tokens"]
+    with urllib.request.urlopen(server.url + "/kvcmas/workflows?limit=5", timeout=60) as r:
+        listing = json.loads(r.read())
+    assert listing["workflows"][0]["workflow"] == "wf-ledger"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(server.url + "/kvcmas/workflows/never-seen", timeout=60)
+    assert missing.value.code == 404
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        metrics = r.read().decode()
+    series = [line for line in metrics.splitlines()
+              if line.startswith("kvcmas:workflow_tokens_total{") and 'workflow="wf-ledger"' in line
+              and 'kind="prompt"' in line]
+    assert series and float(series[0].rsplit(" ", 1)[1]) == flow["prompt_tokens"], series
+
+
 BAD_FIELDS = [
     ({"kvcmas_head_len": None}, "kvcmas_head_len"),
     ({"kvcmas_head_len": [16]}, "kvcmas_head_len"),

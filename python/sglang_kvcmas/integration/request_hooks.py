@@ -7,7 +7,8 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   ``custom_params.kvcmas_workflow`` of every prompt of the request (a body that names another
   workflow is an error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of
   prompts whose body names none (the router forwards that header and drops ours and the body's
-  ``custom_params``); every prompt's ``custom_params`` is parsed strictly
+  ``custom_params``); every finished request of a workflow is added to the per-workflow ledger
+  (``workflow_accounting.py``); every prompt's ``custom_params`` is parsed strictly
   (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
   (an error event on a stream that has not started). While an OpenAI stream is being served it
   also collects the reuse records for the stream's usage chunk (``usage_stream.py``).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_kvcmas.integration import usage_stream
+from sglang_kvcmas.integration import usage_stream, workflow_accounting
 from sglang_kvcmas.policy.request_options import (
     WORKFLOW_FIELD,
     WORKFLOW_HEADER,
@@ -76,7 +77,8 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     """AROUND hook for ``TokenizerManager.generate_request`` (an async generator function):
     raises before the generator exists, so SGLang's callers answer 400."""
     label_and_check(obj, getattr(request, "headers", None))
-    return usage_stream.collecting(original(manager, obj, request, *args, **kwargs))
+    outputs = original(manager, obj, request, *args, **kwargs)
+    return usage_stream.collecting(workflow_accounting.observing(outputs))
 
 
 def validate_around(original: Any, manager: Any, obj: Any, input_ids: Any, *args: Any,

@@ -35,6 +35,11 @@ def serve(argv: list[str]) -> None:
     Mirrors ``python -m sglang.launch_server``; on exit every child process is killed.
     """
     load_plugins()
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_kvcmas.integration.workflow_accounting import add_routes
+
+    add_routes(app)  # /kvcmas/workflows
     server_args = prepare_server_args(argv)
     try:
         run_server(server_args)

@@ -1,0 +1,129 @@
+"""Per-workflow accounting in the HTTP process: a route and Prometheus counters.
+
+Every response passes through the tokenizer manager's ``generate_request`` (our AROUND hook,
+``request_hooks.generate_around``); :func:`observing` wraps its output generator and adds each
+finished request that names a workflow (``kvcmas_workflow``, the ``X-KVCMAS-Workflow`` header or
+the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.WorkflowLedger`:
+
+- ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (prompt tokens,
+  reused exact / corrected / re-positioned, recomputed, completion tokens, computed = prefill +
+  decode, requests, agents, first and last seen);
+- ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory);
+  404 for a workflow the ledger does not hold;
+- Prometheus ``kvcmas:workflow_tokens_total{workflow, kind}`` (``kind``: ``prompt``, ``exact``,
+  ``corrected``, ``repositioned``, ``recomputed``, ``completion``), with at most
+  ``METRIC_WORKFLOWS`` workflow label values per server process: later workflows are counted
+  under ``workflow="_other"``, so the series count stays bounded.
+
+Requests without a workflow are not in the ledger (SGLang's own metrics count them). Accounting
+never fails a response: an error here is logged and the output passes on unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sglang_kvcmas.integration.reuse_accounting import META_KEY
+from sglang_kvcmas.policy.workflow_ledger import Turn, WorkflowLedger
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/kvcmas/workflows"
+METRIC_WORKFLOWS = 64
+OTHER = "_other"
+KIND_FIELDS = {"prompt": "prompt_tokens", "exact": "reused_exact",
+               "corrected": "reused_corrected", "repositioned": "reused_repositioned",
+               "recomputed": "recomputed", "completion": "completion_tokens"}
+
+LEDGER = WorkflowLedger()
+_labelled: set[str] = set()
+_COUNTER: Any = None
+
+
+def _counter() -> Any:
+    global _COUNTER
+    if _COUNTER is None:
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            _COUNTER = False
+            return None
+        _COUNTER = Counter("kvcmas:workflow_tokens",
+                           "Tokens per workflow by how sglang-kvcmas served them (prompt, "
+                           "exact / corrected / re-positioned reuse, recomputed, completion).",
+                           ["workflow", "kind"])
+    return _COUNTER or None
+
+
+def metric_label(workflow: str) -> str:
+    """The workflow's label value: itself for the first ``METRIC_WORKFLOWS`` workflows seen,
+    ``_other`` after."""
+    if workflow in _labelled:
+        return workflow
+    if len(_labelled) < METRIC_WORKFLOWS:
+        _labelled.add(workflow)
+        return workflow
+    return OTHER
+
+
+def observe(out: Any, now: float | None = None) -> None:
+    """Add one generator output to the ledger when it is a finished request of a workflow."""
+    for item in out if isinstance(out, list) else (out,):
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info") or {}
+        if meta.get("finish_reason") is None:
+            continue  # a stream's intermediate chunk
+        rec = meta.get(META_KEY)
+        rec = rec[0] if isinstance(rec, list) and rec else rec
+        if not isinstance(rec, dict) or not rec.get("workflow"):
+            continue
+        turn = Turn.of_record(time.time() if now is None else now, rec,
+                              meta.get("completion_tokens", 0))
+        LEDGER.add(rec["workflow"], turn)
+        counter = _counter()
+        if counter is not None:
+            label = metric_label(rec["workflow"])
+            for kind, name in KIND_FIELDS.items():
+                if (value := getattr(turn, name)) > 0:
+                    counter.labels(workflow=label, kind=kind).inc(value)
+
+
+def observing(outputs: Any) -> Any:
+    """``outputs`` (an async generator of the tokenizer manager) with each output observed."""
+    if not hasattr(outputs, "__aiter__"):
+        return outputs
+    return _observe(outputs)
+
+
+async def _observe(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for out in outputs:
+        try:
+            observe(out)
+        except Exception:  # accounting must never fail a response
+            logger.exception("sglang-kvcmas: could not account a workflow's request")
+        yield out
+
+
+def add_routes(app: Any) -> None:
+    """Add the ledger's routes to SGLang's FastAPI ``app`` (once)."""
+    if any(getattr(r, "path", None) == ROUTE for r in getattr(app, "routes", ())):
+        return
+    from fastapi.responses import JSONResponse
+
+    async def workflows(limit: int = 100) -> Any:
+        return JSONResponse(LEDGER.snapshot(limit=max(1, min(limit, LEDGER.max_workflows))))
+
+    async def workflow(workflow: str) -> Any:
+        totals = LEDGER.get(workflow)
+        if totals is None:
+            return JSONResponse({"error": f"no workflow {workflow!r} in the ledger (it holds "
+                                          f"the {LEDGER.max_workflows} most recent)"},
+                                status_code=404)
+        return JSONResponse(totals.to_json(with_turns=True))
+
+    app.add_api_route(ROUTE, workflows, methods=["GET"])
+    app.add_api_route(ROUTE + "/{workflow}", workflow, methods=["GET"])

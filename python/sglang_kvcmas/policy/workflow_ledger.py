@@ -1,0 +1,141 @@
+"""Per-workflow token accounting: what each workflow's turns read, reused and computed.
+
+A *workflow* is the product's one identity for a multi-agent run (``kvcmas_workflow`` /
+``X-KVCMAS-Workflow``, or the router's routing key). Every finished request of a workflow adds
+one :class:`Turn` (its reuse record and completion tokens) to the workflow's
+:class:`WorkflowTotals`. The ledger holds the ``max_workflows`` most recently active workflows
+(least recently active dropped first, counted in ``dropped``), and each keeps its last
+``max_turns`` turns as a trajectory, so memory stays bounded on a server that runs for months.
+
+Token kinds (the reuse record's): ``reused_exact`` + ``reused_corrected`` +
+``reused_repositioned`` + ``recomputed`` = ``prompt_tokens``; ``computed`` = ``recomputed``
+(prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COUNTS = ("prompt_tokens", "reused_exact", "reused_corrected", "reused_repositioned",
+          "recomputed", "completion_tokens")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One finished request of a workflow.
+
+    Attributes:
+        t: when it finished (seconds, the ledger's clock).
+        agent: its agent id, or None.
+        prompt_tokens ... completion_tokens: its counts (see the module docstring).
+    """
+
+    t: float
+    agent: str | None
+    prompt_tokens: int
+    reused_exact: int
+    reused_corrected: int
+    reused_repositioned: int
+    recomputed: int
+    completion_tokens: int
+
+    @classmethod
+    def of_record(cls, t: float, record: dict[str, Any], completion_tokens: int) -> Turn:
+        """A turn from a reuse record (``meta_info.kvcmas_reuse[0]``)."""
+        return cls(t=t, agent=record.get("agent"),
+                   completion_tokens=max(0, int(completion_tokens or 0)),
+                   **{k: int(record.get(k, 0) or 0) for k in COUNTS[:-1]})
+
+    @property
+    def computed(self) -> int:
+        return self.recomputed + self.completion_tokens
+
+
+@dataclass
+class WorkflowTotals:
+    """One workflow's totals and its recent trajectory."""
+
+    workflow: str
+    first_t: float
+    last_t: float
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_exact: int = 0
+    reused_corrected: int = 0
+    reused_repositioned: int = 0
+    recomputed: int = 0
+    completion_tokens: int = 0
+    agents: set[str] = field(default_factory=set)
+    turns: deque[Turn] = field(default_factory=deque)
+
+    @property
+    def computed(self) -> int:
+        return self.recomputed + self.completion_tokens
+
+    def add(self, turn: Turn, max_turns: int) -> None:
+        self.requests += 1
+        self.last_t = max(self.last_t, turn.t)
+        for k in COUNTS:
+            setattr(self, k, getattr(self, k) + getattr(turn, k))
+        if turn.agent is not None:
+            self.agents.add(turn.agent)
+        self.turns.append(turn)
+        while len(self.turns) > max_turns:
+            self.turns.popleft()
+
+    def to_json(self, with_turns: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"workflow": self.workflow, "requests": self.requests,
+                               "agents": len(self.agents), "first_t": self.first_t,
+                               "last_t": self.last_t, "computed": self.computed}
+        out.update({k: getattr(self, k) for k in COUNTS})
+        reused = self.reused_exact + self.reused_corrected + self.reused_repositioned
+        out["reused_fraction"] = reused / self.prompt_tokens if self.prompt_tokens else 0.0
+        if with_turns:
+            out["turns"] = [asdict(t) for t in self.turns]
+        return out
+
+
+class WorkflowLedger:
+    """The most recently active workflows' totals (see the module docstring).
+
+    Args:
+        max_workflows: workflows held; the least recently active is dropped past it.
+        max_turns: turns kept per workflow as its trajectory.
+    """
+
+    def __init__(self, max_workflows: int = 1024, max_turns: int = 256) -> None:
+        if max_workflows < 1 or max_turns < 1:
+            raise ValueError("max_workflows and max_turns must be >= 1")
+        self.max_workflows, self.max_turns = max_workflows, max_turns
+        self._flows: OrderedDict[str, WorkflowTotals] = OrderedDict()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def add(self, workflow: str, turn: Turn) -> WorkflowTotals:
+        totals = self._flows.get(workflow)
+        if totals is None:
+            totals = self._flows[workflow] = WorkflowTotals(workflow, turn.t, turn.t)
+            while len(self._flows) > self.max_workflows:
+                self._flows.popitem(last=False)
+                self.dropped += 1
+        else:
+            self._flows.move_to_end(workflow)
+        totals.add(turn, self.max_turns)
+        return totals
+
+    def get(self, workflow: str) -> WorkflowTotals | None:
+        return self._flows.get(workflow)
+
+    def recent(self, limit: int | None = None) -> list[WorkflowTotals]:
+        """Workflows, most recently active first."""
+        flows = list(reversed(self._flows.values()))
+        return flows if limit is None else flows[:limit]
+
+    def snapshot(self, limit: int | None = 100) -> dict[str, Any]:
+        return {"workflows": [w.to_json() for w in self.recent(limit)],
+                "held": len(self._flows), "dropped": self.dropped,
+                "max_workflows": self.max_workflows}
