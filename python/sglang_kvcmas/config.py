@@ -202,6 +202,14 @@ class ServingConfig:
         None, "Share of its borrowed tokens, by owner head mass, that a reader keeps as exact "
         "leaves after recomputing them (unset: all it recomputes); the rest is recomputed "
         "every turn, so leaf memory stays bounded.", kind=float, low=0, high=1, optional=True)
+    leaf_mode: str = _knob(
+        "exact", "What a reader keeps of the borrowed tokens it recomputes: 'exact' (exact "
+        "leaves), 'lowrank' (a per-agent low-rank correction of every other borrowed token, "
+        "fitted on them; no exact leaves) or 'lowrank+exact' (both).", kind=str,
+        choices=("exact", "lowrank", "lowrank+exact"), per_request=True)
+    lowrank_rank: int = _knob(
+        8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "
+        "'lowrank', 'lowrank+exact').", kind=int, low=1, high=64, per_request=True)
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

@@ -4,8 +4,8 @@ Every prompt token is counted once, in one of four kinds:
 
 - ``reused_exact``: read from KV computed in the request's own context (its radix path, or its
   agent's exact leaves on shared nodes: ``exact_from_leaves`` of them);
-- ``reused_corrected``: read from another agent's KV with a correction applied (no correction
-  is served yet, so 0: reported so that clients see the field when one is);
+- ``reused_corrected``: read from another agent's KV, re-positioned and corrected by the reader
+  agent's low-rank factors (leaf modes ``lowrank`` and ``lowrank+exact``; 0 under ``exact``);
 - ``reused_repositioned``: read from another agent's KV, re-positioned to the reader's positions,
   uncorrected;
 - ``recomputed``: prefilled by this request (``recomputed_borrowed`` of them were available

@@ -83,6 +83,7 @@ from sglang_kvcmas.policy.recompute import (
     kept_offsets,
     select_recompute_arrays,
 )
+from sglang_kvcmas.policy.leaf_mode import LeafConfig
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tokens import as_token_array
@@ -164,6 +165,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
         self.recompute_config = RecomputeConfig.from_serving(config)
+        self.leaf_config = LeafConfig.from_serving(config)
         self.turn_config = TurnConfig.from_serving(config)
         self.chunk_limit = chunk_limit
         self.pending_owners: dict[str, PendingOwner] = {}
@@ -309,7 +311,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         config = RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.recompute_config
         recompute, keep = self._recompute_for(req, handle, config, spans)
-        handle = replace(handle, recompute=recompute, keep=keep)
+        leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
+            else self.leaf_config
+        if recompute and not leaf.keeps_exact:
+            keep = ()  # lowrank: the recomputed tokens feed the fit, then are freed
+        stored = (self.shared.lowrank.get(ns, split.agent)
+                  if leaf.lowrank_rank and handle.use_leaves else None)
+        handle = replace(handle, recompute=recompute, keep=keep,
+                         lowrank_rank=leaf.lowrank_rank, stored_correction=stored)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     def wants_exact(self, req: Req) -> bool:
@@ -423,17 +432,21 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             spans, kept = row_spans(req.rid, req.origin_input_ids, handle)
             path = handle.borrowed()
             repositioned = int(path.foreign[kept].sum())
+            corrected = repositioned if spans.correction is not None and \
+                spans.correction.corrects else 0
+            repositioned -= corrected
             from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
         else:
-            repositioned = from_leaves = recomputed_borrowed = 0
+            repositioned = corrected = from_leaves = recomputed_borrowed = 0
         if not getattr(req, "_kvcmas_accounted", False):
             prompt = len(req.origin_input_ids)
-            exact = req.prefix_len - repositioned
+            exact = req.prefix_len - repositioned - corrected
             reuse_accounting.attach(req, reuse_accounting.ReuseRecord(
                 agent=split.agent if split else None, workflow=self.options_of(req).workflow,
-                prompt_tokens=prompt, reused_exact=exact, reused_corrected=0,
-                reused_repositioned=repositioned, recomputed=prompt - exact - repositioned,
+                prompt_tokens=prompt, reused_exact=exact, reused_corrected=corrected,
+                reused_repositioned=repositioned,
+                recomputed=prompt - exact - repositioned - corrected,
                 recomputed_borrowed=recomputed_borrowed, exact_from_leaves=from_leaves,
             ))
             req._kvcmas_accounted = True
@@ -455,6 +468,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         split = self.split_of(req)
         if isinstance(req.last_node, SharedPrefixHandle):
             try:
+                self._keep_correction(req, req.last_node)
                 self._adopt_recomputed(req, req.last_node, up_to)
                 self._register_borrowed(req, req.last_node, up_to)
             except Exception:  # what it computed is not shared; its slots go at release
@@ -497,6 +511,19 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor,
             head_mass=self._recorded_mass(req, split.head_len + known, end),
         )
+
+    def _keep_correction(self, req: Req, handle: SharedPrefixHandle) -> None:
+        """Keep the low-rank factors a reader's extend fitted as its agent's low-rank leaf
+        (its later turns read them; a request with its own knobs keeps nothing)."""
+        row: BatchRow | None = getattr(req, "kvcmas_row", None)
+        corr = row.spans.correction if row is not None and row.spans is not None else None
+        if corr is None or corr.fit is None or not handle.use_leaves or getattr(
+                req, "_kvcmas_fit_kept", False):
+            return
+        result = corr.fit.result()
+        if result is not None:
+            self.shared.lowrank.put(handle.namespace, handle.split.agent, result)
+            req._kvcmas_fit_kept = True
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
@@ -607,4 +634,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "shared_owned_tokens": self.shared.owned_size,
             "delta_tokens": self.shared.delta_tokens(),
             "delta_bytes": self.shared.delta_nbytes(),
+            "lowrank_leaves": len(self.shared.lowrank),
+            "lowrank_bytes": self.shared.lowrank.nbytes(),
+            "leaf_bytes_by_agent": self.shared.leaf_bytes_by_agent(),
         }

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_kvcmas.attention.lowrank import CorrectionFit, RowCorrection
 from sglang_kvcmas.attention.spans import KeyShifts, RecomputedTokens, RowSpans
 from sglang_kvcmas.policy.recompute import BorrowedSpan, BorrowedToken
 from sglang_kvcmas.tree.agent_split import AgentSplit
@@ -52,6 +53,11 @@ class SharedPrefixHandle:
         path: the borrowed tokens as arrays, walked once at match time (:meth:`walked`); valid
             while the request holds its locks (locked nodes and their leaves never change
             slots; a split keeps them).
+        lowrank_rank: rank of the low-rank correction the request fits from its recomputed
+            tokens and reads its foreign borrowed tokens through (0: none;
+            ``policy/leaf_mode.py``).
+        stored_correction: the agent's low-rank leaf read at match time (an
+            ``attention.lowrank.LowRankCorrection``), or None.
     """
 
     radix_node: Any
@@ -65,6 +71,8 @@ class SharedPrefixHandle:
     use_leaves: bool = True
     keep: tuple[int, ...] | None = None
     path: BorrowedPath | None = field(default=None, repr=False)
+    lowrank_rank: int = 0
+    stored_correction: Any = field(default=None, repr=False)
 
     @property
     def prefix_len(self) -> int:
@@ -237,15 +245,38 @@ def row_spans(rid: str, prompt_ids: Sequence[int], handle: SharedPrefixHandle
     head = handle.split.head_len
     kept = path.kept(handle.recompute)
     shifts = KeyShifts.of_row(handle.radix_len, torch.from_numpy(path.shift[kept]))
+    correction = row_correction(handle, path, kept)
     if not handle.recompute:
-        return RowSpans(rid, shifts), kept
+        return RowSpans(rid, shifts, correction=correction), kept
     moved = np.asarray(handle.recompute, dtype=np.int64) + head
     n_before = handle.radix_len + int(kept.sum())
     positions = np.concatenate([np.arange(handle.radix_len, dtype=np.int64),
                                 head + path.offsets[kept], moved])
     ids = np.asarray(prompt_ids, dtype=np.int64)[moved]
     recomputed = RecomputedTokens(n_before, tuple(ids.tolist()), tuple(moved.tolist()))
-    return RowSpans(rid, shifts, recomputed, torch.from_numpy(positions)), kept
+    return RowSpans(rid, shifts, recomputed, torch.from_numpy(positions), correction), kept
+
+
+def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
+                   ) -> RowCorrection | None:
+    """The row's low-rank correction (None when the request reads none): its foreign borrowed
+    tokens corrected, with the agent's stored factors and a fit from the foreign tokens it
+    recomputes (their owner slots and shifts, and the row indices where the row computes them:
+    after the borrowed ones, in ``handle.recompute`` order; see :func:`row_spans`)."""
+    if handle.lowrank_rank <= 0:
+        return None
+    mask = torch.from_numpy(np.concatenate([np.zeros(handle.radix_len, dtype=bool),
+                                            path.foreign[kept]]))
+    fit = None
+    if handle.recompute:
+        at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
+        foreign = path.foreign[at]
+        n_before = handle.radix_len + int(kept.sum())
+        rows = n_before + np.arange(at.shape[0], dtype=np.int64)
+        fit = CorrectionFit(torch.from_numpy(path.slots[at][foreign].copy()),
+                            torch.from_numpy(path.shift[at][foreign].copy()),
+                            torch.from_numpy(rows[foreign]), handle.lowrank_rank)
+    return RowCorrection(mask, handle.stored_correction, fit)
 
 
 def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.Tensor,

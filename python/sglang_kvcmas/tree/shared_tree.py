@@ -16,7 +16,9 @@ Slot ownership (who frees them) is one of two kinds:
 Delta leaves (``deltas``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
 hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
-the leaf (least recently used first) or its node is evicted.
+the leaf (least recently used first) or its node is evicted. A reader agent's low-rank leaf (its
+correction factors, one per namespace, not pool slots) is kept in ``lowrank``
+(``tree/lowrank_leaves.py``).
 
 Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
 transcript matches in microseconds, not one Python step per token.
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from sglang_kvcmas.tokens import as_token_array, common_prefix
+from sglang_kvcmas.tree.lowrank_leaves import LowRankLeaves
 from sglang_kvcmas.tree.pool_overrides import PoolOverrides
 
 Namespace = Hashable
@@ -125,6 +128,8 @@ class SharedTree:
         self._by_anchor: dict[int, set[SharedNode]] = {}
         self.owned_size = 0
         self.owned_locked_size = 0
+        self.lowrank = LowRankLeaves()
+        """Reader agents' low-rank leaves (factors, not pool slots): ``tree/lowrank_leaves.py``."""
         self.version = getattr(self, "version", 0) + 1
         """Bumped whenever a node is added or removed (and on reset, never going back): a match
         computed at one version holds until the next (splits and leaves change no match
@@ -420,6 +425,18 @@ class SharedTree:
 
     def delta_nbytes(self) -> int:
         return sum(n.delta_nbytes() for n in self.nodes())
+
+    def leaf_bytes_by_agent(self) -> dict[str, dict[str, int]]:
+        """agent -> bytes of its leaves by type (``exact``: pool slots of its exact leaves;
+        ``lowrank``: its factors)."""
+        out: dict[str, dict[str, int]] = {}
+        for n in self.nodes():
+            for agent, leaf in n.deltas.items():
+                entry = out.setdefault(agent, {"exact": 0, "lowrank": 0})
+                entry["exact"] += int(leaf.nbytes())
+        for agent, nbytes in self.lowrank.bytes_by_agent().items():
+            out.setdefault(agent, {"exact": 0, "lowrank": 0})["lowrank"] += nbytes
+        return out
 
     def check_invariants(self) -> list[str]:
         """Bookkeeping drift, as messages (empty: consistent). Walks the whole tree: for debug

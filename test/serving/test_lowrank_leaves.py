@@ -1,0 +1,126 @@
+"""Low-rank leaves in the tree cache (no server): a reader under ``lowrank`` fits from the tokens
+it recomputes, reads its other foreign borrowed tokens corrected (counted ``reused_corrected``),
+keeps its factors as its agent's low-rank leaf (byte-counted, read on its next turn) and no exact
+leaves; ``lowrank+exact`` keeps both; ``exact`` is today's row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+from sglang_kvcmas.attention.lowrank import LayerCorrection, MIN_PAIRS  # noqa: E402
+from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
+from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
+
+from test_lowrank import _layer  # noqa: E402
+from test_shared_tree_cache import (  # noqa: E402
+    END,
+    SUFFIX,
+    T1,
+    T2,
+    Harness,
+    Req,
+    assert_slots_conserved,
+    head,
+)
+
+K = MIN_PAIRS + 4  # boundary tokens recomputed: enough pairs to fit
+
+
+def _harness(mode: str, fitted: LayerCorrection | None = None) -> Harness:
+    """A harness whose readers' extend 'fits' ``fitted`` at layer 0 (the backend's job)."""
+    h = Harness(boundary=K)
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=K, min_borrowed=0,
+                                               max_fraction=1.0)
+    h.cache.leaf_config = LeafConfig(mode, 4)
+    hand = h.cache.maybe_hand_to_session
+
+    def hand_and_fit(req):
+        hand(req)
+        row = getattr(req, "kvcmas_row", None)
+        corr = row.spans.correction if row is not None and row.spans is not None else None
+        if fitted is not None and corr is not None and corr.fit is not None and corr.fit.fits:
+            corr.fit.layers[0] = fitted
+
+    h.cache.maybe_hand_to_session = hand_and_fit
+    return h
+
+
+def _turns(h: Harness):
+    a, b = head(50, 20), head(60, 8)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)  # a owns T2
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)
+    return b, b2, spans
+
+
+def test_exact_mode_reads_as_today():
+    h = _harness("exact", _layer(3, 64, 4))
+    _, b2, spans = _turns(h)
+    assert spans.correction is None
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert rec["reused_corrected"] == 0 and rec["reused_repositioned"] == len(T2) + END - K
+    assert h.cache.shared.delta_tokens() == K and len(h.cache.shared.lowrank) == 0
+
+
+def test_lowrank_reader_fits_reads_corrected_and_keeps_factors_not_tokens():
+    lc = _layer(3, 64, 4)
+    h = _harness("lowrank", lc)
+    b, b2, spans = _turns(h)
+    corr = spans.correction
+    at = len(b) + len(T1)
+    borrowed = len(T2) + END - K
+    assert corr is not None and corr.fit.pairs == K and corr.fit.rank == 4
+    assert corr.mask.tolist() == [False] * at + [True] * borrowed  # the foreign borrowed rows
+    assert corr.fit.exact_rows.tolist() == list(range(at + borrowed, at + borrowed + K))
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert (rec["reused_corrected"], rec["reused_repositioned"]) == (borrowed, 0)
+    assert rec["recomputed_borrowed"] == K
+    assert h.cache.shared.delta_tokens() == 0  # no exact leaves: the recomputed slots freed
+    assert_slots_conserved(h)
+    stats = h.cache.shared_stats()
+    assert stats["lowrank_leaves"] == 1 and stats["lowrank_bytes"] == lc.nbytes()
+    (agent,) = stats["leaf_bytes_by_agent"]
+    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0, "lowrank": lc.nbytes()}
+
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # its next turn reads the stored factors
+    spans3, _ = h.serve(b3, 4)
+    assert spans3.correction.stored.layer(0) is lc
+    assert b3.customized_info["kvcmas_reuse"][0]["reused_corrected"] == borrowed
+
+
+def test_lowrank_and_exact_keeps_both_and_a_forward_that_fitted_nothing_stores_nothing():
+    lc = _layer(3, 64, 4)
+    h = _harness("lowrank+exact", lc)
+    _, _, spans = _turns(h)
+    assert h.cache.shared.delta_tokens() == K and len(h.cache.shared.lowrank) == 1
+    assert spans.correction.fit.fits
+
+    h2 = _harness("lowrank", None)  # the forward fitted nothing: nothing is stored
+    _, b2, _ = _turns(h2)
+    assert len(h2.cache.shared.lowrank) == 0
+    assert b2.customized_info["kvcmas_reuse"][0]["reused_corrected"] == len(T2) + END - K
+
+
+def test_a_request_sets_its_leaf_mode_and_keeps_nothing():
+    from types import SimpleNamespace
+
+    h = _harness("exact", _layer(3, 64, 4))
+    a, b = head(50, 20), head(60, 8)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    b2.sampling_params = SimpleNamespace(custom_params={
+        "kvcmas_leaf_mode": "lowrank", "kvcmas_lowrank_rank": 4,
+        "kvcmas_recompute_boundary": K})
+    spans, _ = h.serve(b2, 3)
+    n = len(spans.recomputed.token_ids)  # the deployment's cap: half of the borrowed tokens
+    assert spans.correction is not None and spans.correction.fit.rank == 4
+    assert spans.correction.fit.pairs == n >= MIN_PAIRS
+    assert b2.customized_info["kvcmas_reuse"][0]["reused_corrected"] == len(T2) + END - n
+    assert len(h.cache.shared.lowrank) == 0 and h.cache.shared.delta_tokens() == 0
