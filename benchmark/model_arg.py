@@ -4,7 +4,7 @@
 
     add_model_arg(parser)                      # --model-path (default: the embedded SmolLM2)
     args = parser.parse_args()
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(parser, args)      # a bad value: parser.error with the reason
     ArmServer(arm, log, [*model.server_args, ...])   # the same model in every arm
     out = model.named(DEFAULT_OUT)             # embedded: DEFAULT_OUT; else DEFAULT_OUT_<slug>
 
@@ -28,7 +28,7 @@ from sglang_kvcmas.server.memory import footprint_of_folder
 from sglang_kvcmas.tree.template_markers import TemplateMarkers, derive_markers
 
 __all__ = ["LAB_MODEL_TYPES", "SERVED_DTYPE", "BenchModel", "ModelPathError", "add_model_arg",
-           "chat_markers"]
+           "chat_markers", "model_from_args"]
 
 SERVED_DTYPE = "float32"
 """What our CPU servers run (``server/options.py``: ``--dtype float32`` unless given)."""
@@ -128,16 +128,22 @@ class BenchModel:
 
         return AutoTokenizer.from_pretrained(str(self.folder))
 
-    def require_lab_support(self) -> None:
-        """Refuse a model the lab's reference forward does not run.
+    def require_lab_support(self, tok=None) -> None:
+        """Refuse a model the labs do not run: the reference forward runs ``LAB_MODEL_TYPES``,
+        and the lab workloads write ChatML (``<|im_start|>``) themselves (checked on ``tok``,
+        the model's tokenizer, when given).
 
         Raises:
-            ModelPathError: naming the model type and the supported ones.
+            ModelPathError: naming what the model lacks.
         """
         if self.model_type not in LAB_MODEL_TYPES:
             raise ModelPathError(
                 f"{self.name} is a {self.model_type!r} model; the lab's reference forward runs "
                 f"{', '.join(LAB_MODEL_TYPES)} only")
+        if tok is not None and not {"<|im_start|>", "<|im_end|>"} <= set(tok.get_vocab()):
+            raise ModelPathError(
+                f"{self.name}'s tokenizer has no ChatML tokens (<|im_start|>, <|im_end|>); the "
+                "lab workloads are written in ChatML")
 
     def require_embedded(self, why: str) -> None:
         """Refuse any model but the embedded one (``why``: what ties the benchmark to it).
@@ -147,6 +153,22 @@ class BenchModel:
         """
         if not self.is_embedded:
             raise ModelPathError(f"{self.name}: {why}; run it with --model-path {EMBEDDED}")
+
+
+def model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                    lab: bool = False, embedded_only: str | None = None) -> BenchModel:
+    """``args.model_path`` resolved; a bad value, or a model this benchmark cannot run (``lab``:
+    the labs' checks; ``embedded_only``: why only the embedded model fits), ends the program
+    through ``parser.error`` with the reason."""
+    try:
+        model = BenchModel.resolve(args.model_path)
+        if embedded_only:
+            model.require_embedded(embedded_only)
+        if lab:
+            model.require_lab_support(model.tokenizer())
+    except ModelPathError as e:
+        parser.error(f"--model-path: {e}")
+    return model
 
 
 def chat_markers(tok) -> TemplateMarkers:

@@ -14,9 +14,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, ModelPathError, add_model_arg  # noqa: E402
+from benchmark.model_arg import (  # noqa: E402
+    BenchModel,
+    ModelPathError,
+    add_model_arg,
+    model_from_args,
+)
 
 TAKE_MODEL_PATH = [
+    "benchmark/lab/kvcmas_lab.py",
+    "benchmark/lab/kvcmas_selector_study.py",
+    "benchmark/lab/owner_mass_study.py",
+    "benchmark/lab/precache_drift_study.py",
+    "benchmark/lab/precache_lab.py",
     "benchmark/serving/behaviour_check.py",
     "benchmark/serving/consistency_frontier.py",
     "benchmark/serving/head_to_head.py",
@@ -73,6 +83,21 @@ def test_a_qwen2_folder_gives_its_own_bytes_name_and_suffix(tmp_path):
 def test_a_bad_model_path_says_what_is_wrong(tmp_path):
     with pytest.raises(ModelPathError, match="does not exist"):
         BenchModel.resolve(str(tmp_path / "nothing"))
+
+
+def test_a_model_a_benchmark_cannot_run_ends_it_with_the_reason(tmp_path, capsys):
+    folder = tiny_qwen2(tmp_path / "tiny")
+    p = argparse.ArgumentParser(prog="bench")
+    add_model_arg(p)
+    args = p.parse_args(["--model-path", str(folder)])
+    assert model_from_args(p, args).name == "tiny"
+    with pytest.raises(SystemExit) as e:
+        model_from_args(p, args, embedded_only="the adapters are the embedded model's")
+    assert e.value.code == 2
+    assert "the adapters are the embedded model's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        model_from_args(p, p.parse_args(["--model-path", str(tmp_path / "nothing")]))
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_embedded_template_markers_are_the_chatml_ids_head_to_head_used():

@@ -40,6 +40,7 @@ __all__ = [
     "fidelity_bundle",
     "format_table",
     "git_commit",
+    "load_lab_model",
     "machine_info",
     "make_reference",
     "plot_methods",
@@ -75,18 +76,34 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def load_lab_model(model, dtype: torch.dtype = torch.float32) -> tuple[Any, RefLlama]:
+    """The tokenizer and reference forward of ``model`` (a ``benchmark.model_arg.BenchModel``).
+
+    Raises:
+        ModelPathError: a model the labs do not run (``BenchModel.require_lab_support``).
+    """
+    from transformers import AutoTokenizer
+
+    model.require_lab_support()
+    tok = AutoTokenizer.from_pretrained(str(model.folder))
+    model.require_lab_support(tok)
+    return tok, RefLlama.from_pretrained(model.folder, dtype)
+
+
 class JsonlWriter:
     """Appends one JSON record per line: ``{config, commit, machine, metrics, unix_time}``."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, model: str | None = None):
+        """``model``: the model's name, written in every record when given."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._commit = git_commit()
         self._machine = machine_info()
+        self._model = {} if model is None else {"model": model}
 
     def write(self, config: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
-        record = {"config": config, "commit": self._commit, "machine": self._machine,
-                  "metrics": metrics, "unix_time": time.time()}
+        record = {**self._model, "config": config, "commit": self._commit,
+                  "machine": self._machine, "metrics": metrics, "unix_time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=_json_default) + "\n")
         return record

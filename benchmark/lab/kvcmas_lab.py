@@ -16,6 +16,10 @@ tokens, TTFT, recomputed tokens and bytes held (bases + leaves + correction stat
 
     python benchmark/lab/kvcmas_lab.py --quick          # debate 3 x 3, 128-token answers; HEADLINE
     python benchmark/lab/kvcmas_lab.py --workload both --instances 3 --rounds 3 --agents 4
+
+``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): every
+method runs on that model; records name it, and the result files get ``_<model>`` for a model
+other than the embedded one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
 
 from common import (  # noqa: E402
     JsonlWriter,
@@ -39,6 +44,7 @@ from common import (  # noqa: E402
     TurnMetrics,
     fidelity_bundle,
     format_table,
+    load_lab_model,
     plot_methods,
     summarize,
 )
@@ -47,7 +53,7 @@ from kvcmas_workloads import END, SUFFIX, Workload, debate, reviewer_chain  # no
 from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
 from sglang_kvcmas_lab.correction.fidelity import kv_relative_error  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 
 CHOICE = {"estimator": "sparse", "rho": 0.25, "score": "attn", "num_first": 4}
 
@@ -374,7 +380,9 @@ def main(argv=None) -> int:
                     help="1 is faster than 2 on a shared 2-core machine")
     ap.add_argument("--out",
                     default=str(Path(__file__).resolve().parent / "results" / "kvcmas_lab"))
+    add_model_arg(ap)
     args = ap.parse_args(argv)
+    bench_model = model_from_args(ap, args, lab=True)
     if args.quick:
         # The serving benchmark's debate (3 agents x 3 rounds, 128-token answers), one measured
         # instance after one history instance for the stateful methods.
@@ -390,9 +398,10 @@ def main(argv=None) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / f"kvcmas_lab{'_quick' if args.quick else ''}.jsonl"
+    stem = bench_model.named(Path(f"kvcmas_lab{'_quick' if args.quick else ''}")).name
+    jsonl = out_dir / f"{stem}.jsonl"
     jsonl.unlink(missing_ok=True)
-    writer = JsonlWriter(jsonl)
+    writer = JsonlWriter(jsonl, model=bench_model.name)
     if args.methods is None:
         args.methods = ";".join(QUICK_METHODS) if args.quick else "all"
     specs = list(METHODS) if args.methods == "all" else args.methods.split(";")
@@ -402,12 +411,8 @@ def main(argv=None) -> int:
     methods = [parse_method(sp) for sp in specs]
     labels = [m[0] for m in methods]
 
-    from transformers import AutoTokenizer
-
-    folder = resolve_model_path()
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = RefLlama.from_pretrained(folder, torch.float32)
-    log(f"model {folder.name if hasattr(folder, 'name') else folder}: {model.spec}")
+    tok, model = load_lab_model(bench_model, torch.float32)
+    log(f"model {bench_model.name} ({bench_model.folder.name}): {model.spec}")
 
     workloads = []  # (workload, measured?)
     first = args.first_instance
@@ -464,10 +469,12 @@ def main(argv=None) -> int:
         print(f"\n[{wname}] non-owner turns:\n" + format_table(s, COLUMNS, order=labels))
     print_breakdowns(records, labels)
     print_turn_recovery(records, labels)
-    plot_methods(nonowner, out_dir / f"kvcmas_lab{'_quick' if args.quick else ''}.png",
+    plot_methods(nonowner, out_dir / f"{stem}.png",
                  panels=[("ttft_speedup", "kl_recovered", "fidelity vs speed (non-owner turns)"),
                          ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
-                 title="KVCMAS lab: SmolLM2-135M fp32, CPU")
+                 title=f"KVCMAS lab: "
+                       f"{'SmolLM2-135M' if bench_model.is_embedded else bench_model.name} "
+                       "fp32, CPU")
     main_wl = "debate" if args.workload in ("debate", "both") else "chain"
     s = summarize(records, where=lambda r: not r["is_owner_turn"] and r["workload"] == main_wl)
     add_derived(s)

@@ -13,6 +13,9 @@ turn's correction is measured (no chain). Per turn it prints:
     python benchmark/lab/kvcmas_selector_study.py --answer-tokens 40 --rounds 2
     python benchmark/lab/kvcmas_selector_study.py --answer-tokens 128 --rounds 2
     python benchmark/lab/kvcmas_selector_study.py --workload chain --answer-tokens 40
+
+``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): the model
+studied; the output's first line names it.
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
 
-from common import teacher_forced_logits  # noqa: E402
+from common import load_lab_model, teacher_forced_logits  # noqa: E402
 from kvcmas_lab import make_transcript  # noqa: E402
 from kvcmas_workloads import debate, reviewer_chain  # noqa: E402
 
 from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 
 METHODS = {
     "cacheblend_15": ("cacheblend", {"rho": 0.15}),
@@ -86,13 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--answer-tokens", type=int, default=128)
+    add_model_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from transformers import AutoTokenizer
-
-    folder = resolve_model_path()
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = RefLlama.from_pretrained(folder, torch.float32)
+    bench_model = model_from_args(ap, args, lab=True)
+    tok, model = load_lab_model(bench_model, torch.float32)
     wl = (debate(args.instance, args.agents, args.rounds) if args.workload == "debate"
           else reviewer_chain(args.instance, args.essay_chars))
     tr = make_transcript(model, tok, wl, args.answer_tokens, 32, lambda m: None)
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
 
     shape = (f"{args.agents} agents x {args.rounds} rounds" if args.workload == "debate"
              else f"writer -> 2 reviewers -> editor, essay {args.essay_chars} chars")
-    print(f"{wl.name} #{args.instance}: {shape}, {args.answer_tokens}-token answers "
+    print(f"model {bench_model.name}: {wl.name} #{args.instance}: {shape}, "
+          f"{args.answer_tokens}-token answers "
           "(isolated turns: exact prefix, exact owner bases)")
     for ti, turn in enumerate(tr.turns):
         req = isolated_request(tr, ti, bases)

@@ -14,7 +14,11 @@ Selectors, each at several budgets (share of shared tokens recomputed, boundary 
 1-29), ``mass_l0`` (layer 0 only), ``mass_sub`` (7 probe layers), ``random`` (boundary + random), ``oracle`` (boundary + top true deviation energy: the
 ceiling of any selector).
 
-    python benchmark/lab/owner_mass_study.py [--cases 6]
+    python benchmark/lab/owner_mass_study.py [--cases 6] [--model-path NAME]
+
+``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): the model
+studied (``mass_sub`` probes the layers of ``PROBE_LAYERS`` it has); records and the summary
+name it, and the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -34,10 +38,16 @@ sys.path.insert(0, str(ROOT))
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
 
-from benchmark.lab.common import make_reference, teacher_forced_logits  # noqa: E402
+from benchmark.lab.common import (  # noqa: E402
+    load_lab_model,
+    make_reference,
+    teacher_forced_logits,
+)
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "owner_mass_study"
 PROBE_LAYERS = (2, 6, 10, 14, 18, 22, 26)
 """A cheap subset (7 of 30 layers) a serving pass can afford to probe."""
 
@@ -99,16 +109,17 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--budgets", default="0.05,0.1,0.2")
     ap.add_argument("--boundary", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=RESULTS / "owner_mass_study")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="results stem (default: results/owner_mass_study[_<model>])")
+    add_model_arg(ap)
     args = ap.parse_args()
+    bench_model = model_from_args(ap, args, lab=True)
+    args.out = bench_model.out_or_named(args.out, DEFAULT_OUT)
     torch.manual_seed(0)
     from sglang_kvcmas.datasets import gsm8k
-    from sglang_kvcmas.models.resolve import resolve_model_path
-    from transformers import AutoTokenizer
 
-    path = resolve_model_path(None)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = RefLlama.from_pretrained(path)
+    tok, model = load_lab_model(bench_model)
+    probe_layers = [layer for layer in PROBE_LAYERS if layer < model.spec.num_layers]
     items = gsm8k()
     names = list(DEBATERS)
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -137,7 +148,7 @@ def main() -> int:
                   for layer in range(1, model.spec.num_layers))
         m_shared = mass[:, h_o:h_o + n_shared]
         scores = {"mass": m_shared[1:].mean(0), "mass_l0": m_shared[0],
-                  "mass_sub": m_shared[list(PROBE_LAYERS)].mean(0),
+                  "mass_sub": m_shared[probe_layers].mean(0),
                   "random": torch.rand(n_shared), "oracle": dev}
         k = min(args.boundary, n_shared)
         bnd = torch.arange(k)
@@ -150,7 +161,7 @@ def main() -> int:
             return tf.mean_kl
 
         naive = run(torch.empty(0, dtype=torch.long))
-        rec = {"case": case, "shared": n_shared, "naive_kl": naive, "boundary_kl": run(bnd)}
+        rec = {"model": bench_model.name, "case": case, "shared": n_shared, "naive_kl": naive, "boundary_kl": run(bnd)}
         for name, sc in scores.items():
             sc = sc.clone()
             sc[bnd] = float("inf")
@@ -172,7 +183,8 @@ def main() -> int:
         en = (statistics.fmean(r[key + "_energy"] for r in rows) if key + "_energy" in rows[0]
               else float("nan"))
         lines.append(f"{key:<18}{kl:>10.2e}{1 - kl / naive:>14.3f}{en:>12.3f}")
-    lines.append(f"{len(rows)} cases, {time.perf_counter() - t0:.0f} s; command: python "
+    lines.append(f"model {bench_model.name}; {len(rows)} cases, "
+                 f"{time.perf_counter() - t0:.0f} s; command: python "
                  "benchmark/lab/owner_mass_study.py " + " ".join(sys.argv[1:]))
     text = "\n".join(lines)
     print(text)

@@ -7,6 +7,9 @@ the whole transcript at once (views are causal, so the view of a point is a pref
 ``rebase_mean`` come from the lab's own methods for the KL-recovered scale.
 
     python benchmark/lab/precache_drift_study.py --config attn_mlp --questions 1 --max-message 64
+
+``--model-path``: as in ``precache_lab.py`` (the role adapters are the embedded model's: any
+other model is refused). Records name the model.
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
 
 from common import JsonlWriter, make_reference  # noqa: E402
-from precache_lab import build_transcript, cached_transcript, encode, fidelity, load  # noqa: E402
+from precache_lab import (  # noqa: E402
+    ADAPTERS_ARE_EMBEDDED,
+    build_transcript,
+    cached_transcript,
+    encode,
+    fidelity,
+    load,
+)
 
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from sglang_kvcmas.adapters import ROLES  # noqa: E402
 from sglang_kvcmas.adapters.role_data import TURN_OPENER  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
@@ -97,12 +109,14 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=None, help="att,mlp pairs; default all")
     ap.add_argument("--out",
                     default=str(Path(__file__).resolve().parent / "results" / "precache_drift_study"))
+    add_model_arg(ap)
     args = ap.parse_args()
+    model = model_from_args(ap, args, embedded_only=ADAPTERS_ARE_EMBEDDED)
     torch.set_num_threads(1)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = JsonlWriter(out_dir / f"precache_drift_study_{args.config}.jsonl")
-    lora, tok = load(args.config)
+    writer = JsonlWriter(out_dir / f"precache_drift_study_{args.config}.jsonl", model=model.name)
+    lora, tok = load(args.config, model)
     items = gsm8k()[args.first_question: args.first_question + args.questions]
     segs = cached_transcript(out_dir, args, lambda: build_transcript(
         lora, tok, [it.question for it in items], args.max_message, args.max_tokens))

@@ -27,6 +27,10 @@ each agent's own pass, per segment or merged ``m``; its background work is N age
     python benchmark/lab/precache_lab.py --quick        # 1 question; prints HEADLINE
     python benchmark/lab/precache_lab.py --questions 3 --max-message 64 --config attn_mlp
     python benchmark/lab/precache_lab.py --questions 3 --fidelity-only --methods naive ...
+
+``--model-path`` (``benchmark/model_arg.py``) is taken for a uniform command line, but the role
+adapters (``sglang_kvcmas/adapters``) are trained for the embedded model: any other model is
+refused with that message. Records name the model.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
 
 from common import (  # noqa: E402
     JsonlWriter,
@@ -66,7 +71,7 @@ from sglang_kvcmas_lab.correction.lora_weights import AdapterSet  # noqa: E402
 from sglang_kvcmas_lab.correction.precache_base import Segment, create_lora_method  # noqa: E402
 from sglang_kvcmas.datasets import gsm8k  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from sglang_kvcmas.models.resolve import resolve_model_path  # noqa: E402
+from benchmark.model_arg import BenchModel, add_model_arg, model_from_args  # noqa: E402
 
 # label -> (registry name, kwargs); table order.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -105,6 +110,8 @@ QUICK_METHODS = ("no_sharing", "sglang", "sglang_alongside", "naive", "first_age
                  "rebase_mean_alongside", "rebase_mean_fixup15", "rebase_mean_delta4",
                  "rebase_mean_delta4c256", "rebase_mean_delta6m")
 REFERENCE, NAIVE = "no_sharing", "naive"
+ADAPTERS_ARE_EMBEDDED = ("the PReCache role adapters (sglang_kvcmas/adapters) are trained for the "
+                         "embedded model only")
 NON_SHARING = ("no_sharing", "sglang", "sglang_alongside")
 
 
@@ -113,10 +120,17 @@ def log(msg: str) -> None:
 
 
 # ---- setup ---------------------------------------------------------------------------------
-def load(config: str) -> tuple[LoraForward, object]:
+def load(config: str, model: BenchModel | None = None) -> tuple[LoraForward, object]:
+    """The embedded model with the role adapters of ``config``, and its tokenizer.
+
+    Raises:
+        ModelPathError: ``model`` is not the embedded model (the adapters are its own).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = resolve_model_path()
+    model = model or BenchModel.resolve()
+    model.require_embedded(ADAPTERS_ARE_EMBEDDED)
+    folder = model.folder
     tok = AutoTokenizer.from_pretrained(str(folder))
     ref = RefLlama(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32))
     adapters = AdapterSet.from_peft_dirs({r: role_adapter_dir(config, r) for r in ROLES},
@@ -252,7 +266,9 @@ def main() -> None:
     # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "precache_lab"))
+    add_model_arg(ap)
     args = ap.parse_args()
+    model = model_from_args(ap, args, embedded_only=ADAPTERS_ARE_EMBEDDED)
     if args.quick:  # one question, and the variants that only answer design questions dropped
         args.questions, args.max_message = 1, min(args.max_message, 64)
         args.methods = [m for m in args.methods if m in QUICK_METHODS]
@@ -265,10 +281,10 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{args.config}{'_quick' if args.quick else ''}"
-    writer = JsonlWriter(out_dir / f"precache_lab_{tag}.jsonl")
+    writer = JsonlWriter(out_dir / f"precache_lab_{tag}.jsonl", model=model.name)
     config = {k: v for k, v in vars(args).items() if k != "out"}
 
-    lora, tok = load(args.config)
+    lora, tok = load(args.config, model)
     items = gsm8k()[args.first_question : args.first_question + args.questions]
     segs = cached_transcript(out_dir, args, lambda: build_transcript(
         lora, tok, [it.question for it in items], args.max_message, args.max_tokens))

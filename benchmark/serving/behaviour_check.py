@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.reuse_records import normalized, of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
@@ -129,7 +129,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare)
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg, chat_markers  # noqa: E402
+from benchmark.model_arg import add_model_arg, chat_markers, model_from_args  # noqa: E402
 from benchmark.serving.head_to_head import (  # noqa: E402
     KV_BYTES_PER_TOKEN,
     KvSampler,
@@ -280,7 +280,7 @@ def main() -> int:
                          "debates are pooled); starts no server")
     add_model_arg(ap)
     args = ap.parse_args()
-    args.model = BenchModel.resolve(args.model_path)
+    args.model = model_from_args(ap, args)
     args.out = args.model.out_or_named(args.out, DEFAULT_OUT)
     if args.from_turns is None:
         args.turns = args.turns or Path(tempfile.mkdtemp(prefix="consistency_frontier_"))

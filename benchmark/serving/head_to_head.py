@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg, chat_markers  # noqa: E402
+from benchmark.model_arg import add_model_arg, chat_markers, model_from_args  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
 from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
@@ -399,7 +399,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     pool_args = model.server_args + ([] if args.max_total_tokens is None
                                      else ["--max-total-tokens", str(args.max_total_tokens)])

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.head_to_head import pct, post  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> int:
                     help="results stem (default: results/recompute_fidelity[_<model>])")
     add_model_arg(ap)
     args = ap.parse_args()
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     configs = [parse_config(c) for c in args.configs.split(",")]
 

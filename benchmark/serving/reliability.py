@@ -50,7 +50,7 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="results folder (default: results/reliability[_<model>])")
     add_model_arg(ap)
     args = ap.parse_args(argv)
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     names = tuple(n for n in args.categories.split(",") if n)
     unknown = set(names) - set(CATEGORIES)

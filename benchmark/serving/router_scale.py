@@ -70,7 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.head_to_head import build_workflows  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ARMS, COMMON_FLAGS, ArmServer  # noqa: E402
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.debates, args.chains, args.max_new_tokens, args.kill_debates = 4, 2, 48, 4
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     name = model.named(Path("router_scale" + ("_quick" if args.quick else "")
                             + ("_pinned" if args.pin_cores else ""))).name
     logs = args.out or Path("/tmp") / name

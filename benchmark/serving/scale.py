@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving import host_path  # noqa: E402
 from benchmark.serving.head_to_head import KvSampler  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON path (default: results/scale[_quick][_<model>].json)")
     add_model_arg(ap)
     args = ap.parse_args(argv)
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     out = args.out or model.named(RESULTS / ("scale_quick.json" if args.quick else "scale.json"))
     logs = model.named(RESULTS / "scale")
     logs.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.reliability import Prompts, call, kvcmas_state, raw_stream  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="results folder (default: results/soak[_<model>])")
     add_model_arg(ap)
     args = ap.parse_args(argv)
-    model = BenchModel.resolve(args.model_path)
+    model = model_from_args(ap, args)
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = Prompts(model.folder)

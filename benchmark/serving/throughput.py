@@ -35,7 +35,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.model_arg import BenchModel, add_model_arg  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from sglang_kvcmas.server.process import ServerProcess  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.jsonl"
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="after '--': extra flags for sglang-kvcmas-server")
     args = p.parse_args(argv)
     args.server_args = [a for a in args.server_args if a != "--"]
-    args.model = BenchModel.resolve(args.model_path)
+    args.model = model_from_args(p, args)
     args.out = args.model.out_or_named(args.out, DEFAULT_OUT)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
