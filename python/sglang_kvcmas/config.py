@@ -184,6 +184,14 @@ class ServingConfig:
     cache_agent_outputs: bool = _knob(
         False, "Keep an agent request's generated tokens in the tree cache after it finishes "
         "(off: only its prompt; outputs re-enter through the shared transcript).", kind=bool)
+    budget_tokens: int | None = _knob(
+        None, "Every workflow's budget in computed tokens (prefill + decode over the whole "
+        "run) unless a request gives its own (kvcmas_budget_tokens); responses report the "
+        "spend and forecast against it (unset: no budget).", kind=int, low=1, optional=True)
+    budget_enforce: bool = _knob(
+        False, "Refuse a workflow's further turns (400) once its budget is spent or even the "
+        "low end of its spend forecast is past it (a request may set kvcmas_budget_enforce).",
+        kind=bool)
     recompute_boundary: int = _knob(
         16, "A reader recomputes the first N tokens of every span it borrows, in its own "
         "context and in the same forward pass (0: naive reuse).", kind=int, low=0,

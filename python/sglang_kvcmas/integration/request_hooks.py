@@ -8,7 +8,8 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   workflow is an error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of
   prompts whose body names none (the router forwards that header and drops ours and the body's
   ``custom_params``); every finished request of a workflow is added to the per-workflow ledger
-  (``workflow_accounting.py``); every prompt's ``custom_params`` is parsed strictly
+  (``workflow_accounting.py``), which also refuses a turn of a workflow past an enforced budget;
+  every prompt's ``custom_params`` is parsed strictly
   (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
   (an error event on a stream that has not started). While an OpenAI stream is being served it
   also collects the reuse records for the stream's usage chunk (``usage_stream.py``).
@@ -77,6 +78,7 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     """AROUND hook for ``TokenizerManager.generate_request`` (an async generator function):
     raises before the generator exists, so SGLang's callers answer 400."""
     label_and_check(obj, getattr(request, "headers", None))
+    workflow_accounting.admit(obj)  # budgets: recorded, and enforced (a 400)
     outputs = original(manager, obj, request, *args, **kwargs)
     return usage_stream.collecting(workflow_accounting.observing(outputs))
 

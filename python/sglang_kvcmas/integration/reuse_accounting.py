@@ -33,6 +33,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 META_KEY = "kvcmas_reuse"
+BUDGET_KEY = "budget"
+"""A record's entry with its workflow's budget fields (``kvcmas_budget_*``), added in the HTTP
+process when the workflow has a budget (``workflow_accounting.observe``)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ def usage_fields(records: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {f"kvcmas_{name}": sum(r.get(name, 0) for r in records)
                            for name in COUNTED}
     out["kvcmas_workflow"] = records[0].get("workflow") if records else None
+    budget = records[-1].get(BUDGET_KEY) if records else None
+    if isinstance(budget, dict):
+        out.update(budget)
     return out
 
 

@@ -15,6 +15,15 @@ the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.W
   ``METRIC_WORKFLOWS`` workflow label values per server process: later workflows are counted
   under ``workflow="_other"``, so the series count stays bounded.
 
+Each finished turn also updates the workflow's spend forecast (``policy/spend_forecast.py``,
+its artifact loaded once; missing or bad: a log line and no forecasts), shown in the route as
+``forecast: {total, low, high, at_turn, spent, prompt}``. A workflow with a budget (request field
+``kvcmas_budget_tokens``, else the ``--kvcmas-budget-tokens`` knob) has every response's usage
+report its spend and forecast against it (the finished request's reuse record gets a ``budget``
+entry, which ``reuse_accounting.usage_fields`` turns into ``prompt_tokens_details.
+kvcmas_budget_*``), and under enforcement :func:`admit` refuses its further turns with a 400
+naming the workflow, its spend and forecast (``policy/spend_budget.py``).
+
 Requests without a workflow are not in the ledger (SGLang's own metrics count them). Accounting
 never fails a response: an error here is logged and the output passes on unchanged.
 """
@@ -26,7 +35,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sglang_kvcmas.integration.reuse_accounting import META_KEY
+from sglang_kvcmas.integration.reuse_accounting import BUDGET_KEY, META_KEY
+from sglang_kvcmas.policy import spend_forecast
+from sglang_kvcmas.policy.request_options import RequestOptions
+from sglang_kvcmas.policy.spend_budget import Budget
 from sglang_kvcmas.policy.workflow_ledger import Turn, WorkflowLedger
 
 logger = logging.getLogger(__name__)
@@ -38,9 +50,63 @@ KIND_FIELDS = {"prompt": "prompt_tokens", "exact": "reused_exact",
                "corrected": "reused_corrected", "repositioned": "reused_repositioned",
                "recomputed": "recomputed", "completion": "completion_tokens"}
 
-LEDGER = WorkflowLedger()
+
+
+def load_forecaster(path: Any = None) -> spend_forecast.SpendForecaster | None:
+    """The spend forecaster from its artifact, or None (logged) when it is missing or bad."""
+    try:
+        return spend_forecast.load(path)
+    except spend_forecast.ForecastArtifactError as e:
+        logger.warning("sglang-kvcmas: no workflow spend forecasts: %s", e)
+        return None
+
+
+LEDGER = WorkflowLedger(forecaster=load_forecaster())
 _labelled: set[str] = set()
 _COUNTER: Any = None
+_DEFAULT_BUDGET: list[Budget | None] = []
+
+
+def default_budget() -> Budget | None:
+    """The server's budget for workflows that give none (``--kvcmas-budget-tokens``, read from
+    the environment once), or None."""
+    if not _DEFAULT_BUDGET:
+        from sglang_kvcmas.config import ServingConfig
+
+        cfg = ServingConfig.from_env()
+        _DEFAULT_BUDGET.append(Budget(cfg.budget_tokens, cfg.budget_enforce)
+                               if cfg.budget_tokens is not None else None)
+    return _DEFAULT_BUDGET[0]
+
+
+def admit(obj: Any, now: float | None = None) -> None:
+    """Before a request is served: record the budgets its prompts give their workflows, then
+    refuse it when a workflow it names is past an enforced budget.
+
+    Raises:
+        BudgetExceeded: (a ``ValueError``: SGLang answers 400) naming the workflow, its spend
+            and forecast.
+    """
+    params = getattr(obj, "sampling_params", None)
+    for p in params if isinstance(params, list) else [params]:
+        if not isinstance(p, dict):
+            continue
+        opts = RequestOptions.lenient(p.get("custom_params"))
+        if opts is None or opts.workflow is None:
+            continue
+        default = default_budget()
+        if opts.budget_tokens is not None or opts.budget_enforce is not None:
+            held = LEDGER.get(opts.workflow)
+            base = (held.budget if held is not None else None) or default
+            tokens = opts.budget_tokens or (base.tokens if base else None)
+            if tokens is not None:
+                enforce = opts.budget_enforce if opts.budget_enforce is not None else \
+                    bool(base and base.enforce)
+                LEDGER.set_budget(opts.workflow, Budget(tokens, enforce),
+                                  time.time() if now is None else now)
+        status = LEDGER.budget_status(opts.workflow, default)
+        if status is not None and status.refuses:
+            raise status.refusal(opts.workflow)
 
 
 def _counter() -> Any:
@@ -84,6 +150,9 @@ def observe(out: Any, now: float | None = None) -> None:
         turn = Turn.of_record(time.time() if now is None else now, rec,
                               meta.get("completion_tokens", 0))
         LEDGER.add(rec["workflow"], turn)
+        status = LEDGER.budget_status(rec["workflow"], default_budget())
+        if status is not None:
+            rec[BUDGET_KEY] = status.usage_fields()
         counter = _counter()
         if counter is not None:
             label = metric_label(rec["workflow"])

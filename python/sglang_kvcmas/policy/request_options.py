@@ -12,6 +12,11 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
 ``kvcmas_workflow``: str                the workflow the request belongs to (also the HTTP
                                         header ``X-KVCMAS-Workflow``, or else the router's
                                         ``X-SMG-Routing-Key``); reported with its usage
+``kvcmas_budget_tokens``: int >= 1      the workflow's budget in computed tokens (prefill +
+                                        decode, the whole run; needs a workflow; the latest
+                                        given wins): see ``policy/spend_budget.py``
+``kvcmas_budget_enforce``: bool         refuse the workflow's further turns once its budget
+                                        is spent or forecast to be (needs a workflow)
 ``kvcmas_<knob>``                       a per-request knob of ``config.ServingConfig``
                                         (``kvcmas_recompute_boundary``, ...)
 ======================================  ==========================================================
@@ -35,6 +40,8 @@ HEAD_LEN_FIELD = "kvcmas_head_len"
 SHARED_END_FIELD = "kvcmas_shared_end"
 EXACT_FIELD = "kvcmas_exact"
 WORKFLOW_FIELD = "kvcmas_workflow"
+BUDGET_TOKENS_FIELD = "kvcmas_budget_tokens"
+BUDGET_ENFORCE_FIELD = "kvcmas_budget_enforce"
 WORKFLOW_HEADER = "x-kvcmas-workflow"
 """HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
 server); same meaning as ``custom_params.kvcmas_workflow``."""
@@ -44,7 +51,8 @@ request without ``X-KVCMAS-Workflow`` or ``kvcmas_workflow`` takes it as its wor
 MAX_NAME_CHARS = 128
 """Longest agent or workflow name: names are echoed in usage and logs."""
 
-_OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD)
+_OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD,
+               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD)
 
 
 class RequestOptionError(ValueError):
@@ -61,6 +69,8 @@ class RequestOptions:
         shared_end: explicit end of the shared transcript, or None (the prompt's end).
         exact: read no other agent's KV.
         workflow: workflow name, or None.
+        budget_tokens: the workflow's budget (computed tokens), or None (not given).
+        budget_enforce: whether to enforce it, or None (not given).
         knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
     """
 
@@ -69,6 +79,8 @@ class RequestOptions:
     shared_end: int | None = None
     exact: bool = False
     workflow: str | None = None
+    budget_tokens: int | None = None
+    budget_enforce: bool | None = None
     knobs: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
@@ -94,6 +106,8 @@ class RequestOptions:
             shared_end = _field(ours, SHARED_END_FIELD, int, low=1)
             exact = bool(_field(ours, EXACT_FIELD, bool))
             agent, workflow = _name(ours, AGENT_FIELD), _name(ours, WORKFLOW_FIELD)
+            budget_tokens = _field(ours, BUDGET_TOKENS_FIELD, int, low=1)
+            budget_enforce = _field(ours, BUDGET_ENFORCE_FIELD, bool)
             knobs = tuple((k.name, k.parse(ours[f], f"custom_params.{f}"))
                           for f, k in BY_REQUEST_FIELD.items() if f in ours)
         except ConfigError as e:
@@ -108,8 +122,14 @@ class RequestOptions:
         if agent is not None and head_len is None:
             raise RequestOptionError(f"custom_params.{AGENT_FIELD} needs "
                                      f"custom_params.{HEAD_LEN_FIELD}")
+        if workflow is None and (budget_tokens is not None or budget_enforce is not None):
+            name = BUDGET_TOKENS_FIELD if budget_tokens is not None else BUDGET_ENFORCE_FIELD
+            raise RequestOptionError(f"custom_params.{name} needs a workflow "
+                                     f"(custom_params.{WORKFLOW_FIELD} or the "
+                                     f"{WORKFLOW_HEADER} header)")
         return cls(agent=agent, head_len=head_len, shared_end=shared_end, exact=exact,
-                   workflow=workflow, knobs=knobs)
+                   workflow=workflow, budget_tokens=budget_tokens,
+                   budget_enforce=budget_enforce, knobs=knobs)
 
     @classmethod
     def lenient(cls, custom_params: Any) -> RequestOptions | None:

@@ -9,14 +9,25 @@ one :class:`Turn` (its reuse record and completion tokens) to the workflow's
 
 Token kinds (the reuse record's): ``reused_exact`` + ``reused_corrected`` +
 ``reused_repositioned`` + ``recomputed`` = ``prompt_tokens``; ``computed`` = ``recomputed``
-(prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for. Pure Python.
+(prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for.
+
+With a forecaster (``policy/spend_forecast.py``), each finished turn also updates the workflow's
+forecast of its total spend (:attr:`WorkflowTotals.forecast`); a forecaster that fails is logged
+and the workflow goes without a forecast. A workflow may carry a budget (``policy/spend_budget``:
+:meth:`WorkflowLedger.set_budget`, :meth:`WorkflowLedger.budget_status`). Pure Python.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from sglang_kvcmas.policy.spend_budget import Budget, BudgetStatus
+from sglang_kvcmas.policy.spend_forecast import SpendForecast, SpendForecaster, TrajectoryState
+
+logger = logging.getLogger(__name__)
 
 COUNTS = ("prompt_tokens", "reused_exact", "reused_corrected", "reused_repositioned",
           "recomputed", "completion_tokens")
@@ -69,12 +80,17 @@ class WorkflowTotals:
     completion_tokens: int = 0
     agents: set[str] = field(default_factory=set)
     turns: deque[Turn] = field(default_factory=deque)
+    state: TrajectoryState = field(default_factory=TrajectoryState)
+    forecast: SpendForecast | None = None
+    budget: Budget | None = None
 
     @property
     def computed(self) -> int:
         return self.recomputed + self.completion_tokens
 
     def add(self, turn: Turn, max_turns: int) -> None:
+        self.state = self.state.add(turn.prompt_tokens, turn.recomputed, turn.completion_tokens,
+                                    turn.agent is not None and turn.agent not in self.agents)
         self.requests += 1
         self.last_t = max(self.last_t, turn.t)
         for k in COUNTS:
@@ -93,6 +109,9 @@ class WorkflowTotals:
         reused = self.reused_exact + self.reused_corrected + self.reused_repositioned
         out["reused_fraction"] = reused / self.prompt_tokens if self.prompt_tokens else 0.0
         if with_turns:
+            out["forecast"] = self.forecast.to_json() if self.forecast else None
+            out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}
+                             if self.budget else None)
             out["turns"] = [asdict(t) for t in self.turns]
         return out
 
@@ -103,12 +122,16 @@ class WorkflowLedger:
     Args:
         max_workflows: workflows held; the least recently active is dropped past it.
         max_turns: turns kept per workflow as its trajectory.
+        forecaster: updates each workflow's spend forecast per finished turn (None: no
+            forecasts).
     """
 
-    def __init__(self, max_workflows: int = 1024, max_turns: int = 256) -> None:
+    def __init__(self, max_workflows: int = 1024, max_turns: int = 256,
+                 forecaster: SpendForecaster | None = None) -> None:
         if max_workflows < 1 or max_turns < 1:
             raise ValueError("max_workflows and max_turns must be >= 1")
         self.max_workflows, self.max_turns = max_workflows, max_turns
+        self.forecaster = forecaster
         self._flows: OrderedDict[str, WorkflowTotals] = OrderedDict()
         self.dropped = 0
 
@@ -116,16 +139,42 @@ class WorkflowLedger:
         return len(self._flows)
 
     def add(self, workflow: str, turn: Turn) -> WorkflowTotals:
+        totals = self._held(workflow, turn.t)
+        totals.add(turn, self.max_turns)
+        if self.forecaster is not None:
+            try:
+                totals.forecast = self.forecaster.forecast(totals.state)
+            except Exception:  # a forecast is advisory: never fail the accounting
+                logger.exception("sglang-kvcmas: spend forecast failed for workflow %r",
+                                 workflow)
+                totals.forecast = None
+        return totals
+
+    def _held(self, workflow: str, t: float) -> WorkflowTotals:
+        """The workflow's totals, created (and the oldest dropped past the limit) if new."""
         totals = self._flows.get(workflow)
         if totals is None:
-            totals = self._flows[workflow] = WorkflowTotals(workflow, turn.t, turn.t)
+            totals = self._flows[workflow] = WorkflowTotals(workflow, t, t)
             while len(self._flows) > self.max_workflows:
                 self._flows.popitem(last=False)
                 self.dropped += 1
         else:
             self._flows.move_to_end(workflow)
-        totals.add(turn, self.max_turns)
         return totals
+
+    def set_budget(self, workflow: str, budget: Budget, t: float) -> None:
+        """Give ``workflow`` a budget (a request named it; the latest given wins)."""
+        self._held(workflow, t).budget = budget
+
+    def budget_status(self, workflow: str, default: Budget | None = None) -> BudgetStatus | None:
+        """Where ``workflow`` stands against its budget (its own, else ``default``), or None
+        when it has none."""
+        totals = self._flows.get(workflow)
+        budget = (totals.budget if totals is not None else None) or default
+        if budget is None:
+            return None
+        return BudgetStatus(budget, totals.computed if totals else 0,
+                            totals.forecast if totals else None)
 
     def get(self, workflow: str) -> WorkflowTotals | None:
         return self._flows.get(workflow)

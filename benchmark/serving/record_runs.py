@@ -1,0 +1,335 @@
+"""Record multi-agent runs whose length the agents decide, with every turn's token counts.
+
+The spend forecaster (``sglang_kvcmas.policy.spend_forecast``) learns from these. Four kinds of
+workflow, each over one GSM8K question, every agent turn an OpenAI chat completion carrying the
+run's ``X-KVCMAS-Workflow`` header (answers of free length: ``--max-new-tokens``, sampled at
+``--temperature`` so that two runs of one question may differ):
+
+- ``debate``: three debaters answer together, round after round, until their final numbers agree
+  or ``MAX_DEBATE_ROUNDS`` rounds have run;
+- ``review``: a writer drafts, a reviewer answers ``APPROVED`` or lists problems, the writer
+  revises, until the reviewer approves or ``MAX_REVIEW_LOOPS`` loops have run;
+- ``panel``: four experts read each other's answers each round; after each round a moderator
+  says ``CONCLUDE`` or ``CONTINUE`` (at most ``MAX_PANEL_ROUNDS`` rounds);
+- ``fanout``: a planner lists sub-tasks (one per ``- `` line; the workers are as many, 1 to
+  ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes the answer.
+
+After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
+turns in the order they finished) and appends one JSON line to
+``results/record_runs_<variant>.jsonl``: kind, question id, the ledger's totals and turns, and
+the per-turn usage the responses carried (step, agent, prompt / completion tokens and the
+``kvcmas_*`` reuse fields). Rerunning skips the runs already in the file; progress goes to
+stderr; ``--concurrency`` runs go at once. ``--minutes`` stops starting new runs after that long.
+
+    python benchmark/serving/record_runs.py --runs 80 --minutes 25 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas.server.process import free_port  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KINDS = ("debate", "review", "panel", "fanout")
+MAX_DEBATE_ROUNDS = 5
+MAX_REVIEW_LOOPS = 4
+MAX_PANEL_ROUNDS = 4
+MAX_WORKERS = 5
+
+REVIEW_ROLES = {
+    "Writer": "You are the Writer. You write a clear worked solution to a math word problem, "
+    "step by step, and revise it when the Reviewer finds problems. End with a line "
+    "'Final answer: <number>'.",
+    "Reviewer": "You are the Reviewer. You check the Writer's latest solution line by line. If "
+    "it is fully correct, reply with the single word APPROVED. Otherwise list each problem you "
+    "found with the corrected value.",
+}
+PANEL_ROLES = {
+    "Algebraist": "You are the Algebraist on a panel of four experts. You set the problem up "
+    "as equations and solve them.",
+    "Estimator": "You are the Estimator on a panel of four experts. You sanity-check the size "
+    "of every quantity and the final result.",
+    "Teacher": "You are the Teacher on a panel of four experts. You explain the reasoning "
+    "simply and point out steps that others skipped.",
+    "Skeptic": "You are the Skeptic on a panel of four experts. You look for the most likely "
+    "mistake in the other experts' answers.",
+    "Moderator": "You are the Moderator of a panel of four experts. After each round you read "
+    "their answers and decide: reply CONCLUDE if they agree on a well-supported final answer, "
+    "or CONTINUE if they should discuss another round. Give one sentence of reason.",
+}
+FANOUT_ROLES = {
+    "Planner": "You are the Planner. You split a math word problem into the smallest number of "
+    "independent sub-tasks that a team of workers can solve separately, one per line starting "
+    "with '- '. Do not solve them.",
+    "Worker": "You are a Worker. You solve exactly the sub-task you are given, showing the "
+    "arithmetic, and end with 'Result: <number>'.",
+    "Aggregator": "You are the Aggregator. You combine the workers' results into the answer of "
+    "the original problem, checking that they fit together. End with 'Final answer: <number>'.",
+}
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_FINAL = re.compile(r"final answer\s*[:=]?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.I)
+
+
+def final_number(text: str) -> str | None:
+    """The number after the last 'Final answer:', else the reply's last number (normalized)."""
+    found = _FINAL.findall(text) or _NUMBER.findall(text)
+    if not found:
+        return None
+    raw = found[-1].replace(",", "").rstrip(".")
+    try:
+        value = float(raw)
+    except ValueError:
+        return raw
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+@dataclass
+class Run:
+    """One run being recorded: its identity, and its turns' usage as the responses gave it."""
+
+    kind: str
+    qid: int
+    question: str
+    url: str
+    max_new: int
+    temperature: float
+    workflow: str = field(default_factory=lambda: f"rr-{uuid.uuid4().hex[:12]}")
+    turns: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}/{self.qid}"
+
+    def ask(self, step: int, agent: str, system: str, user: str) -> str:
+        """One agent turn (a chat completion in this run's workflow); returns its reply."""
+        body = {"model": "default", "temperature": self.temperature, "max_tokens": self.max_new,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": user}]}
+        t0 = time.time()
+        r = requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=1800,
+                          headers={"X-KVCMAS-Workflow": self.workflow})
+        r.raise_for_status()
+        out = r.json()
+        usage = out.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        rec = {"step": step, "agent": agent, "t0": t0, "t1": time.time(),
+               "prompt_tokens": usage.get("prompt_tokens", 0),
+               "completion_tokens": usage.get("completion_tokens", 0),
+               **{k: v for k, v in details.items() if k.startswith("kvcmas_")}}
+        with self.lock:
+            self.turns.append(rec)
+        return out["choices"][0]["message"]["content"] or ""
+
+    def together(self, step: int, asks: dict[str, tuple[str, str]]) -> dict[str, str]:
+        """Several agents' turns at once (``name -> (system, user)``); their replies by name."""
+        with ThreadPoolExecutor(len(asks)) as pool:
+            futures = {a: pool.submit(self.ask, step, a.split("#")[0], *su)
+                       for a, su in asks.items()}
+            return {a: f.result() for a, f in futures.items()}
+
+
+def run_debate(run: Run) -> dict:
+    transcript: list[str] = []
+    for rnd in range(MAX_DEBATE_ROUNDS):
+        ask = ("Give your answer." if rnd == 0 else f"This is round {rnd + 1}. Considering the "
+               "answers above, give your updated answer.")
+        user = "\n\n".join([f"Question: {run.question}", *transcript, ask])
+        outs = run.together(rnd, {a: (DEBATERS[a], user) for a in DEBATERS})
+        transcript.append("\n".join([f"Round {rnd + 1} answers:"] +
+                                    [f"{a}: {outs[a].strip()}" for a in DEBATERS]))
+        finals = [final_number(outs[a]) for a in DEBATERS]
+        if finals[0] is not None and len(set(finals)) == 1:
+            return {"stopped": "agreed", "rounds": rnd + 1, "answer": finals[0]}
+    return {"stopped": "max_rounds", "rounds": MAX_DEBATE_ROUNDS,
+            "answer": Counter(finals).most_common(1)[0][0]}
+
+
+def run_review(run: Run) -> dict:
+    transcript: list[str] = [f"Question: {run.question}"]
+    step = 0
+    for loop in range(MAX_REVIEW_LOOPS):
+        ask = ("Write your solution." if loop == 0 else
+               "Revise your solution, fixing every problem the Reviewer listed.")
+        draft = run.ask(step, "Writer", REVIEW_ROLES["Writer"], "\n\n".join([*transcript, ask]))
+        transcript.append(f"Writer (draft {loop + 1}):\n{draft.strip()}")
+        step += 1
+        review = run.ask(step, "Reviewer", REVIEW_ROLES["Reviewer"], "\n\n".join(
+            [*transcript, "Review the latest draft. Reply APPROVED if it is correct."]))
+        transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
+        step += 1
+        if "APPROVED" in review.upper():
+            return {"stopped": "approved", "loops": loop + 1, "answer": final_number(draft)}
+    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": final_number(draft)}
+
+
+def run_panel(run: Run) -> dict:
+    experts = [a for a in PANEL_ROLES if a != "Moderator"]
+    transcript: list[str] = [f"Question: {run.question}"]
+    step = 0
+    for rnd in range(MAX_PANEL_ROUNDS):
+        ask = ("Give your answer, ending with 'Final answer: <number>'." if rnd == 0 else
+               f"Round {rnd + 1}: read the other experts' answers above and give your updated "
+               "answer, ending with 'Final answer: <number>'.")
+        user = "\n\n".join([*transcript, ask])
+        outs = run.together(step, {a: (PANEL_ROLES[a], user) for a in experts})
+        step += 1
+        transcript.append("\n".join([f"Round {rnd + 1}:"] +
+                                    [f"{a}: {outs[a].strip()}" for a in experts]))
+        verdict = run.ask(step, "Moderator", PANEL_ROLES["Moderator"], "\n\n".join(
+            [*transcript, "Moderator: CONCLUDE or CONTINUE?"]))
+        step += 1
+        if "CONCLUDE" in verdict.upper() and "CONTINUE" not in verdict.upper():
+            return {"stopped": "concluded", "rounds": rnd + 1}
+        transcript.append(f"Moderator: {verdict.strip()}")
+    return {"stopped": "max_rounds", "rounds": MAX_PANEL_ROUNDS}
+
+
+def run_fanout(run: Run) -> dict:
+    plan = run.ask(0, "Planner", FANOUT_ROLES["Planner"],
+                   f"Question: {run.question}\n\nList the sub-tasks, one per line starting "
+                   "with '- '.")
+    tasks = [ln.strip()[2:].strip() for ln in plan.splitlines() if ln.strip().startswith("- ")]
+    tasks = [t for t in tasks if t][:MAX_WORKERS] or [run.question]
+    shared = f"Question: {run.question}\n\nPlan:\n{plan.strip()}"
+    outs = run.together(1, {f"Worker#{i}": (FANOUT_ROLES["Worker"],
+                                            f"{shared}\n\nYour sub-task: {t}")
+                            for i, t in enumerate(tasks)})
+    results = "\n\n".join(f"Worker {i + 1} ({t}):\n{outs[f'Worker#{i}'].strip()}"
+                          for i, t in enumerate(tasks))
+    final = run.ask(2, "Aggregator", FANOUT_ROLES["Aggregator"],
+                    f"{shared}\n\n{results}\n\nCombine the results into the final answer.")
+    return {"stopped": "aggregated", "workers": len(tasks), "answer": final_number(final)}
+
+
+RUNNERS = {"debate": run_debate, "review": run_review, "panel": run_panel,
+           "fanout": run_fanout}
+
+
+def plan_runs(n: int) -> list[tuple[str, int]]:
+    """The first ``n`` runs: kinds in turn, each on its own GSM8K question (test split)."""
+    return [(KINDS[i % len(KINDS)], i) for i in range(n)]
+
+
+def done_keys(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    keys = set()
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a killed run: that run is redone
+        keys.add(f"{rec['kind']}/{rec['qid']}")
+    return keys
+
+
+def record_one(run: Run, model_name: str) -> dict:
+    t0 = time.time()
+    outcome = RUNNERS[run.kind](run)
+    r = requests.get(f"{run.url}/kvcmas/workflows/{run.workflow}", timeout=60)
+    ledger = r.json() if r.ok else {"error": r.status_code}
+    turns = sorted(run.turns, key=lambda t: t["t1"])
+    return {"kind": run.kind, "qid": run.qid, "workflow": run.workflow, "model": model_name,
+            "max_new_tokens": run.max_new, "temperature": run.temperature,
+            "outcome": outcome, "seconds": round(time.time() - t0, 2),
+            "n_turns": len(turns),
+            "totals": {k: ledger.get(k) for k in ("requests", "agents", "prompt_tokens",
+                                                  "reused_exact", "reused_corrected",
+                                                  "reused_repositioned", "recomputed",
+                                                  "completion_tokens", "computed")},
+            "ledger_turns": ledger.get("turns", []), "usage_turns": turns}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arg(p)
+    p.add_argument("--runs", type=int, default=60, help="runs in the plan (kinds in turn)")
+    p.add_argument("--minutes", type=float, default=25.0,
+                   help="start no new run after this long (minutes)")
+    p.add_argument("--concurrency", type=int, default=8, help="runs at once")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--variant", default="embedded", help="the output file's variant")
+    p.add_argument("--url", default=None, help="a running kvcmas server (default: boot one)")
+    p.add_argument("--max-total-tokens", type=int, default=60000)
+    args = p.parse_args()
+    # SIGTERM ends the program through SystemExit, so the server it booted is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    model = model_from_args(p, args)
+    out = RESULTS / f"record_runs_{args.variant}.jsonl"
+    done = done_keys(out)
+    todo = [kq for kq in plan_runs(args.runs) if f"{kq[0]}/{kq[1]}" not in done]
+    print(f"record_runs: {len(done)} done, {len(todo)} to run -> {out}", file=sys.stderr)
+    if not todo:
+        return 0
+    from sglang_kvcmas.datasets import gsm8k
+
+    items = gsm8k()
+    write_lock = threading.Lock()
+    deadline = time.time() + args.minutes * 60
+    counts = {"ok": 0, "failed": 0}
+
+    def go(url: str, kind: str, qid: int) -> None:
+        if time.time() > deadline:
+            return
+        run = Run(kind, qid, items[qid].question, url, args.max_new_tokens, args.temperature)
+        try:
+            rec = record_one(run, model.name)
+        except Exception as e:  # one failed run is skipped, the others go on
+            counts["failed"] += 1
+            print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)
+            return
+        with write_lock:
+            with out.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            counts["ok"] += 1
+            tot = rec["totals"]
+            print(f"record_runs: [{counts['ok']}/{len(todo)}] {run.key} {rec['outcome']} "
+                  f"turns={rec['n_turns']} prompt={tot['prompt_tokens']} "
+                  f"computed={tot['computed']} {rec['seconds']:.0f}s", file=sys.stderr)
+
+    def all_runs(url: str) -> None:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for f in [pool.submit(go, url, k, q) for k, q in todo]:
+                f.result()
+
+    if args.url:
+        all_runs(args.url.rstrip("/"))
+    else:
+        log = Path("/tmp") / f"record_runs_{args.variant}_server.log"
+        server = ArmServer("kvcmas", log, [*model.server_args, "--max-total-tokens",
+                                           str(args.max_total_tokens)])
+        # A port away from the 31000s other benchmarks boot on: a server still loading there
+        # has not bound its port yet, and /health would reach it instead of ours.
+        server.port = free_port(33000 + random.randrange(900), 34000)
+        with server:
+            print(f"record_runs: server up at {server.url} (log {log})", file=sys.stderr)
+            all_runs(server.url)
+    print(f"record_runs: {counts['ok']} recorded, {counts['failed']} failed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

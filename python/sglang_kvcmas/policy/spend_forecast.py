@@ -1,0 +1,328 @@
+"""Forecast a workflow's total spend from its trajectory so far, with an interval.
+
+*Spend* (tokens) has two measures, both forecast:
+
+- ``computed`` = ``recomputed`` (prefill) + ``completion_tokens`` (decode): the tokens the
+  server ran the model for, the run's compute cost (the budget is set in this unit);
+- ``prompt`` = ``prompt_tokens``: the tokens every call read (reused or not), the cost a
+  provider without a shared cache would bill.
+
+The model sees only what a server sees of a run (no workflow kind, no script): after ``k``
+finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen, spend so far,
+first and last prompt length, completion and reuse per turn). Per measure it predicts the
+*remaining* spend, ``log1p(remaining) = w . features``, a ridge regression on standardized
+features, and the total is ``spent + remaining``: so the forecast is never below the spend so
+far and grows with it. The interval scales the remaining spend by the ``q_low`` / ``q_high``
+quantiles of held-out log residuals (``low <= total <= high`` by construction).
+
+Fitted offline (:func:`fit`, by ``benchmark/serving/forecast_bench.py --fit`` on recorded runs)
+into a small JSON artifact, ``spend_forecast.json`` beside this module, loaded once
+(:func:`load`). A forecast is a few dozen float operations in pure Python (microseconds); numpy is
+used by the fit only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ARTIFACT = Path(__file__).resolve().with_name("spend_forecast.json")
+VERSION = 1
+MEASURES = ("computed", "prompt")
+FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_growth",
+            "log_mean_completion", "log_mean_computed", "reused_fraction", "log_spent")
+"""Feature names, in order (see :meth:`TrajectoryState.features`)."""
+SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
+         "reused_fraction": -1}
+"""Sign constraints of the fit: the features that grow with the spend so far (and the reused
+share, which shrinks as more is recomputed) may only push the remaining spend up, so the total
+forecast never falls when the spend so far rises (a violating feature is dropped)."""
+
+
+class ForecastArtifactError(ValueError):
+    """The forecaster's JSON artifact is missing, malformed or of another version."""
+
+
+@dataclass(frozen=True)
+class TrajectoryState:
+    """What a server knows of a run after some finished turns (all counts in tokens).
+
+    Attributes:
+        turns: finished turns (requests) so far.
+        agents: distinct agents seen.
+        prompt_tokens: prompt tokens read so far (every turn's prompt, reused or not).
+        recomputed: prompt tokens prefilled so far.
+        completion_tokens: tokens decoded so far.
+        first_prompt: the first turn's prompt length.
+        last_prompt: the latest turn's prompt length.
+    """
+
+    turns: int = 0
+    agents: int = 0
+    prompt_tokens: int = 0
+    recomputed: int = 0
+    completion_tokens: int = 0
+    first_prompt: int = 0
+    last_prompt: int = 0
+
+    @property
+    def computed(self) -> int:
+        """Tokens computed so far: prefill + decode."""
+        return self.recomputed + self.completion_tokens
+
+    def spent(self, measure: str) -> int:
+        return self.computed if measure == "computed" else self.prompt_tokens
+
+    def add(self, prompt_tokens: int, recomputed: int, completion_tokens: int,
+            new_agent: bool) -> TrajectoryState:
+        """The state after one more finished turn."""
+        return replace(self, turns=self.turns + 1, agents=self.agents + int(new_agent),
+                       prompt_tokens=self.prompt_tokens + prompt_tokens,
+                       recomputed=self.recomputed + recomputed,
+                       completion_tokens=self.completion_tokens + completion_tokens,
+                       first_prompt=self.first_prompt if self.turns else prompt_tokens,
+                       last_prompt=prompt_tokens)
+
+    @classmethod
+    def of_turns(cls, turns: Iterable[Mapping[str, Any]]) -> TrajectoryState:
+        """The state after ``turns`` (dicts with ``prompt_tokens``, ``recomputed``,
+        ``completion_tokens`` and ``agent``: the ledger's turn records), in finish order."""
+        state, seen = cls(), set()
+        for t in turns:
+            agent = t.get("agent")
+            state = state.add(int(t.get("prompt_tokens", 0)), int(t.get("recomputed", 0)),
+                              int(t.get("completion_tokens", 0)),
+                              agent is not None and agent not in seen)
+            seen.add(agent)
+        return state
+
+    def features(self) -> list[float]:
+        """The model's inputs, in :data:`FEATURES` order (logs of token counts)."""
+        k = max(1, self.turns)
+        growth = max(0, self.last_prompt - self.first_prompt) / k
+        reused = 1.0 - self.recomputed / self.prompt_tokens if self.prompt_tokens else 0.0
+        return [1.0, math.log1p(self.turns), math.log1p(self.agents),
+                math.log1p(self.last_prompt), math.log1p(growth),
+                math.log1p(self.completion_tokens / k), math.log1p(self.computed / k),
+                reused, math.log1p(self.computed)]
+
+
+@dataclass(frozen=True)
+class SpendForecast:
+    """One forecast of a run's total spend (tokens), made after ``at_turn`` turns.
+
+    Attributes:
+        total, low, high: total computed tokens (prefill + decode) at the end of the run: the
+            point forecast and its interval (``low <= total <= high``).
+        prompt_total, prompt_low, prompt_high: the same for prompt tokens read.
+        at_turn: turns finished when it was made.
+        spent: computed tokens so far; prompt_spent: prompt tokens read so far.
+    """
+
+    total: int
+    low: int
+    high: int
+    prompt_total: int
+    prompt_low: int
+    prompt_high: int
+    at_turn: int
+    spent: int
+    prompt_spent: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total": self.total, "low": self.low, "high": self.high,
+                "at_turn": self.at_turn, "spent": self.spent,
+                "prompt": {"total": self.prompt_total, "low": self.prompt_low,
+                           "high": self.prompt_high, "spent": self.prompt_spent}}
+
+
+@dataclass(frozen=True)
+class MeasureModel:
+    """The fitted model of one measure.
+
+    Attributes:
+        weights: ridge weights over standardized features (``FEATURES`` order).
+        mean, scale: standardization of each feature (the bias is left as is).
+        q_low, q_high: quantiles of held-out log residuals of the remaining spend
+            (``q_low <= 0 <= q_high``).
+    """
+
+    weights: tuple[float, ...]
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    q_low: float
+    q_high: float
+
+    def remaining(self, x: Sequence[float]) -> float:
+        """Point forecast of the remaining spend (tokens) for features ``x``."""
+        z = sum(w * (v - m) / s for w, v, m, s in zip(self.weights, x, self.mean, self.scale))
+        return math.expm1(min(max(z, 0.0), 30.0))
+
+
+@dataclass(frozen=True)
+class SpendForecaster:
+    """A fitted forecaster: one :class:`MeasureModel` per measure, and what it was fitted on.
+
+    Attributes:
+        models: measure (``computed``, ``prompt``) -> its model.
+        coverage: the nominal interval, e.g. ``(0.1, 0.9)``.
+        fitted_on: a short description of the training runs.
+    """
+
+    models: Mapping[str, MeasureModel]
+    coverage: tuple[float, float]
+    fitted_on: str = ""
+
+    def forecast(self, state: TrajectoryState) -> SpendForecast:
+        """The total spend of the run whose trajectory so far is ``state`` (>= 1 turn)."""
+        x = state.features()
+        out: dict[str, tuple[int, int, int]] = {}
+        for measure in MEASURES:
+            model, spent = self.models[measure], state.spent(measure)
+            rem = model.remaining(x)
+            out[measure] = (round(spent + rem), math.floor(spent + rem * math.exp(model.q_low)),
+                            math.ceil(spent + rem * math.exp(model.q_high)))
+        (total, low, high), (p_total, p_low, p_high) = out["computed"], out["prompt"]
+        return SpendForecast(total=total, low=min(low, total), high=max(high, total),
+                             prompt_total=p_total, prompt_low=min(p_low, p_total),
+                             prompt_high=max(p_high, p_total), at_turn=state.turns,
+                             spent=state.computed, prompt_spent=state.prompt_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, "features": list(FEATURES), "coverage": list(self.coverage),
+                "fitted_on": self.fitted_on,
+                "models": {m: {"weights": list(v.weights), "mean": list(v.mean),
+                               "scale": list(v.scale), "q_low": v.q_low, "q_high": v.q_high}
+                           for m, v in self.models.items()}}
+
+    @classmethod
+    def from_json(cls, data: Any) -> SpendForecaster:
+        """Raises:
+            ForecastArtifactError: naming what is wrong."""
+        try:
+            if data.get("version") != VERSION:
+                raise ForecastArtifactError(f"version {data.get('version')!r}, expected "
+                                            f"{VERSION}")
+            if list(data["features"]) != list(FEATURES):
+                raise ForecastArtifactError(f"features {data['features']} differ from "
+                                            f"{list(FEATURES)}")
+            models = {}
+            for m in MEASURES:
+                raw = data["models"][m]
+                vecs = [tuple(float(v) for v in raw[k]) for k in ("weights", "mean", "scale")]
+                if any(len(v) != len(FEATURES) for v in vecs) or min(vecs[2]) <= 0:
+                    raise ForecastArtifactError(f"model {m!r} has bad vectors")
+                q_low, q_high = float(raw["q_low"]), float(raw["q_high"])
+                if not (q_low <= 0.0 <= q_high) or not all(
+                        map(math.isfinite, (*vecs[0], *vecs[1], *vecs[2], q_low, q_high))):
+                    raise ForecastArtifactError(f"model {m!r} has bad numbers")
+                models[m] = MeasureModel(*vecs, q_low=q_low, q_high=q_high)
+            lo, hi = (float(c) for c in data["coverage"])
+            return cls(models, (lo, hi), str(data.get("fitted_on", "")))
+        except ForecastArtifactError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ForecastArtifactError(f"malformed forecaster artifact: {e!r}") from None
+
+
+def load(path: Path | None = None) -> SpendForecaster:
+    """The forecaster stored at ``path`` (default: :data:`ARTIFACT`).
+
+    Raises:
+        ForecastArtifactError: missing, unreadable or malformed.
+    """
+    path = path or ARTIFACT
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ForecastArtifactError(f"cannot read {path}: {e}") from None
+    return SpendForecaster.from_json(data)
+
+
+def fit_measure(x: Any, y_remaining: Any, ridge: float = 1.0,
+                coverage: tuple[float, float] = (0.1, 0.9), folds: int = 5,
+                groups: Any = None) -> MeasureModel:
+    """Fit one measure: ``x`` (n x len(FEATURES)), ``y_remaining`` (n, tokens). The interval's
+    quantiles come from residuals of ``folds``-fold cross-validation, folds drawn by ``groups``
+    (the run of each row, so a run's rows are held out together)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    y = np.log1p(np.maximum(np.asarray(y_remaining, dtype=np.float64), 0.0))
+    groups = np.arange(len(y)) if groups is None else np.asarray(groups)
+
+    def solve(rows: Any) -> tuple[Any, Any, Any]:
+        mean = x[rows].mean(axis=0)
+        scale = x[rows].std(axis=0)
+        mean[0], scale[0] = 0.0, 1.0
+        scale[scale < 1e-9] = 1.0
+        z = (x[rows] - mean) / scale
+        keep = np.ones(z.shape[1], dtype=bool)
+        while True:  # drop features whose weight breaks its sign constraint, then refit
+            reg = ridge * np.eye(int(keep.sum()))
+            reg[0, 0] = 0.0
+            zk = z[:, keep]
+            w = np.zeros(z.shape[1])
+            w[keep] = np.linalg.solve(zk.T @ zk + reg, zk.T @ y[rows])
+            bad = [i for i, name in enumerate(FEATURES)
+                   if keep[i] and SIGNS.get(name, 0) * w[i] < 0]
+            if not bad:
+                return w, mean, scale
+            keep[bad] = False
+
+    uniq = np.unique(groups)
+    residuals = []
+    for f in range(min(folds, len(uniq))):
+        held = np.isin(groups, uniq[f::folds])
+        if held.all() or not held.any():
+            continue
+        w, mean, scale = solve(~held)
+        pred = np.clip(((x[held] - mean) / scale) @ w, 0.0, 30.0)
+        residuals.append(y[held] - pred)
+    res = np.concatenate(residuals) if residuals else np.zeros(1)
+    w, mean, scale = solve(np.ones(len(y), dtype=bool))
+    q_low = min(0.0, float(np.quantile(res, coverage[0])))
+    q_high = max(0.0, float(np.quantile(res, coverage[1])))
+    return MeasureModel(tuple(map(float, w)), tuple(map(float, mean)), tuple(map(float, scale)),
+                        q_low, q_high)
+
+
+def training_rows(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[list, dict, list]:
+    """Every prefix of every run as one row: features after ``k`` turns (1 <= k < T) and the
+    remaining spend per measure. Returns (features, measure -> remaining, run index)."""
+    xs: list[list[float]] = []
+    ys: dict[str, list[float]] = {m: [] for m in MEASURES}
+    groups: list[int] = []
+    for i, turns in enumerate(runs):
+        final = TrajectoryState.of_turns(turns)
+        state, seen = TrajectoryState(), set()
+        for k, t in enumerate(turns[:-1]):
+            agent = t.get("agent")
+            state = state.add(int(t.get("prompt_tokens", 0)), int(t.get("recomputed", 0)),
+                              int(t.get("completion_tokens", 0)),
+                              agent is not None and agent not in seen)
+            seen.add(agent)
+            xs.append(state.features())
+            for m in MEASURES:
+                ys[m].append(final.spent(m) - state.spent(m))
+            groups.append(i)
+    return xs, ys, groups
+
+
+def fit(runs: Sequence[Sequence[Mapping[str, Any]]], ridge: float = 1.0,
+        coverage: tuple[float, float] = (0.1, 0.9), fitted_on: str = "") -> SpendForecaster:
+    """A forecaster fitted on ``runs`` (each a list of turn records in finish order, as
+    :meth:`TrajectoryState.of_turns` reads them).
+
+    Raises:
+        ValueError: fewer than two runs of two or more turns.
+    """
+    xs, ys, groups = training_rows(runs)
+    if len(set(groups)) < 2:
+        raise ValueError("fitting needs at least two runs of two or more turns")
+    return SpendForecaster({m: fit_measure(xs, ys[m], ridge, coverage, groups=groups)
+                            for m in MEASURES}, coverage, fitted_on)
