@@ -56,6 +56,7 @@ class BenchModel:
         name: how results name it: the short name, else the folder's name.
         model_type: ``config.json``'s ``model_type`` (``llama``, ``qwen2``).
         num_layers, num_heads, num_kv_heads, head_dim: the attention shape (``config.json``).
+        rope_theta: the RoPE base (``rope_parameters`` or ``rope_theta``; 10000 when absent).
         kv_bytes_per_token: K and V of every layer for one token as our servers hold them
             (layers x KV heads x head_dim x 2 x bytes of ``SERVED_DTYPE``).
     """
@@ -68,6 +69,7 @@ class BenchModel:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rope_theta: float
     kv_bytes_per_token: int
 
     @classmethod
@@ -92,6 +94,8 @@ class BenchModel:
             num_heads=heads,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+            rope_theta=float((text.get("rope_parameters") or {}).get("rope_theta")
+                             or text.get("rope_theta") or 10000.0),
             kv_bytes_per_token=footprint_of_folder(folder, served_dtype).kv_bytes_per_token,
         )
 

@@ -22,6 +22,8 @@ from benchmark.model_arg import (  # noqa: E402
 )
 
 TAKE_MODEL_PATH = [
+    "benchmark/kernels/delta_attention_bench.py",
+    "benchmark/kernels/shifted_decode_bench.py",
     "benchmark/lab/kvcmas_lab.py",
     "benchmark/lab/kvcmas_selector_study.py",
     "benchmark/lab/owner_mass_study.py",
@@ -56,6 +58,7 @@ def test_embedded_model_is_the_default_and_keeps_todays_numbers_and_names():
     assert model.is_embedded and model.name == "embedded"
     assert model.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4  # head_to_head's constant
     assert (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim) == (30, 9, 3, 64)
+    assert model.rope_theta == 1e5  # the kernel benchmarks' constant
     assert model.server_args == ["--model-path", "embedded"]
     out = Path("results/head_to_head")
     assert model.named(out) == out and model.out_or_named(out, out) == out
@@ -67,6 +70,7 @@ def test_a_qwen2_folder_gives_its_own_bytes_name_and_suffix(tmp_path):
     model = BenchModel.resolve(str(folder))
     assert not model.is_embedded and model.model_type == "qwen2"
     assert model.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4
+    assert model.rope_theta == 10000.0  # none given
     assert model.name == "Tiny.Qwen" and model.slug == "tiny-qwen"
     assert model.server_args == ["--model-path", str(folder.resolve())]
     default = Path("results/consistency_frontier")
@@ -110,9 +114,30 @@ def test_embedded_template_markers_are_the_chatml_ids_head_to_head_used():
         old.system_open, old.head_sep, old.head_keep, old.generation_open)
 
 
-@pytest.mark.parametrize("script", TAKE_MODEL_PATH)
-def test_every_benchmark_takes_model_path(script):
-    out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--model-path" in out.stdout
+HELP_DRIVER = """
+import contextlib, io, json, runpy, sys
+out = {}
+for script in sys.argv[1:]:
+    sys.argv = [script, "--help"]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(script, run_name="__main__")
+        code = "no exit"
+    except SystemExit as e:
+        code = e.code
+    except Exception as e:  # noqa: BLE001 - reported per script
+        code = repr(e)
+    out[script] = [code, "--model-path" in buf.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_every_benchmark_takes_model_path():
+    """``--help`` of every benchmark, in one subprocess (torch and SGLang imported once)."""
+    run = subprocess.run([sys.executable, "-c", HELP_DRIVER, *TAKE_MODEL_PATH],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    bad = {s: r for s, r in got.items() if r != [0, True]}
+    assert not bad and set(got) == set(TAKE_MODEL_PATH), (bad, run.stderr[-2000:])

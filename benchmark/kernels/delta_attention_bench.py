@@ -14,6 +14,8 @@ and a PNG.
 
 Shapes follow the embedded model (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), float32,
 one torch thread (the CI machines are 2 shared cores; one thread keeps the ratio stable).
+``--model-path`` (``benchmark/model_arg.py``) takes another model's heads, head_dim and RoPE base
+(no weights are read); records name the model, and the output files get ``_<model>``.
 """
 
 from __future__ import annotations
@@ -23,27 +25,41 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention
-from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_lab.attention.batch import (  # noqa: E402
+    DeltaRequest,
+    LowRankDelta,
+    SharedSpan,
+    SpanFactors,
+)
+from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention  # noqa: E402
+from sglang_kvcmas.attention.rope import rope_inv_freq  # noqa: E402
+from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+ROPE_THETA = 1e5
 NUM_AGENTS = 4
 
 
-def build(seq_len: int, num_queries: int, rank: int, seed: int = 0):
-    """NUM_AGENTS readers share one span (90% of the sequence) on the same pool slots."""
+def build(seq_len: int, num_queries: int, rank: int, seed: int = 0,
+          shape: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
+    """NUM_AGENTS readers share one span (90% of the sequence) on the same pool slots.
+    ``shape``: (query heads, KV heads, head_dim), default the embedded model's."""
+    heads, kv_heads, head_dim = shape
     g = torch.Generator().manual_seed(seed)
     head = max(1, seq_len // 20)
     span_len = min(seq_len - num_queries - head, int(seq_len * 0.9))
     pool = seq_len * NUM_AGENTS + span_len
-    k_buffer = torch.randn(pool, NUM_KV_HEADS, HEAD_DIM, generator=g)
-    v_buffer = torch.randn(pool, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    k_buffer = torch.randn(pool, kv_heads, head_dim, generator=g)
+    v_buffer = torch.randn(pool, kv_heads, head_dim, generator=g)
     shared = torch.arange(span_len)  # the base copy of the shared span
     requests, factors, free = [], [], span_len
     for a in range(NUM_AGENTS):
@@ -55,20 +71,22 @@ def build(seq_len: int, num_queries: int, rank: int, seed: int = 0):
 
         def delta() -> LowRankDelta:
             return LowRankDelta(
-                torch.randn(span_len, NUM_KV_HEADS, rank, generator=g),
-                torch.randn(NUM_KV_HEADS, HEAD_DIM, rank, generator=g) * 0.1,
+                torch.randn(span_len, kv_heads, rank, generator=g),
+                torch.randn(kv_heads, head_dim, rank, generator=g) * 0.1,
             )
 
         factors.append([SpanFactors(delta(), delta())])
-    q = torch.randn(num_queries * NUM_AGENTS, NUM_HEADS, HEAD_DIM, generator=g)
+    q = torch.randn(num_queries * NUM_AGENTS, heads, head_dim, generator=g)
     return q, k_buffer, v_buffer, requests, factors
 
 
 def measure(
-    seq_len: int, num_queries: int, rank: int, repeats: int, warmup: int, inner: int = 3
+    seq_len: int, num_queries: int, rank: int, repeats: int, warmup: int, inner: int = 3,
+    shape: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM),
+    rope_theta: float = ROPE_THETA,
 ) -> dict:
-    q, kb, vb, reqs, facs = build(seq_len, num_queries, rank)
-    inv = rope_inv_freq(HEAD_DIM, 1e5)
+    q, kb, vb, reqs, facs = build(seq_len, num_queries, rank, shape=shape)
+    inv = rope_inv_freq(shape[2], rope_theta)
     t0 = time.perf_counter()
     plan = plan_torch_delta(reqs, inv)
     plan_s = time.perf_counter() - t0
@@ -167,7 +185,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    add_model_arg(ap)
     args = ap.parse_args()
+    model = model_from_args(ap, args)
+    shape = (model.num_heads, model.num_kv_heads, model.head_dim)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,20 +205,22 @@ def main() -> None:
     for mode, num_queries in (("decode", 1), ("extend", 32)):
         for seq_len in args.lengths:
             for rank in args.ranks:
-                m = measure(seq_len, num_queries, rank, args.repeats, args.warmup)
+                m = measure(seq_len, num_queries, rank, args.repeats, args.warmup,
+                            shape=shape, rope_theta=model.rope_theta)
                 rec = {
                     "bench": "delta_attention_torch_cpu",
                     "commit": commit(),
                     "machine": machine,
+                    "model": model.name,
                     "config": {
                         "mode": mode,
                         "seq_len": seq_len,
                         "num_queries": num_queries,
                         "rank": rank,
                         "num_agents": NUM_AGENTS,
-                        "num_heads": NUM_HEADS,
-                        "num_kv_heads": NUM_KV_HEADS,
-                        "head_dim": HEAD_DIM,
+                        "num_heads": shape[0],
+                        "num_kv_heads": shape[1],
+                        "head_dim": shape[2],
                         "dtype": "float32",
                         "repeats": args.repeats,
                     },
@@ -211,10 +234,11 @@ def main() -> None:
                     f" ({m['ratio_planned_q1']:.2f}-{m['ratio_planned_q3']:.2f})",
                     flush=True,
                 )
-    jsonl = args.out / "delta_attention_bench.jsonl"
+    stem = model.named(Path("delta_attention_bench")).name
+    jsonl = args.out / f"{stem}.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot(records, args.out / "delta_attention_bench.png")
-    print(f"wrote {jsonl} and {args.out / 'delta_attention_bench.png'}")
+    plot(records, args.out / f"{stem}.png")
+    print(f"wrote {jsonl} and {args.out / f'{stem}.png'}")
 
 
 if __name__ == "__main__":

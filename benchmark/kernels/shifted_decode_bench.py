@@ -18,24 +18,31 @@ at 8k keys and 16 owners it took over 100 ms a call.
     python benchmark/kernels/shifted_decode_bench.py [--n-kv 2048 8192] [--owners 1 3 15]
 
 Prints microseconds per call and each path's speed relative to ``plain``; one thread.
+``--model-path`` (``benchmark/model_arg.py``) takes another model's heads, head_dim and RoPE base
+(no weights are read); records name the model, and the default ``--out`` gets ``_<model>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
-from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans
-from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas.attention.rope import rope_inv_freq  # noqa: E402
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode  # noqa: E402
+from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans  # noqa: E402
+from sglang_kvcmas.attention.spans import KeyShifts, RowSpans  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "shifted_decode_bench.jsonl"
 
 
 def timed(fn, reps: int) -> float:
@@ -65,12 +72,16 @@ def main() -> int:
     ap.add_argument("--owners", type=int, nargs="+", default=[1, 3, 15])
     ap.add_argument("--run", type=int, default=9, help="a leaf token every RUN borrowed tokens")
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=RESULTS / "shifted_decode_bench.jsonl")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="JSONL (default: results/shifted_decode_bench[_<model>].jsonl)")
+    add_model_arg(ap)
     args = ap.parse_args()
+    model = model_from_args(ap, args)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    h, hkv, d = 9, 3, 64
-    inv, scale = rope_inv_freq(d, 1e5), d**-0.5
+    h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim  # embedded: 9, 3, 64
+    inv, scale = rope_inv_freq(d, model.rope_theta), d**-0.5
     records = []
     print(f"{'n_kv':>5} {'shifts':>6} {'runs':>5} {'plain':>7} {'reference':>9} "
           f"{'key_rot':>8} {'grouped':>8}  us/call (served: grouped)")
@@ -107,7 +118,7 @@ def main() -> int:
             t = {name: timed(fn, args.reps) for name, fn in
                  (("plain", plain), ("reference", reference), ("key_rot", key_rot),
                   ("grouped", grouped))}
-            rec = {"n_kv": n, "shifts": int(ks.shifts.numel()), "runs": len(reads),
+            rec = {"model": model.name, "n_kv": n, "shifts": int(ks.shifts.numel()), "runs": len(reads),
                    **{f"{k_}_us": round(v_, 1) for k_, v_ in t.items()}}
             records.append(rec)
             print(f"{n:>5} {rec['shifts']:>6} {len(reads):>5} {t['plain']:>7.0f} "
