@@ -124,3 +124,18 @@ def test_a_request_sets_its_leaf_mode_and_keeps_nothing():
     assert spans.correction.fit.pairs == n >= MIN_PAIRS
     assert b2.customized_info["kvcmas_reuse"][0]["reused_corrected"] == len(T2) + END - n
     assert len(h.cache.shared.lowrank) == 0 and h.cache.shared.delta_tokens() == 0
+
+
+def test_leaf_mode_knob_from_config_environment_and_request():
+    from sglang_kvcmas.config import ConfigError, ServingConfig
+    from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
+
+    assert LeafConfig.from_serving(ServingConfig()).lowrank_rank == 0  # default: exact, today
+    both = LeafConfig.from_serving(ServingConfig.from_env({"KVCMAS_LEAF_MODE": "lowrank+exact",
+                                                           "KVCMAS_LOWRANK_RANK": "4"}))
+    assert both.keeps_exact and both.lowrank_rank == 4
+    assert not LeafConfig("lowrank").keeps_exact
+    with pytest.raises(ConfigError, match="KVCMAS_LEAF_MODE"):
+        ServingConfig.from_env({"KVCMAS_LEAF_MODE": "dense"})
+    with pytest.raises(RequestOptionError, match="kvcmas_lowrank_rank"):
+        RequestOptions.parse({"kvcmas_lowrank_rank": 0})
