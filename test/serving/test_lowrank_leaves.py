@@ -6,7 +6,6 @@ leaves; ``lowrank+exact`` keeps both; ``exact`` is today's row."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
