@@ -138,3 +138,20 @@ def test_leaf_mode_knob_from_config_environment_and_request():
         ServingConfig.from_env({"KVCMAS_LEAF_MODE": "dense"})
     with pytest.raises(RequestOptionError, match="kvcmas_lowrank_rank"):
         RequestOptions.parse({"kvcmas_lowrank_rank": 0})
+
+
+def test_low_rank_leaves_are_byte_counted_and_capped_least_recently_used_first():
+    from sglang_kvcmas.attention.lowrank import LowRankCorrection
+    from sglang_kvcmas.tree.lowrank_leaves import LowRankLeaves
+
+    one = LowRankCorrection({0: _layer(3, 64, 4)}, 4)
+    leaves = LowRankLeaves(max_bytes=2 * one.nbytes())
+    leaves.put("ns", "a", one)
+    leaves.put("ns", "b", one)
+    leaves.put("ns", "a", one)  # replaced, not counted twice
+    assert len(leaves) == 2 and leaves.nbytes() == 2 * one.nbytes()
+    assert leaves.get("ns", "b") is one  # b used last: a goes first
+    leaves.put("other", "c", one)
+    assert leaves.get("ns", "a") is None and leaves.nbytes() == 2 * one.nbytes()
+    leaves.drop_namespace("ns")
+    assert leaves.bytes_by_agent() == {"c": one.nbytes()} and leaves.nbytes() == one.nbytes()

@@ -7,7 +7,7 @@ An agent's leaves on the shared transcript are typed:
 - **low-rank**: one :class:`LowRankLeaf` per (namespace, agent) holding its
   ``attention.lowrank.LowRankCorrection`` (factors of its deviation from the owners' KV, per
   layer and KV head), read for every borrowed token that no exact leaf holds; not pool slots,
-  so it is byte-counted here and bounded by :data:`MAX_LEAVES` (least recently used dropped);
+  so it is byte-counted here and bounded by :data:`MAX_BYTES` (least recently used dropped);
 - **both** (``policy/leaf_mode.py``: ``lowrank+exact``).
 
 Bookkeeping only: a correction is an opaque value with ``nbytes()``.
@@ -21,9 +21,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LEAVES = 4096
-"""Most (namespace, agent) low-rank leaves kept (about 0.7 MB each at rank 8 on the embedded
-model); the least recently used go first."""
+MAX_BYTES = 256 << 20
+"""Most bytes of low-rank leaves kept (host memory; about 0.7 MB per agent at rank 8 on the
+embedded model); the least recently used go first."""
 
 
 @dataclass(eq=False)
@@ -46,12 +46,14 @@ class LowRankLeaf:
 class LowRankLeaves:
     """(namespace, agent) -> :class:`LowRankLeaf`, least recently used first."""
 
-    def __init__(self, max_leaves: int = MAX_LEAVES):
-        self.max_leaves = max_leaves
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
         self._leaves: OrderedDict[tuple[Hashable, str], LowRankLeaf] = OrderedDict()
+        self._nbytes = 0
 
     def clear(self) -> None:
         self._leaves.clear()
+        self._nbytes = 0
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -66,19 +68,24 @@ class LowRankLeaves:
         return leaf.correction
 
     def put(self, namespace: Hashable, agent: str, correction: Any) -> None:
-        """Keep (or replace) the agent's correction; drops the least recently used over the
-        cap."""
-        self._leaves[(namespace, agent)] = LowRankLeaf(correction)
-        self._leaves.move_to_end((namespace, agent))
-        while len(self._leaves) > self.max_leaves:
-            self._leaves.popitem(last=False)
+        """Keep (or replace) the agent's correction; drops the least recently used (never the
+        one just kept) while over the byte cap."""
+        key = (namespace, agent)
+        old = self._leaves.pop(key, None)
+        if old is not None:
+            self._nbytes -= old.nbytes()
+        leaf = self._leaves[key] = LowRankLeaf(correction)
+        self._nbytes += leaf.nbytes()
+        while self._nbytes > self.max_bytes and len(self._leaves) > 1:
+            _, dropped = self._leaves.popitem(last=False)
+            self._nbytes -= dropped.nbytes()
 
     def drop_namespace(self, namespace: Hashable) -> None:
         for key in [k for k in self._leaves if k[0] == namespace]:
-            del self._leaves[key]
+            self._nbytes -= self._leaves.pop(key).nbytes()
 
     def nbytes(self) -> int:
-        return sum(leaf.nbytes() for leaf in self._leaves.values())
+        return self._nbytes
 
     def bytes_by_agent(self) -> dict[str, int]:
         """agent -> bytes of its low-rank leaves (summed over namespaces)."""
