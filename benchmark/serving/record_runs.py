@@ -11,8 +11,8 @@ run's ``X-KVCMAS-Workflow`` header (answers of free length: ``--max-new-tokens``
   revises, until the reviewer approves or ``MAX_REVIEW_LOOPS`` loops have run;
 - ``panel``: four experts read each other's answers each round; after each round a moderator
   says ``CONCLUDE`` or ``CONTINUE`` (at most ``MAX_PANEL_ROUNDS`` rounds);
-- ``fanout``: a planner lists sub-tasks (one per ``- `` line; the workers are as many, 1 to
-  ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes the answer.
+- ``fanout``: a planner lists sub-tasks (one per ``- `` or numbered line; the workers are as
+  many, 1 to ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes the answer.
 
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
@@ -87,6 +87,8 @@ FANOUT_ROLES = {
     "Aggregator": "You are the Aggregator. You combine the workers' results into the answer of "
     "the original problem, checking that they fit together. End with 'Final answer: <number>'.",
 }
+_TASK_LINE = re.compile(r"\s*(?:[-*\u2022]|\d+[.)]|sub-?task\s*\d+\s*:)\s+(.+)", re.I)
+"""A planner's sub-task line: ``- x``, ``* x``, ``1. x``, ``2) x`` or ``Sub-task 3: x``."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"final answer\s*[:=]?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.I)
 
@@ -210,7 +212,7 @@ def run_fanout(run: Run) -> dict:
     plan = run.ask(0, "Planner", FANOUT_ROLES["Planner"],
                    f"Question: {run.question}\n\nList the sub-tasks, one per line starting "
                    "with '- '.")
-    tasks = [ln.strip()[2:].strip() for ln in plan.splitlines() if ln.strip().startswith("- ")]
+    tasks = [m.group(1).strip() for m in map(_TASK_LINE.match, plan.splitlines()) if m]
     tasks = [t for t in tasks if t][:MAX_WORKERS] or [run.question]
     shared = f"Question: {run.question}\n\nPlan:\n{plan.strip()}"
     outs = run.together(1, {f"Worker#{i}": (FANOUT_ROLES["Worker"],

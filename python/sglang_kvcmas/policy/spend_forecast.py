@@ -8,8 +8,9 @@
   provider without a shared cache would bill.
 
 The model sees only what a server sees of a run (no workflow kind, no script): after ``k``
-finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen, spend so far,
-first and last prompt length, completion and reuse per turn). Per measure it predicts the
+finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen (also one-hot:
+the shape of the workflow), spend so far, first and last prompt length, completion and reuse
+per turn). Per measure it predicts the
 *remaining* spend, ``log1p(remaining) = w . features``, a ridge regression on standardized
 features, and the total is ``spent + remaining``: so the forecast is never below the spend so
 far and grows with it. The interval scales the remaining spend by the ``q_low`` / ``q_high``
@@ -34,7 +35,8 @@ ARTIFACT = Path(__file__).resolve().with_name("spend_forecast.json")
 VERSION = 1
 MEASURES = ("computed", "prompt")
 FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_growth",
-            "log_mean_completion", "log_mean_computed", "reused_fraction", "log_spent")
+            "log_mean_completion", "log_mean_computed", "reused_fraction", "log_spent",
+            "log_rounds", "agents_1", "agents_2", "agents_3", "agents_4plus")
 """Feature names, in order (see :meth:`TrajectoryState.features`)."""
 SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
          "reused_fraction": -1}
@@ -101,14 +103,19 @@ class TrajectoryState:
         return state
 
     def features(self) -> list[float]:
-        """The model's inputs, in :data:`FEATURES` order (logs of token counts)."""
+        """The model's inputs, in :data:`FEATURES` order (logs of token counts; ``log_rounds``:
+        turns per agent so far; ``agents_*``: one-hot of the agents seen, which tells the
+        workflow's shape apart)."""
         k = max(1, self.turns)
         growth = max(0, self.last_prompt - self.first_prompt) / k
         reused = 1.0 - self.recomputed / self.prompt_tokens if self.prompt_tokens else 0.0
         return [1.0, math.log1p(self.turns), math.log1p(self.agents),
                 math.log1p(self.last_prompt), math.log1p(growth),
                 math.log1p(self.completion_tokens / k), math.log1p(self.computed / k),
-                reused, math.log1p(self.computed)]
+                reused, math.log1p(self.computed),
+                math.log1p(self.turns / max(1, self.agents)),
+                float(self.agents <= 1), float(self.agents == 2), float(self.agents == 3),
+                float(self.agents >= 4)]
 
 
 @dataclass(frozen=True)
@@ -246,28 +253,32 @@ def load(path: Path | None = None) -> SpendForecaster:
 def fit_measure(x: Any, y_remaining: Any, ridge: float = 1.0,
                 coverage: tuple[float, float] = (0.1, 0.9), folds: int = 5,
                 groups: Any = None) -> MeasureModel:
-    """Fit one measure: ``x`` (n x len(FEATURES)), ``y_remaining`` (n, tokens). The interval's
-    quantiles come from residuals of ``folds``-fold cross-validation, folds drawn by ``groups``
-    (the run of each row, so a run's rows are held out together)."""
+    """Fit one measure: ``x`` (n x len(FEATURES)), ``y_remaining`` (n, tokens). Rows are
+    weighted so that every run (``groups``: the run of each row) weighs the same. The interval's
+    quantiles come from residuals of ``folds``-fold cross-validation, folds drawn by run (a
+    run's rows are held out together)."""
     import numpy as np
 
     x = np.asarray(x, dtype=np.float64)
     y = np.log1p(np.maximum(np.asarray(y_remaining, dtype=np.float64), 0.0))
     groups = np.arange(len(y)) if groups is None else np.asarray(groups)
+    _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
+    root_w = np.sqrt(1.0 / counts[inverse])  # every run weighs the same, long or short
 
     def solve(rows: Any) -> tuple[Any, Any, Any]:
         mean = x[rows].mean(axis=0)
         scale = x[rows].std(axis=0)
         mean[0], scale[0] = 0.0, 1.0
         scale[scale < 1e-9] = 1.0
-        z = (x[rows] - mean) / scale
+        z = (x[rows] - mean) / scale * root_w[rows, None]
+        yw = y[rows] * root_w[rows]
         keep = np.ones(z.shape[1], dtype=bool)
         while True:  # drop features whose weight breaks its sign constraint, then refit
             reg = ridge * np.eye(int(keep.sum()))
             reg[0, 0] = 0.0
             zk = z[:, keep]
             w = np.zeros(z.shape[1])
-            w[keep] = np.linalg.solve(zk.T @ zk + reg, zk.T @ y[rows])
+            w[keep] = np.linalg.solve(zk.T @ zk + reg, zk.T @ yw)
             bad = [i for i, name in enumerate(FEATURES)
                    if keep[i] and SIGNS.get(name, 0) * w[i] < 0]
             if not bad:

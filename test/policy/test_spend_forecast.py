@@ -1,0 +1,108 @@
+"""The spend forecaster: its math, its artifact, and the budget built on it (no server)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from sglang_kvcmas.policy import spend_forecast as sf
+from sglang_kvcmas.policy.spend_budget import Budget, BudgetExceeded, BudgetStatus
+
+
+def synthetic_runs(n: int = 24, seed: int = 0) -> list[list[dict]]:
+    """Runs of 2..12 turns whose prompts grow with the transcript (as the recorded ones do)."""
+    rng = random.Random(seed)
+    runs = []
+    for _ in range(n):
+        agents, turns, transcript = rng.randint(2, 4), rng.randint(2, 12), 120
+        run = []
+        for k in range(turns):
+            out = rng.randint(40, 250)
+            prompt = 80 + transcript
+            run.append({"agent": f"a{k % agents}", "prompt_tokens": prompt,
+                        "recomputed": rng.randint(prompt // 4, prompt), "completion_tokens": out})
+            transcript += out
+        runs.append(run)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def fitted() -> sf.SpendForecaster:
+    return sf.fit(synthetic_runs(), fitted_on="synthetic")
+
+
+def test_one_turn_trajectory_and_interval_contains_the_point(fitted):
+    state = sf.TrajectoryState.of_turns([{"agent": "a", "prompt_tokens": 200, "recomputed": 200,
+                                          "completion_tokens": 50}])
+    f = fitted.forecast(state)
+    assert f.at_turn == 1 and f.spent == 250 and f.prompt_spent == 200
+    assert f.spent <= f.low <= f.total <= f.high
+    assert f.prompt_spent <= f.prompt_low <= f.prompt_total <= f.prompt_high
+    for run in synthetic_runs(8, seed=3):
+        for k in range(1, len(run) + 1):
+            g = fitted.forecast(sf.TrajectoryState.of_turns(run[:k]))
+            assert g.spent <= g.low <= g.total <= g.high and g.at_turn == k
+
+
+def test_forecast_is_monotone_in_spend_so_far(fitted):
+    base = synthetic_runs(1, seed=5)[0][:3]
+    totals = []
+    for extra in (0, 50, 200, 800):
+        turns = [dict(t) for t in base]
+        turns[-1]["completion_tokens"] += extra
+        turns[0]["recomputed"] = min(turns[0]["prompt_tokens"], turns[0]["recomputed"] + extra)
+        totals.append(fitted.forecast(sf.TrajectoryState.of_turns(turns)).total)
+    assert totals == sorted(totals)
+
+
+def test_artifact_round_trip_and_bad_artifacts(tmp_path, fitted):
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps(fitted.to_json()))
+    loaded = sf.load(path)
+    state = sf.TrajectoryState.of_turns(synthetic_runs(1, seed=9)[0][:2])
+    assert loaded.forecast(state) == fitted.forecast(state)
+    with pytest.raises(sf.ForecastArtifactError, match="cannot read"):
+        sf.load(tmp_path / "missing.json")
+    for bad in ({"version": 99}, {**fitted.to_json(), "features": ["bias"]}, {"version": 1}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(sf.ForecastArtifactError):
+            sf.load(path)
+    path.write_text("{not json")
+    with pytest.raises(sf.ForecastArtifactError):
+        sf.load(path)
+
+
+def test_the_shipped_artifact_loads_and_forecasts_fast():
+    forecaster = sf.load()  # python/sglang_kvcmas/policy/spend_forecast.json
+    state = sf.TrajectoryState.of_turns(synthetic_runs(1, seed=1)[0])
+    t0 = time.perf_counter()
+    for _ in range(200):
+        f = forecaster.forecast(state)
+    assert (time.perf_counter() - t0) / 200 < 0.005  # <= 5 ms a forecast
+    assert f.low <= f.total <= f.high
+
+
+def test_fit_needs_two_runs():
+    with pytest.raises(ValueError, match="two runs"):
+        sf.fit(synthetic_runs(1))
+
+
+def test_budget_status_and_refusal(fitted):
+    state = sf.TrajectoryState.of_turns(synthetic_runs(1, seed=2)[0][:2])
+    f = fitted.forecast(state)
+    ok = BudgetStatus(Budget(f.high + 1000, enforce=True), f.spent, f)
+    assert not ok.exceeded and not ok.forecast_exceeded and not ok.refuses
+    assert ok.usage_fields()["kvcmas_budget_forecast"] == f.total
+    warned = BudgetStatus(Budget(max(f.spent + 1, f.total - 1), enforce=False), f.spent, f)
+    assert warned.forecast_exceeded and not warned.refuses
+    spent = BudgetStatus(Budget(f.spent, enforce=True), f.spent, f)
+    assert spent.exceeded and spent.refuses
+    err = spent.refusal("wf-9")
+    assert isinstance(err, BudgetExceeded) and isinstance(err, ValueError)
+    assert "'wf-9'" in str(err) and str(f.spent) in str(err) and str(f.total) in str(err)
+    assert BudgetStatus(Budget(10), 3, None).usage_fields()["kvcmas_budget_forecast"] is None
+    with pytest.raises(ValueError):
+        Budget(0)
