@@ -149,6 +149,7 @@ def main() -> int:
     timings: list[float] = []
     cap_spent = cap_done = fc_spent = fc_done = rule_spent = rule_done = 0
     budgets, ms_chosen = [], []
+    sweep = {m: [0, 0] for m in M_GRID}  # m -> [spent, completed] over held-out runs
     for f in range(args.folds):
         train = [i for i in order if fold_of[i] != f]
         test = [i for i in order if fold_of[i] == f]
@@ -196,6 +197,10 @@ def main() -> int:
         fc_spent, fc_done = fc_spent + s, fc_done + d
         s, d = budget_outcome(test_states, model, budget, 1.0)
         rule_spent, rule_done = rule_spent + s, rule_done + d
+        for mm in M_GRID:
+            s, d = budget_outcome(test_states, model, budget, mm)
+            sweep[mm][0] += s
+            sweep[mm][1] += d
 
     n_runs = len(ape["forecast"][0.5])
     med = {name: {q: statistics.median(v[q]) for q in POINTS} for name, v in ape.items()}
@@ -241,6 +246,8 @@ def main() -> int:
               f": spent {fc_spent} tokens, completed {fc_done}/{n_runs}",
               f"  tokens saved vs cap (chosen m): {saved} ({pct(saved / cap_spent)}) at "
               f"completion {fc_done}/{n_runs} vs {cap_done}/{n_runs}",
+              "  for context, every m of the grid on the held-out runs (not used to choose): "
+              + ", ".join(f"m={mm:g} {v[0]} tokens {v[1]}/{n_runs}" for mm, v in sweep.items()),
               "  completion = the run reached its own end without a refusal; the embedded model "
               "cannot do these tasks, so this is NOT task success",
               "",
