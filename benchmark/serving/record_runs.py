@@ -12,7 +12,8 @@ run's ``X-KVCMAS-Workflow`` header (answers of free length: ``--max-new-tokens``
 - ``panel``: four experts read each other's answers each round; after each round a moderator
   says ``CONCLUDE`` or ``CONTINUE`` (at most ``MAX_PANEL_ROUNDS`` rounds);
 - ``fanout``: a planner lists sub-tasks (one per ``- `` or numbered line; the workers are as
-  many, 1 to ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes the answer.
+  many, 1 to ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes
+  the answer.
 
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
