@@ -122,7 +122,7 @@ def free_ports(n: int, start: int = 30000, end: int = 31000) -> list[int]:
     """``n`` distinct free ports in ``[start, end)``, lowest first."""
     ports: list[int] = []
     for _ in range(n):
-        ports.append(free_port(ports[-1] + 1 if ports else start, end))
+        ports.append(free_port(ports[-1] + 1 if ports else start, end, spread=False))
     return ports
 
 
@@ -232,7 +232,7 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port()
-        ports = free_ports(self.workers, self.port + 1)
+        ports = free_ports(self.workers, self.port + 1, self.port + 1000)
         for i in range(self.workers):  # SGLang appends to its request log: start it afresh
             shutil.rmtree(self._request_dir(i), ignore_errors=True)
         self.servers = [self._worker(i, p) for i, p in enumerate(ports)]

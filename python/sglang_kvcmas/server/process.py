@@ -8,6 +8,7 @@ error with the log's tail when it dies or does not become healthy in time.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,9 +27,13 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time (message has the log's tail)."""
 
 
-def free_port(start: int = 30000, end: int = 31000) -> int:
-    """The first port in ``[start, end)`` that nothing listens on (bind-tested)."""
-    for port in range(start, end):
+def free_port(start: int = 30000, end: int = 31000, spread: bool = True) -> int:
+    """A port in ``[start, end)`` that nothing listens on (bind-tested): searched from a random
+    offset with ``spread`` (servers started at once by separate jobs rarely pick the same one),
+    else the lowest."""
+    offset = random.randrange(end - start) if spread and end > start else 0
+    for i in range(end - start):
+        port = start + (offset + i) % (end - start)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((HOST, port))
@@ -108,11 +113,14 @@ class ServerProcess:
                 next_note += 10.0
                 self.on_wait(time.monotonic() - start, log_tail(self.log_path, 1)[:100])
             if self.proc.poll() is not None:
+                taken = "address already in use" in log_tail(self.log_path, 5).lower()
                 raise ServerStartError(
-                    f"server exited with status {self.proc.returncode} while booting; "
+                    (f"port {self.port} was taken by another process while the server booted; "
+                     if taken else "")
+                    + f"server exited with status {self.proc.returncode} while booting; "
                     f"log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
-            if self.healthy():
+            if self.healthy() and self.listens():
                 return self
             time.sleep(1.0)
         self.stop()
@@ -120,6 +128,25 @@ class ServerProcess:
             f"server not healthy after {self.boot_timeout_s:.0f} s; "
             f"log {self.log_path}:\n{log_tail(self.log_path)}"
         )
+
+    def listens(self) -> bool:
+        """Whether our process (or a child of it) holds the listening socket on our port: a
+        healthy answer from another job's server that took the port first must not count (our
+        own server then fails to bind and exits, reported by :meth:`start`). True where the
+        sockets cannot be read."""
+        try:
+            import psutil
+
+            root = psutil.Process(self.proc.pid)
+            for proc in (root, *root.children(recursive=True)):
+                for conn in proc.net_connections(kind="tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr.port == self.port:
+                        return True
+            return False
+        except ImportError:
+            return True
+        except Exception:  # noqa: BLE001 - a process gone between the calls, no permission
+            return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
         try:
