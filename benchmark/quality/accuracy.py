@@ -172,8 +172,16 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
     with ArmServer(arm, args.logs / f"server_{arm}.log", extra) as server:
         stream_generate(server.url, tok.encode("Warm up."), 4)
 
+        failed: list[str] = []
+
         def one(ti: tuple[str, int]) -> None:
-            rec = run_item(server.url, tok, *ti, args.max_new_tokens)
+            try:
+                rec = run_item(server.url, tok, *ti, args.max_new_tokens)
+            except Exception as e:  # noqa: BLE001 - one item's failure must not end the arm
+                failed.append(f"{ti[0]}/{ti[1]}")
+                say(f"{arm}: {ti[0]}/{ti[1]} failed ({type(e).__name__}: {e}); not recorded, "
+                    f"a rerun retries it")
+                return
             with lock:
                 with path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -186,6 +194,8 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
 
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(one, todo))
+    if failed:
+        say(f"{arm}: {len(failed)} items failed: {', '.join(sorted(failed))}")
 
 
 # ----- summary --------------------------------------------------------------------------------
