@@ -42,7 +42,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from benchmark.quality import tasks  # noqa: E402
 from benchmark.quality.sandbox import isolation  # noqa: E402
 from benchmark.quality.stats import paired_diff  # noqa: E402
+from benchmark.serving.head_to_head import stream_generate  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 
@@ -63,28 +63,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def say(text: str) -> None:
     print(f"[accuracy] {text}", file=sys.stderr, flush=True)
-
-
-def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
-    """One streamed greedy ``/generate``: TTFT, latency, text and ``meta_info``."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-    if last is None:
-        raise RuntimeError("the server sent no data")
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": last["text"],
-            "meta": last["meta_info"]}
 
 
 # ----- items --------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.recompute_fidelity import TOP, compare, generate, prompt_ids  # noqa: E402
+from benchmark.serving.recompute_fidelity import compare, forced, generate, prompt_ids  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS, debate  # noqa: E402
 
@@ -54,23 +54,6 @@ def configs(boundary: int, mass: float, ranks: list[int]) -> dict[str, dict]:
         out[f"lowrank{r}"] = {**recompute, "kvcmas_leaf_mode": "lowrank",
                               "kvcmas_lowrank_rank": r}
     return out
-
-
-def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
-           custom: dict | None = None) -> dict:
-    """Teacher-force ``cont`` after ``ids`` (as ``recompute_fidelity.forced``) with these
-    ``custom_params``; the response's reuse record as served."""
-    sampling = {} if custom is None else {"custom_params": custom}
-    t0 = time.perf_counter()
-    res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids) - 1,
-                   top_logprobs_num=TOP, sampling=sampling)
-    wall = time.perf_counter() - t0
-    meta = res["meta_info"]
-    tops = [{t: lp for lp, t, _ in (top or [])} for top in meta["input_top_logprobs"][1:]]
-    chosen = [x[0] for x in meta["input_token_logprobs"][1:]]
-    n = min(len(cont), len(tops))
-    rec = (meta.get("kvcmas_reuse") or [{}])[0]
-    return {"tops": tops[:n], "chosen": chosen[:n], "wall_s": wall, "reuse": rec}
 
 
 def lowrank_bytes(model, rank: int) -> int:
@@ -129,7 +112,7 @@ def main() -> int:
                     ref = forced(url, ids, cont, salt=f"ref-{uuid.uuid4()}")
                     for name, custom in confs.items():
                         got = forced(url, ids, cont, custom=custom)
-                        reuse = got["reuse"]
+                        reuse = got["record"]
                         rec = {"model": model.name, "question": qi, "round": step + 1,
                                "agent": a, "config": name, "prompt_tokens": len(ids),
                                **compare(ref, got, cont), "wall_s": got["wall_s"],

@@ -74,12 +74,14 @@ def config_name(boundary: int, mass: float, tail: int) -> str:
 
 
 def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
-           config: tuple[int, float, int] | None = None) -> dict:
+           config: tuple[int, float, int] | None = None, custom: dict | None = None) -> dict:
     """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs.
-    ``config``: (boundary tokens, mass fraction, tail tokens) the reader recomputes."""
-    sampling = {} if config is None else {"custom_params": {
-        "kvcmas_recompute_boundary": config[0], "kvcmas_recompute_mass_fraction": config[1],
-        "kvcmas_recompute_tail": config[2]}}
+    ``config``: (boundary tokens, mass fraction, tail tokens) the reader recomputes; ``custom``:
+    any other ``custom_params`` (``record`` is then the reuse record as served)."""
+    if config is not None:
+        custom = {**(custom or {}), "kvcmas_recompute_boundary": config[0],
+                  "kvcmas_recompute_mass_fraction": config[1], "kvcmas_recompute_tail": config[2]}
+    sampling = {} if custom is None else {"custom_params": custom}
     t0 = time.perf_counter()
     # From the last prompt token on: SGLang gives no logprob for the token at logprob_start_len
     # itself, so entry k + 1 is the prediction of cont[k] (cont[0] included).
@@ -92,7 +94,7 @@ def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
     n = min(len(cont), len(tops))
     return {"tops": tops[:n], "chosen": chosen[:n], "wall_s": wall,
             "ttft_s": meta.get("first_token_latency"),
-            "reuse": of_meta(meta)}
+            "reuse": of_meta(meta), "record": (meta.get("kvcmas_reuse") or [{}])[0]}
 
 
 def kl_on_support(ref: dict[int, float], got: dict[int, float]) -> float:
