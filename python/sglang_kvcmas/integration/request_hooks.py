@@ -49,14 +49,15 @@ def _sampling_dicts(obj: Any, create: bool) -> list[dict]:
     return []
 
 
-def label_and_check(obj: Any, headers: Any) -> None:
+def label_and_check(obj: Any, headers: Any) -> list[RequestOptions]:
     """Apply the workflow header (ours, else the router's routing key), then parse every
-    prompt's ``kvcmas_*`` fields.
+    prompt's ``kvcmas_*`` fields; returns them, one per prompt.
 
     Raises:
         RequestOptionError: (a ``ValueError``) naming the field.
     """
     workflow, ours = workflow_from_headers(headers)
+    parsed = []
     for params in _sampling_dicts(obj, create=workflow is not None):
         custom = params.get("custom_params")
         if workflow is not None:
@@ -70,15 +71,16 @@ def label_and_check(obj: Any, headers: Any) -> None:
                         f"{WORKFLOW_HEADER} header ({workflow!r})")
                 if given is None:  # a body's own name wins over the router's key
                     custom[WORKFLOW_FIELD] = workflow
-        RequestOptions.parse(custom)
+        parsed.append(RequestOptions.parse(custom))
+    return parsed
 
 
 def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, *args: Any,
                     **kwargs: Any) -> Any:
     """AROUND hook for ``TokenizerManager.generate_request`` (an async generator function):
     raises before the generator exists, so SGLang's callers answer 400."""
-    label_and_check(obj, getattr(request, "headers", None))
-    workflow_accounting.admit(obj)  # budgets: recorded, and enforced (a 400)
+    options = label_and_check(obj, getattr(request, "headers", None))
+    workflow_accounting.admit_options(options)  # budgets: recorded, and enforced (a 400)
     outputs = original(manager, obj, request, *args, **kwargs)
     return usage_stream.collecting(workflow_accounting.observing(outputs))
 

@@ -80,18 +80,22 @@ def default_budget() -> Budget | None:
 
 
 def admit(obj: Any, now: float | None = None) -> None:
-    """Before a request is served: record the budgets its prompts give their workflows, then
-    refuse it when a workflow it names is past an enforced budget.
+    """:func:`admit_options` of the options ``obj``'s prompts give (parsed here)."""
+    params = getattr(obj, "sampling_params", None)
+    admit_options([RequestOptions.lenient(p.get("custom_params"))
+                   for p in (params if isinstance(params, list) else [params])
+                   if isinstance(p, dict)], now)
+
+
+def admit_options(options: list[RequestOptions | None], now: float | None = None) -> None:
+    """Before a request is served: record the budgets its prompts' options give their
+    workflows, then refuse it when a workflow it names is past an enforced budget.
 
     Raises:
         BudgetExceeded: (a ``ValueError``: SGLang answers 400) naming the workflow, its spend
             and forecast.
     """
-    params = getattr(obj, "sampling_params", None)
-    for p in params if isinstance(params, list) else [params]:
-        if not isinstance(p, dict):
-            continue
-        opts = RequestOptions.lenient(p.get("custom_params"))
+    for opts in options:
         if opts is None or opts.workflow is None:
             continue
         default = default_budget()
