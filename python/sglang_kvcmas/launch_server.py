@@ -6,7 +6,8 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
 
 - ``--model-path`` defaults to the embedded SmolLM2-135M-Instruct; also accepts ``embedded``, a
   Hugging Face folder, or a ``.gguf`` file (see ``sglang_kvcmas.models.resolve``). A bad path
-  fails before SGLang boots, with exit status 2.
+  fails before SGLang boots, with exit status 2; so does an adapter of ``--lora-paths`` that
+  does not fit the model (``models/adapter_check.py``).
 - On CPU (no ``--device`` or ``--device cpu``): ``--device cpu --dtype float32
   --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static 0.1``,
   ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
@@ -31,7 +32,9 @@ import os
 import shlex
 import sys
 
+from sglang_kvcmas.models.adapter_check import AdapterError
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
+from sglang_kvcmas.server.lora_args import check_lora_paths
 from sglang_kvcmas.server.options import build_sglang_argv, knobs_help, parse_launcher_args
 
 
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model_path(options.model)
     except ModelPathError as e:
         print(f"sglang-kvcmas-server: error: bad --model-path: {e}", file=sys.stderr)
+        return EXIT_BAD_MODEL
+    try:
+        check_lora_paths(options.sglang_argv, model_path)
+    except AdapterError as e:
+        print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
 
     os.environ.update(options.server_env())  # server processes inherit our serving options

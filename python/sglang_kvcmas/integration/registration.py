@@ -16,6 +16,7 @@ registers — no model load, no device initialisation, no environment changes:
   the ``X-KVCMAS-Workflow`` header applied (``request_hooks``); on the OpenAI chat route, each
   request's agent head named from its system messages (AROUND
   ``OpenAIServingChat._convert_to_internal_request``, ``chat_split_hook``);
+- ``/load_lora_adapter``: the adapter checked against the served model first (``lora_hooks``);
 - OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details``, streamed or not, and
   its JSON.
 
@@ -37,11 +38,13 @@ from sglang_kvcmas.integration import (
     admission_hook,
     batch_rows,
     chat_split_hook,
+    lora_hooks,
     request_hooks,
     reuse_accounting,
     turn_order_hook,
     usage_stream,
 )
+from sglang_kvcmas.integration.cpu_lora import register_cpu_lora_backend
 from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as ATTN_NAME
 from sglang_kvcmas.integration.delta_attention_backend import create_delta_backend
 from sglang_kvcmas.integration.radix_cache_backend import BACKEND_NAME
@@ -92,12 +95,14 @@ def register_all() -> None:
     """Register every sglang-kvcmas extension with SGLang. Idempotent."""
     register_cache_backend()
     register_attention_backend_once()
+    register_cpu_lora_backend()
     _register_hook(INTERNAL_STATE_TARGET, add_tree_cache_to_internal_state, HookType.AFTER)
     _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
     _register_hook(admission_hook.TARGET, admission_hook.admission_around, HookType.AROUND)
     _register_hook(batch_rows.TARGET, batch_rows.attach_rows, HookType.AFTER)
     _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
     _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
+    _register_hook(lora_hooks.TARGET, lora_hooks.load_around, HookType.AROUND)
     _register_hook(chat_split_hook.TARGET, chat_split_hook.convert_around, HookType.AROUND)
     _register_hook(usage_stream.CHAT_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(usage_stream.COMPLETION_TARGET, usage_stream.stream_around, HookType.AROUND)

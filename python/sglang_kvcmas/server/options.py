@@ -179,6 +179,8 @@ def default_flags(
         # Sized from the model's weights and the pool (a fixed 0.1 fails a 0.5B model's boot).
         DefaultFlag("mem_fraction_static", ("--mem-fraction-static", f"{mem_fraction_static:g}"),
                     cpu_only=True),
+        # SGLang's default LoRA backend is a GPU kernel; torch_native runs on CPU (cpu_lora).
+        DefaultFlag("lora_backend", ("--lora-backend", "torch_native"), cpu_only=True),
         DefaultFlag("enable_cache_report", ("--enable-cache-report",)),
     ]
     if importlib.util.find_spec("prometheus_client") is not None:
