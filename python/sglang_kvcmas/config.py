@@ -218,6 +218,12 @@ class ServingConfig:
     lowrank_rank: int = _knob(
         8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "
         "'lowrank', 'lowrank+exact').", kind=int, low=1, high=64, per_request=True)
+    lora_share: str = _knob(
+        "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
+        "own cache of the transcript, as SGLang does; 'borrow' lets an adapter read the "
+        "transcript another adapter computed, through the same read path as prompt agents "
+        "(recompute, leaf mode). Requests without an adapter never read an adapter's KV.",
+        kind=str, choices=("separate", "borrow"))
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

@@ -84,6 +84,7 @@ from sglang_kvcmas.policy.recompute import (
     select_recompute_arrays,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
+from sglang_kvcmas.policy.lora_share import lora_agent, sharing_namespace
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tokens import as_token_array
@@ -131,11 +132,6 @@ class PendingOwner:
     since: float
 
 
-def namespace_of(extra_key: Any, cache_salt: Any) -> tuple:
-    """The sharing namespace of a request: never shared across ``extra_key`` or ``cache_salt``."""
-    return (extra_key, cache_salt or None)
-
-
 class KvcmasSharedTreeCache(KvcmasRadixCache):
     """Radix cache + shared-context tree (see module docstring)."""
 
@@ -164,6 +160,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.markers = markers
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
+        self.lora_share = config.lora_share
         self.recompute_config = RecomputeConfig.from_serving(config)
         self.leaf_config = LeafConfig.from_serving(config)
         self.turn_config = TurnConfig.from_serving(config)
@@ -203,6 +200,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             else:
                 try:
                     split = split_request(req.origin_input_ids, options, self.markers)
+                    lora_id = getattr(req, "lora_id", None)
+                    if split is not None and lora_id is not None:
+                        split = replace(split, agent=lora_agent(split.agent, lora_id))
                 except ValueError as e:
                     logger.warning("sglang-kvcmas: request %s: %s; served without sharing",
                                    req.rid, e)
@@ -212,12 +212,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _fault(self, req: Req, where: str) -> None:
         """Log an internal error of ours for one request and stop sharing in its namespace
         (every later request there is served as by the radix cache); the scheduler goes on."""
-        ns = namespace_of(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+        ns = self.namespace(req)
         self.broken_namespaces.add(ns)
         self.faults += 1
         self.pending_owners.pop(req.rid, None)
         logger.exception("sglang-kvcmas: internal error in %s for request %s; sharing is off "
                          "for its namespace from now on", where, req.rid)
+
+    def namespace(self, req: Req) -> tuple:
+        """The request's sharing namespace: never across ``extra_key`` or ``cache_salt``; across
+        LoRA adapters only under ``lora_share=borrow`` (``policy/lora_share.py``)."""
+        return sharing_namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None),
+                                 getattr(req, "lora_id", None), self.lora_share)
 
     def split_of(self, req: Req) -> AgentSplit | None:
         """The request's agent split; None: not an agent request."""
@@ -242,7 +248,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         cached = getattr(req, "_kvcmas_available", None)
         if cached is not None and cached[0] == version:
             return cached[1]
-        ns = namespace_of(req.extra_key, req.cache_salt)
+        ns = self.namespace(req)
         available, _ = self.shared.match(ns, self.shared_tokens(req), split=False)
         req._kvcmas_available = (version, available)
         return available
@@ -278,7 +284,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req = params.req
         if not self.share_context or self.disable or req is None or self.page_size != 1:
             return base
-        if namespace_of(params.key.extra_key, params.key.cache_salt) in self.broken_namespaces:
+        if self.namespace(req) in self.broken_namespaces:
             return base
         try:
             return self._match_shared(params, base, req)
@@ -294,7 +300,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         key = params.key
         limit = min(len(key), split.shared_end)
         shared_tokens = key.token_ids[split.head_len : limit]
-        ns = namespace_of(key.extra_key, key.cache_salt)
+        ns = self.namespace(req)
         matched, node = self.shared.match(ns, shared_tokens, split=True)
         begin = base.device_prefix_len - split.head_len
         if node is None or matched <= begin:
@@ -454,7 +460,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if split is not None and covered < split.shared_end:
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
-            ns = namespace_of(req.extra_key, req.cache_salt)
+            ns = self.namespace(req)
             self.pending_owners[req.rid] = PendingOwner(req.rid, ns, self.shared_tokens(req),
                                                         time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
@@ -478,7 +484,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
-            if split is not None and namespace_of(req.extra_key, req.cache_salt) \
+            if split is not None and self.namespace(req) \
                     not in self.broken_namespaces:
                 try:
                     self._register_exact(req, split, up_to)
@@ -496,7 +502,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return
         ids = req.full_untruncated_fill_ids
         tokens = ids[split.head_len : end]
-        ns = namespace_of(req.extra_key, req.cache_salt)
+        ns = self.namespace(req)
         known, _ = self.shared.match(ns, tokens, split=False)
         if known >= len(tokens):
             return

@@ -38,8 +38,6 @@ def held_count() -> int:
 
 
 def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
-    from sglang_kvcmas.integration.shared_tree_cache import namespace_of
-
     out = []
     for req in waiting:
         split = cache.split_of(req)
@@ -48,7 +46,7 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
         exact = cache.radix_peek(req, split.shared_end)  # its own exact prefix
         if exact < split.head_len:
             continue  # its head is not cached: it cannot borrow anyway
-        ns = namespace_of(req.extra_key, req.cache_salt)
+        ns = cache.namespace(req)
         if ns in cache.broken_namespaces:
             continue  # sharing is off there: nothing to wait for
         out.append(
