@@ -220,10 +220,12 @@ class ServingConfig:
         "'lowrank', 'lowrank+exact').", kind=int, low=1, high=64, per_request=True)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
-        "own cache of the transcript, as SGLang does; 'borrow' lets an adapter read the "
-        "transcript another adapter computed, through the same read path as prompt agents "
-        "(recompute, leaf mode). Requests without an adapter never read an adapter's KV.",
-        kind=str, choices=("separate", "borrow"))
+        "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "
+        "prompt in the background for the workflow's other adapters while the turn decodes "
+        "(exact; costs background prefill); 'borrow' lets an adapter read the transcript "
+        "another adapter computed, through the same read path as prompt agents (recompute, "
+        "leaf mode). Requests without an adapter never read an adapter's KV.",
+        kind=str, choices=("separate", "catchup", "borrow"))
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

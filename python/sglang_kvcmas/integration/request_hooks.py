@@ -12,7 +12,9 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   every prompt's ``custom_params`` is parsed strictly
   (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
   (an error event on a stream that has not started). While an OpenAI stream is being served it
-  also collects the reuse records for the stream's usage chunk (``usage_stream.py``).
+  also collects the reuse records for the stream's usage chunk (``usage_stream.py``). Under
+  ``--kvcmas-lora-share catchup`` an adapter request of a workflow starts the background
+  catch-ups of the workflow's other adapters (``lora_catchup.py``).
 - AROUND ``TokenizerManager._validate_one_request``: with the prompt's token ids known, an
   explicit head or shared end past the prompt is refused the same way.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_kvcmas.integration import usage_stream, workflow_accounting
+from sglang_kvcmas.integration import lora_catchup, usage_stream, workflow_accounting
 from sglang_kvcmas.policy.request_options import (
     WORKFLOW_FIELD,
     WORKFLOW_HEADER,
@@ -82,6 +84,7 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     options = label_and_check(obj, getattr(request, "headers", None))
     workflow_accounting.admit_options(options)  # budgets: recorded, and enforced (a 400)
     outputs = original(manager, obj, request, *args, **kwargs)
+    outputs = lora_catchup.around_request(original, manager, obj, options, outputs)
     return usage_stream.collecting(workflow_accounting.observing(outputs))
 
 

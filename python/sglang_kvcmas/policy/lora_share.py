@@ -9,8 +9,13 @@ crosses ``cache_salt`` or the caller's own ``extra_key``:
 ``lora_share`` request with an adapter                      request without an adapter
 =============  ==========================================  ================================
 ``separate``   its adapter's namespace only (SGLang's own)  the base model's namespace
+``catchup``    its adapter's namespace only                 the base model's namespace
 ``borrow``     one namespace for all adapters               the base model's namespace
 =============  ==========================================  ================================
+
+``catchup`` keeps every adapter's cache exact and separate, and prefills a turn's prompt for the
+workflow's other adapters in the background (``policy/lora_catchup.py``,
+``integration/lora_catchup.py``).
 
 Under ``borrow`` an adapter reads the transcript another adapter computed through the same read
 path as prompt agents (its own head exact, borrowed tokens re-positioned, some recomputed with its
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODES = ("separate", "borrow")
+MODES = ("separate", "catchup", "borrow")
 ADAPTERS = "lora"
 """The namespace tag every adapter shares under ``borrow``."""
 
@@ -50,12 +55,12 @@ def sharing_namespace(extra_key: Any, cache_salt: Any, lora_id: str | None = Non
         extra_key: the request's ``extra_key`` as SGLang keeps it (adapter id appended).
         cache_salt: its ``cache_salt`` (None or "" for none).
         lora_id: its adapter id (None: the base model).
-        mode: ``separate`` or ``borrow``.
+        mode: ``separate``, ``catchup`` or ``borrow``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown lora_share mode {mode!r}; choose from {MODES}")
     salt = cache_salt or None
-    if lora_id is None or mode == "separate":
+    if lora_id is None or mode != "borrow":
         return (extra_key, salt)
     return (caller_extra_key(extra_key, lora_id), salt, ADAPTERS)
 
