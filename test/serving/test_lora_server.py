@@ -12,11 +12,16 @@ What ``borrow`` promises, checked here end to end:
 - bad adapters: an unknown name is a 400, an adapter for another base model is refused by
   ``/load_lora_adapter`` (400, nothing loaded), and the server keeps serving with nothing
   leaked from its pool.
+
+And what ``catchup`` promises: after a workflow's adapters have spoken once, each turn finds all
+but the newest message in its own exact cache, with stock's answers, and the background prefill
+is counted in ``/metrics``.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -74,6 +79,15 @@ def boot(tmp_path_factory, name: str, flags: list[str]):
                             boot_timeout_s=400)
     process.start()
     return process
+
+
+@pytest.fixture(scope="module")
+def catchup_server(tmp_path_factory):
+    process = boot(tmp_path_factory, "lora-catchup", ["--kvcmas-lora-share", "catchup"])
+    try:
+        yield process.url
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +181,42 @@ def test_bad_adapters_get_a_clear_400_and_the_server_keeps_serving(servers, tmp_
     assert status == 400  # never loaded
     assert generate(ours, prompt("What is 3 + 4?"), "solver")["meta_info"]["output_ids"]
     assert pool_balanced(ours)
+
+
+def catchup_tokens(url: str, kind: str = "prefilled") -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("kvcmas:lora_catchup_tokens_total{") and kind in line)
+
+
+def settle(url: str, timeout_s: float = 60.0) -> None:
+    """Until the background catch-ups a turn started have finished (their counter is still)."""
+    last, deadline = -1.0, time.monotonic() + timeout_s
+    time.sleep(0.5)
+    while time.monotonic() < deadline:
+        now = catchup_tokens(url, "prompt")
+        if now == last:
+            return
+        last = now
+        time.sleep(0.7)
+
+
+def test_catchup_prefills_the_next_adapters_prompt_exactly(servers, catchup_server):
+    stock, _ = servers
+    q = QUESTION + uuid.uuid4().hex[:6]
+    flow = {"custom_params": {"kvcmas_workflow": f"catchup-{uuid.uuid4().hex[:8]}"}}
+    messages: list[str] = []
+    before = catchup_tokens(catchup_server)
+    for turn, role in enumerate([*ROLES, *ROLES]):
+        text = prompt(q, *messages)
+        body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8, **flow}}
+        got = generate(catchup_server, text, role, **body)
+        want = generate(stock, text, role)
+        assert got["meta_info"]["output_ids"] == want["meta_info"]["output_ids"]
+        if turn >= len(ROLES):  # every adapter has spoken: all but the last message is cached
+            new = len(got["meta_info"]["output_ids"]) + 12  # the message and its chat markers
+            assert got["meta_info"]["cached_tokens"] >= got["meta_info"]["prompt_tokens"] - new
+        messages.append(got["text"].strip())
+        settle(catchup_server)
+    assert catchup_tokens(catchup_server) > before

@@ -3,9 +3,10 @@
 In the HTTP process, on every single (non-batch) request that names an adapter and a workflow
 (``kvcmas_workflow``, ``X-KVCMAS-Workflow`` or the router's routing key): the other adapters that
 have spoken in that workflow (``policy.lora_catchup.CatchupPlanner``) each get a background
-request with the same prompt and one output token, sent to the scheduler after a grace period
-(:data:`GRACE_S`) unless that adapter has a request of its own in flight in the workflow by
-then, so their prefills run in the batches beside this request's decode. Nothing of the
+request with the same prompt and one output token, sent to the scheduler once this request has
+streamed its first chunk (a non-streamed one: at once) and a grace period (:data:`GRACE_S`) later,
+unless that adapter has a request of its own in flight in the workflow by then, so their prefills
+run in the batches beside this request's decode. Nothing of the
 client's request changes. Background requests go through SGLang's unhooked ``generate_request`` (no ledger entry,
 no catch-up of their own); their prefilled tokens are counted in ``kvcmas:lora_catchup_tokens_total``
 (Prometheus, ``kind`` = ``prompt`` | ``prefilled``) and :data:`TOTALS`. A failed catch-up is
@@ -82,17 +83,30 @@ def around_request(original: Any, manager: Any, obj: Any,
     except RuntimeError:  # not called from the server's event loop (tests): nothing to start
         return outputs
     PLANNER.started(workflow, adapter)
-    for other in PLANNER.on_request(workflow, adapter):
-        task = loop.create_task(_catch_up(original, manager, obj, workflow, other))
-        _TASKS.add(task)  # held until done (the loop keeps only weak references)
-        task.add_done_callback(_TASKS.discard)
-    return _tracked(outputs, workflow, adapter)
+    others = PLANNER.on_request(workflow, adapter)
+
+    def start() -> None:
+        for other in others:
+            task = loop.create_task(_catch_up(original, manager, obj, workflow, other))
+            _TASKS.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(_TASKS.discard)
+
+    if not getattr(obj, "stream", False):
+        start()  # no first chunk to wait for: after the grace period
+        start = None
+    return _tracked(outputs, workflow, adapter, start)
 
 
-async def _tracked(outputs: Any, workflow: str, adapter: str) -> Any:
+async def _tracked(outputs: Any, workflow: str, adapter: str, start: Any) -> Any:
+    """``outputs``, with the adapter's request in flight until it ends; a streamed request's
+    catch-ups start after its first chunk: started with it, their prefill would run in the
+    batch after its own and, with SGLang's overlap scheduler, delay its first token."""
     try:
         async for out in outputs:
             yield out
+            if start is not None:
+                start()
+                start = None
     finally:
         PLANNER.finished(workflow, adapter)
 
