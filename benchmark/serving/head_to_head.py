@@ -61,10 +61,11 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
-    """One streamed /generate; returns ttft, latency, output ids/text and meta_info."""
+def stream_generate(url: str, ids: list[int], max_new: int, extra: dict | None = None) -> dict:
+    """One streamed /generate; returns ttft, latency, output ids/text and meta_info. ``extra``:
+    more request fields (e.g. ``lora_path``)."""
     body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}, **(extra or {})}
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()

@@ -74,10 +74,12 @@ def config_name(boundary: int, mass: float, tail: int) -> str:
 
 
 def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
-           config: tuple[int, float, int] | None = None, custom: dict | None = None) -> dict:
+           config: tuple[int, float, int] | None = None, custom: dict | None = None,
+           body: dict | None = None) -> dict:
     """Teacher-force ``cont`` after ``ids``: top-20 per position, the forced tokens' logprobs.
     ``config``: (boundary tokens, mass fraction, tail tokens) the reader recomputes; ``custom``:
-    any other ``custom_params`` (``record`` is then the reuse record as served)."""
+    any other ``custom_params`` (``record`` is then the reuse record as served); ``body``: more
+    request fields (e.g. ``lora_path``)."""
     if config is not None:
         custom = {**(custom or {}), "kvcmas_recompute_boundary": config[0],
                   "kvcmas_recompute_mass_fraction": config[1], "kvcmas_recompute_tail": config[2]}
@@ -86,7 +88,7 @@ def forced(url: str, ids: list[int], cont: list[int], salt: str | None = None,
     # From the last prompt token on: SGLang gives no logprob for the token at logprob_start_len
     # itself, so entry k + 1 is the prediction of cont[k] (cont[0] included).
     res = generate(url, ids + cont, 1, salt, return_logprob=True, logprob_start_len=len(ids) - 1,
-                   top_logprobs_num=TOP, sampling=sampling)
+                   top_logprobs_num=TOP, sampling=sampling, **(body or {}))
     wall = time.perf_counter() - t0
     meta = res["meta_info"]
     tops = [{t: lp for lp, t, _ in (top or [])} for top in meta["input_top_logprobs"][1:]]

@@ -1,0 +1,486 @@
+"""LoRA head-to-head: stock SGLang LoRA serving (radix cache) vs our modes for LoRA agents.
+
+Agents differ by LoRA adapter (default: the package's planner / solver / critic role adapters for
+the embedded model, ``sglang_kvcmas.adapters``): every agent sees the same ChatML transcript (one
+system message, the question, the agents' messages as assistant turns), so the adapter alone
+decides what it writes. A workflow is ``--rounds`` rounds over one GSM8K question: by default a
+``panel`` (every round all adapters answer the transcript together, their messages appended in
+order), or with ``--shape chain`` planner -> solver -> critic one at a time. ``--flows`` workflows
+run concurrently, after one short request per adapter (its head cached, as a deployment's earlier
+traffic leaves it); every request names its workflow. Same server binary, one server at a time,
+the same KV pool for every arm:
+
+    stock           --kvcmas-stock-cache: SGLang's LoRA serving; its radix cache keys every
+                    prefix by adapter, so each adapter prefills the transcript itself
+    borrow          --kvcmas-share-context --kvcmas-lora-share borrow: an adapter reads the
+                    transcript another adapter computed (re-positioned, boundary and head-mass
+                    tokens recomputed with its own adapter, kept as its exact leaves)
+    borrow_lowrank  the same with --kvcmas-leaf-mode lowrank: the recomputed tokens fit the
+                    adapter's low-rank correction of every other borrowed token, then are freed
+    catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
+                    turn's prompt prefilled in the background for the workflow's other adapters
+                    while the turn decodes
+
+Per arm: TTFT over non-owner turns (every turn after a workflow's first round: each adapter has
+spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
+the ``borrow`` arm reads another adapter's KV only in some of them), workflow makespan, token throughput, peak KV (pool slots held x
+bytes per token, + low-rank leaf bytes; the LoRA weight buffers are the same in every arm and not
+counted), tokens prefilled (foreground + background), and the share of workflows whose last
+solver answer is the stock arm's. Fidelity, per arm, on its own server after its run: the stock
+arm's turns are replayed in workflow order (each turn's prompt + the stock continuation,
+teacher-forced, so each reads what it would read as served) and compared per position with an
+exact prefill of the same request (fresh ``cache_salt``: nothing shared or cached): top-1
+agreement and KL on the exact top-20, over the replayed turns that read another adapter's KV
+(for ``catchup``, every turn after a workflow's first step); for the cross-adapter arms the replay
+is repeated after a cache flush with naive reuse (nothing recomputed) for
+``kl_recovered = 1 - KL(mode) / KL(naive)``.
+
+    python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, < 15 min
+    python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
+        [--shape panel|chain] [--arms stock,borrow,borrow_lowrank,catchup]
+        [--adapters name=path,...] [--model-path NAME]
+
+Ends with ``HEADLINE mode=<default> ttft_speedup_vs_stock=... kv_ratio_vs_stock=... tf_top1=...
+kl_recovered=... bg_prefill_tokens_ratio=...`` (``kv_ratio`` = stock peak KV / ours;
+``bg_prefill_tokens_ratio`` = tokens the mode prefills, foreground and background (``catchup``'s
+from its ``kvcmas:lora_catchup_tokens`` metric), / tokens stock prefills). Writes ``.jsonl``,
+``.txt``, per-arm turn files and a plot under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from benchmark.serving.head_to_head import KvSampler, pct, post, stream_generate  # noqa: E402
+from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
+from benchmark.serving.reuse_records import of_meta  # noqa: E402
+from benchmark.serving.server_arms import COMMON_FLAGS  # noqa: E402
+from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
+DEFAULT_MODE = "catchup"
+"""The mode the headline reports: exact (the cross-adapter reads measured less faithful)."""
+SHARE = ["--kvcmas-share-context", "--kvcmas-lora-share", "borrow"]
+ARMS: dict[str, list[str]] = {
+    "stock": ["--kvcmas-stock-cache"],
+    "borrow": SHARE,
+    "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
+    "catchup": ["--kvcmas-lora-share", "catchup"],
+}
+CROSS_ADAPTER = ("borrow", "borrow_lowrank")
+"""Arms whose adapters read KV another adapter computed (the others' caches are exact)."""
+NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
+         "kvcmas_recompute_tail": 0}
+"""Per-request knobs of naive cross-adapter reuse: every borrowed token read as computed."""
+
+
+def default_adapters() -> dict[str, Path]:
+    from sglang_kvcmas.adapters import ROLES, role_adapter_dir
+
+    return {role: role_adapter_dir("attn", role) for role in ROLES}
+
+
+def parse_adapters(text: str | None) -> dict[str, Path]:
+    """``name=path,...`` (PEFT folders) -> {name: path}; None: the package's role adapters."""
+    if not text:
+        return default_adapters()
+    out = {}
+    for part in text.split(","):
+        name, sep, path = part.partition("=")
+        if not sep or not Path(path).is_dir():
+            raise SystemExit(f"--adapters: expected name=folder, got {part!r}")
+        out[name] = Path(path)
+    return out
+
+
+@dataclass
+class LoraFlow:
+    """One workflow: its question, its steps (groups of agents that answer together over the
+    same transcript), and the messages so far."""
+
+    wid: int
+    question: str
+    steps: list[list[str]]
+    messages: list[str] = field(default_factory=list)
+
+    def prompt(self) -> str:
+        from sglang_kvcmas.adapters.role_data import SYSTEM, Message, chat_text
+
+        msgs = [Message("system", SYSTEM), Message("user", self.question)]
+        msgs += [Message("assistant", m.strip()) for m in self.messages]
+        return chat_text(msgs, open_turn=True)
+
+
+SHAPES = ("panel", "chain")
+
+
+def flow_steps(shape: str, agents: list[str], rounds: int) -> list[list[str]]:
+    """``panel``: every round, all agents answer the transcript together (their messages appended
+    in agent order); ``chain``: one agent per step, in order, ``rounds`` times."""
+    if shape == "panel":
+        return [list(agents)] * rounds
+    return [[a] for a in agents] * rounds
+
+
+def build_flows(n: int, steps: list[list[str]]) -> list[LoraFlow]:
+    from sglang_kvcmas.datasets import gsm8k
+
+    items = gsm8k()
+    return [LoraFlow(i, items[200 + i].question, steps) for i in range(n)]
+
+
+def warm_heads(url: str, adapters: list[str], tok) -> None:
+    """One short request per adapter, as a deployment's earlier traffic would have sent: every
+    adapter's head (the system turn) is cached before a workflow starts, in every arm (a
+    reader can only borrow after its own head)."""
+    from sglang_kvcmas.adapters.role_data import SYSTEM, Message, chat_text
+
+    text = chat_text([Message("system", SYSTEM), Message("user", "What is 2 + 2?")],
+                     open_turn=True)
+    for name in adapters:
+        stream_generate(url, tok.encode(text, add_special_tokens=False), 1, {"lora_path": name})
+
+
+def run_flows(url: str, flows: list[LoraFlow], tok, max_new: int) -> tuple[list[dict], float]:
+    """Every workflow concurrently, its steps in order (a step's agents together); one record
+    per agent turn, and the makespan."""
+    turns: list[dict] = []
+    lock = threading.Lock()
+
+    def one(flow: LoraFlow) -> float:
+        t0 = time.perf_counter()
+        for step, agents in enumerate(flow.steps):
+            ids = tok.encode(flow.prompt(), add_special_tokens=False)
+            with ThreadPoolExecutor(len(agents)) as pool:
+                outs = list(pool.map(
+                    lambda a: stream_generate(url, ids, max_new, request_fields(flow.wid, a, max_new)),
+                    agents))
+            with lock:
+                turns.extend({"wid": flow.wid, "step": step, "agent": a, "prompt_ids": ids, **o}
+                             for a, o in zip(agents, outs))
+            flow.messages.extend(o["text"] for o in outs)
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(len(flows)) as pool:
+        spans = list(pool.map(one, flows))
+    return turns, max(spans)
+
+
+def workflow_id(wid: int) -> dict:
+    """A turn's workflow id (``custom_params``): what the ``catchup`` mode keys on; the other
+    arms only count it."""
+    return {"kvcmas_workflow": f"lora-{wid}"}
+
+
+def request_fields(wid: int, adapter: str, max_new: int) -> dict:
+    """A turn's request fields beyond the prompt: its adapter, greedy sampling, its workflow."""
+    return {"lora_path": adapter, "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new, "custom_params": workflow_id(wid)}}
+
+
+def key(t: dict) -> tuple:
+    return (t["wid"], t["step"], t["agent"])
+
+
+def prefilled(t: dict) -> int:
+    """Tokens this turn prefilled: our record's count, else prompt minus cached."""
+    rec = of_meta(t["meta"])
+    if rec:
+        return rec["recomputed"]
+    return t["meta"]["prompt_tokens"] - t["meta"].get("cached_tokens", 0)
+
+
+def last_answer(turns: list[dict], wid: int) -> str | None:
+    """The workflow's last solver answer (``ANSWER: <number>``, else its last number)."""
+    from sglang_kvcmas.datasets import last_number
+
+    mine = [t for t in turns if t["wid"] == wid]
+    solver = [t for t in mine if t["agent"] == "solver"] or mine  # other adapters: the last turn
+    if not solver:
+        return None
+    return last_number(max(solver, key=lambda t: t["step"])["text"])
+
+
+def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) -> list[dict]:
+    """Teacher-force the reference turns in workflow order (workflows concurrently): per turn,
+    the top-20 per position as served (``custom``: per-request knobs), and with ``exact`` the
+    same request under a fresh ``cache_salt``."""
+    by_flow: dict[int, list[dict]] = {}
+    for t in sorted(ref_turns, key=key):
+        by_flow.setdefault(t["wid"], []).append(t)
+    out: list[dict] = []
+    lock = threading.Lock()
+
+    def one(t: dict) -> dict:
+        cont = list(t["output_ids"] or [])[:32]
+        body = {"lora_path": t["agent"]}
+        rec = {"wid": t["wid"], "step": t["step"], "agent": t["agent"], "cont": cont,
+               "got": forced(url, t["prompt_ids"], cont, body=body,
+                             custom={**workflow_id(t["wid"]), **(custom or {})})}
+        if exact:
+            rec["exact"] = forced(url, t["prompt_ids"], cont, salt=f"x-{uuid.uuid4()}",
+                                  body=body)
+        return rec
+
+    def flow(ts: list[dict]) -> None:
+        for step in sorted({t["step"] for t in ts}):
+            group = [t for t in ts if t["step"] == step]
+            with ThreadPoolExecutor(len(group)) as pool:
+                res = list(pool.map(one, group))
+            with lock:
+                out.extend(res)
+
+    with ThreadPoolExecutor(len(by_flow)) as pool:
+        list(pool.map(flow, by_flow.values()))
+    return out
+
+
+def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict:
+    """Top-1 and KL20 against exact prefill over the replayed non-owner turns: those that read
+    another adapter's KV (``cross_adapter``; with naive reuse replayed too, for KL recovered),
+    else every turn after a workflow's first step (the arm's own reads are exact)."""
+    flush(url)
+    warm()
+    served = {key(r): r for r in replay(url, ref_turns, None, exact=True)}
+    naive: dict = {}
+    if cross_adapter:
+        flush(url)
+        warm()
+        naive = {key(r): r for r in replay(url, ref_turns, NAIVE, exact=False)}
+    top1, kl, kl_naive, top1_naive, n_turns = [], [], [], [], 0
+    for k, r in served.items():
+        reads = r["got"]["reuse"].get("borrowed", 0) > 0 if cross_adapter else r["step"] > 0
+        if not reads:
+            continue  # an owner turn: nothing read from another adapter
+        n_turns += 1
+        ref, got = r["exact"], r["got"]
+        nv = naive[k]["got"] if cross_adapter else None
+        for i in range(min(len(ref["tops"]), len(got["tops"]))):
+            e, g = ref["tops"][i], got["tops"][i]
+            v = nv["tops"][i] if nv is not None and i < len(nv["tops"]) else None
+            if not e or not g or (nv is not None and not v):
+                continue
+            best = max(e, key=e.get)
+            top1.append(max(g, key=g.get) == best)
+            kl.append(kl_on_support(e, g))
+            if v:
+                top1_naive.append(max(v, key=v.get) == best)
+                kl_naive.append(kl_on_support(e, v))
+    mean = statistics.fmean
+    out: dict = {"turns": n_turns, "positions": len(top1)}
+    if top1:
+        out.update(tf_top1=mean(top1), kl20=mean(kl))
+    if kl_naive:
+        out.update(naive_tf_top1=mean(top1_naive), naive_kl20=mean(kl_naive))
+        out["kl_recovered"] = 1 - out["kl20"] / out["naive_kl20"] if out["naive_kl20"] else None
+    return out
+
+
+def catchup_prefilled(url: str) -> int:
+    """Tokens the server prefilled in background catch-ups (``kvcmas:lora_catchup_tokens``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvcmas:lora_catchup_tokens_total{") and 'kind="prefilled"' in line:
+                return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def flush(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
+                           timeout=60).read()
+
+
+def lowrank_bytes(url: str) -> int:
+    """Low-rank leaf bytes the server holds (0 for the stock cache)."""
+    with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
+        info = json.loads(r.read())
+    states = info.get("internal_states") or [{}]
+    shared = (states[0].get("kvcmas") or {}).get("shared") or {}
+    return int(shared.get("lowrank_bytes", 0))
+
+
+def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, extra_bytes: int,
+              background: int, non_owner: set, kv_bytes_per_token: int) -> dict:
+    no = [t["ttft"] for t in turns if key(t) in non_owner]
+    out_tok = sum(t["meta"].get("completion_tokens", 0) for t in turns)
+    in_tok = sum(t["meta"].get("prompt_tokens", 0) for t in turns)
+    return {
+        "arm": arm, "turns": len(turns), "makespan_s": makespan,
+        "ttft_median_s": statistics.median(t["ttft"] for t in turns),
+        "nonowner_turns": len(no),
+        "nonowner_ttft_mean_s": statistics.fmean(no) if no else None,
+        "nonowner_ttft_median_s": statistics.median(no) if no else None,
+        "nonowner_ttft_p99_s": pct(no, 0.99) if no else None,
+        "input_tokens": in_tok, "output_tokens": out_tok,
+        "prefilled_tokens": sum(prefilled(t) for t in turns),
+        "background_prefilled_tokens": background,
+        "total_throughput_tok_s": (in_tok + out_tok) / makespan,
+        "peak_kv_tokens": peak_tokens,
+        "peak_kv_bytes": peak_tokens * kv_bytes_per_token + extra_bytes,
+        "lowrank_bytes": extra_bytes,
+    }
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [s["arm"] for s in summaries]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    panels = [("nonowner_ttft_median_s", "non-owner TTFT median (s)"),
+              ("makespan_s", "workflow makespan (s)"),
+              ("peak_kv_bytes", "peak KV (MiB)")]
+    for ax, (k, title) in zip(axes, panels):
+        vals = [(s[k] or 0) / (2**20 if k == "peak_kv_bytes" else 1) for s in summaries]
+        ax.bar(arms, vals, color=["#888"] + ["#3a7"] * (len(arms) - 1))
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("LoRA agents: stock SGLang LoRA serving vs cross-adapter sharing", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 flows x 3 rounds, 64 tokens")
+    ap.add_argument("--flows", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shape", choices=SHAPES, default="panel",
+                    help="panel: each round all adapters answer together; chain: one at a time")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--adapters", default=None,
+                    help="name=PEFT-folder,... (default: the package's role adapters, spoken in "
+                         "the order given)")
+    ap.add_argument("--out", type=Path, default=None)
+    add_model_arg(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.flows, args.rounds, args.max_new_tokens = 3, 3, 64
+    model = model_from_args(ap, args)
+    out_dir = model.out_or_named(args.out, DEFAULT_OUT)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapters = parse_adapters(args.adapters)
+    arms = args.arms.split(",")
+    if arms[0] != "stock" or any(a not in ARMS for a in arms) or len(arms) < 2:
+        raise SystemExit(f"--arms: 'stock' first, then some of {list(ARMS)[1:]}")
+    lora_flags = ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
+    tok = model.tokenizer()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    t_start = time.perf_counter()
+    runs: dict[str, tuple] = {}
+    fid: dict[str, dict] = {}
+    for arm in arms:
+        server = ServerProcess(
+            args=[*ARMS[arm], *COMMON_FLAGS, *model.server_args, *lora_flags],
+            log_path=out_dir / f"server_{arm}.log", port=free_port(31000, 32000),
+            boot_timeout_s=400)
+        with server:
+            stream_generate(server.url, tok.encode("Warm up."), 4)
+            warm_heads(server.url, list(adapters), tok)
+            flows = build_flows(args.flows, flow_steps(args.shape, list(adapters), args.rounds))
+            sampler = KvSampler(server.url)
+            sampler.start()
+            turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens)
+            peak = sampler.stop()
+            extra = lowrank_bytes(server.url) if arm != "stock" else 0
+            runs[arm] = (turns, makespan, peak, extra, catchup_prefilled(server.url))
+            print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s "
+                  f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            if arm != "stock":
+                fid[arm] = fidelity(server.url, runs["stock"][0],
+                                    lambda: warm_heads(server.url, list(adapters), tok),
+                                    arm in CROSS_ADAPTER)
+                print(f"[lora_head_to_head] arm {arm}: fidelity {fid[arm]} "
+                      f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+
+    ours_default = DEFAULT_MODE if DEFAULT_MODE in runs else arms[1]
+    per_round = 1 if args.shape == "panel" else len(adapters)
+    non_owner = {key(t) for t in runs["stock"][0] if t["step"] >= per_round}
+    summaries = [summarize(a, *runs[a], non_owner, model.kv_bytes_per_token) for a in arms]
+    stock = summaries[0]
+    ref_answers = [last_answer(runs["stock"][0], w) for w in range(args.flows)]
+    lines = [f"# lora_head_to_head {model.name} commit {commit} on {machine}",
+             f"# {args.flows} {args.shape} flows x {args.rounds} rounds of {', '.join(adapters)}, "
+             f"{args.max_new_tokens} new tokens, one server at a time",
+             f"{'arm':<16}{'nonowner TTFT med ms':>21}{'makespan s':>12}{'tok/s':>9}"
+             f"{'peak KV MiB':>13}{'prefilled':>11}{'same answer':>13}{'tf top1':>9}"
+             f"{'KL20':>9}{'KL naive':>10}{'KL rec':>8}"]
+    records = []
+    for s in summaries:
+        arm = s["arm"]
+        same = sum(last_answer(runs[arm][0], w) == a for w, a in enumerate(ref_answers))
+        s["same_final_answer"] = same / max(1, args.flows)
+        f = fid.get(arm, {})
+        s["fidelity"] = f
+        s.update(speedup_nonowner_ttft=(stock["nonowner_ttft_median_s"]
+                                        / s["nonowner_ttft_median_s"])
+                 if s["nonowner_ttft_median_s"] else None,
+                 kv_ratio_vs_stock=stock["peak_kv_bytes"] / max(1, s["peak_kv_bytes"]),
+                 prefill_ratio_vs_stock=(s["prefilled_tokens"] + s["background_prefilled_tokens"])
+                 / max(1, stock["prefilled_tokens"]))
+        fmt = (lambda k, w, p: f"{f[k]:>{w}.{p}f}" if f.get(k) is not None else f"{'-':>{w}}")
+        lines.append(
+            f"{arm:<16}{(s['nonowner_ttft_median_s'] or 0) * 1e3:>21.1f}{s['makespan_s']:>12.1f}"
+            f"{s['total_throughput_tok_s']:>9.1f}{s['peak_kv_bytes'] / 2**20:>13.2f}"
+            f"{s['prefilled_tokens'] + s['background_prefilled_tokens']:>11}"
+            f"{same:>10}/{args.flows:<2}"
+            f"{fmt('tf_top1', 9, 3)}{fmt('kl20', 9, 4)}{fmt('naive_kl20', 10, 4)}"
+            f"{fmt('kl_recovered', 8, 2)}")
+        records.append({"model": model.name, "commit": commit, "machine": machine,
+                        "flows": args.flows, "rounds": args.rounds, "shape": args.shape,
+                        "max_new_tokens": args.max_new_tokens, "adapters": list(adapters), **s})
+    text = "\n".join(lines)
+    print(text)
+    name = "lora_head_to_head" + ("" if args.shape == "panel" else f"_{args.shape}") \
+        + ("_quick" if args.quick else "")
+    (out_dir / f"{name}.txt").write_text(text + "\n")
+    with open(out_dir / f"{name}.jsonl", "w") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    for arm in arms:
+        with open(out_dir / f"{name}_turns_{arm}.jsonl", "w") as fh:
+            for t in runs[arm][0]:
+                fh.write(json.dumps({k: v for k, v in t.items() if k != "prompt_ids"}) + "\n")
+    plot(summaries, out_dir / f"{name}.png")
+    best = next(s for s in summaries if s["arm"] == ours_default)
+    f = dict(best["fidelity"])
+    naive = next((s["fidelity"]["naive_kl20"] for s in summaries
+                  if s["fidelity"].get("naive_kl20")), None)
+    if f.get("kl_recovered") is None and naive and f.get("kl20") is not None:
+        f["kl_recovered"] = 1 - f["kl20"] / naive  # against the naive reuse a borrow arm measured
+
+    def num(v, digits: int) -> str:
+        return "nan" if v is None else f"{v:.{digits}f}"
+
+    print(f"HEADLINE mode={ours_default} "
+          f"ttft_speedup_vs_stock={num(best['speedup_nonowner_ttft'], 2)} "
+          f"kv_ratio_vs_stock={num(best['kv_ratio_vs_stock'], 2)} "
+          f"tf_top1={num(f.get('tf_top1'), 3)} kl_recovered={num(f.get('kl_recovered'), 2)} "
+          f"bg_prefill_tokens_ratio={num(best['prefill_ratio_vs_stock'], 2)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
