@@ -354,7 +354,7 @@ def plot(summaries: list[dict], path: Path) -> None:
         ax.bar(arms, vals, color=["#888"] + ["#3a7"] * (len(arms) - 1))
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle("LoRA agents: stock SGLang LoRA serving vs cross-adapter sharing", fontsize=11)
+    fig.suptitle("LoRA agents: stock SGLang LoRA serving vs our modes", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -421,7 +421,8 @@ def main() -> int:
     summaries = [summarize(a, *runs[a], non_owner, model.kv_bytes_per_token) for a in arms]
     stock = summaries[0]
     ref_answers = [last_answer(runs["stock"][0], w) for w in range(args.flows)]
-    lines = [f"# lora_head_to_head {model.name} commit {commit} on {machine}",
+    lines = [f"# command: python {' '.join(sys.argv)}",
+             f"# lora_head_to_head {model.name} commit {commit} on {machine}",
              f"# {args.flows} {args.shape} flows x {args.rounds} rounds of {', '.join(adapters)}, "
              f"{args.max_new_tokens} new tokens, one server at a time",
              f"{'arm':<16}{'nonowner TTFT med ms':>21}{'makespan s':>12}{'tok/s':>9}"

@@ -132,3 +132,20 @@ def test_unknown_model_path_fails_fast_without_booting(tmp_path):
     assert "bad --model-path" in proc.stderr and str(missing) in proc.stderr
     assert "launching SGLang" not in proc.stderr  # failed before SGLang was even imported
     assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+def test_an_adapter_that_does_not_fit_fails_fast_naming_it(tmp_path):
+    import json
+
+    wrong = tmp_path / "wrong-rank"
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_kvcmas.launch_server", "--enable-lora",
+         "--max-lora-rank", "8", "--lora-paths", f"wrong={wrong}", "--port", "30999"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--lora-paths wrong: wrong-rank has rank 64" in proc.stderr, proc.stderr[-2000:]
+    assert "launching SGLang" not in proc.stderr
