@@ -6,9 +6,10 @@ have spoken in that workflow (``policy.lora_catchup.CatchupPlanner``) each get a
 request with the same prompt and one output token, sent to the scheduler once this request has
 streamed its first chunk (a non-streamed one: at once) and a grace period (:data:`GRACE_S`) later,
 unless that adapter has a request of its own in flight in the workflow by then, so their prefills
-run in the batches beside this request's decode. Nothing of the
-client's request changes. Background requests go through SGLang's unhooked ``generate_request`` (no ledger entry,
-no catch-up of their own); their prefilled tokens are counted in ``kvcmas:lora_catchup_tokens_total``
+run in the batches beside this request's decode. Nothing of the client's request changes.
+
+Background requests go through SGLang's unhooked ``generate_request`` (no ledger entry, no
+catch-up of their own); their tokens are counted in ``kvcmas:lora_catchup_tokens_total``
 (Prometheus, ``kind`` = ``prompt`` | ``prefilled``) and :data:`TOTALS`. A failed catch-up is
 logged and dropped: it never fails the client's request.
 """
@@ -115,8 +116,9 @@ def catchup_request(obj: Any, adapter: str) -> Any:
     """The background request: ``obj``'s prompt under ``adapter``, one greedy output token."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    ids = getattr(obj, "input_ids", None)
     return GenerateReqInput(
-        text=obj.text, input_ids=obj.input_ids, lora_path=adapter,
+        text=None if ids is not None else obj.text, input_ids=ids, lora_path=adapter,
         sampling_params={"max_new_tokens": 1, "temperature": 0},
         rid=f"{RID_PREFIX}{uuid.uuid4().hex}", cache_salt=getattr(obj, "cache_salt", None),
         extra_key=getattr(obj, "extra_key", None))

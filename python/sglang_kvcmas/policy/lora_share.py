@@ -20,6 +20,8 @@ workflow's other adapters in the background (``policy/lora_catchup.py``,
 Under ``borrow`` an adapter reads the transcript another adapter computed through the same read
 path as prompt agents (its own head exact, borrowed tokens re-positioned, some recomputed with its
 own adapter, leaf mode as configured); the first adapter to compute a segment is an exact owner.
+Measured far less faithful than across prompt agents (``benchmark/serving/lora_head_to_head.py``),
+so it is opt-in.
 A request without an adapter never reads KV computed with one (and never lends to one), so the
 base model's answers are what they are without adapters in the server.
 
