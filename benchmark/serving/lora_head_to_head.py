@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import KvSampler, pct, post, stream_generate  # noqa: E402
+from benchmark.serving.head_to_head import KvSampler, pct, stream_generate  # noqa: E402
 from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import COMMON_FLAGS  # noqa: E402

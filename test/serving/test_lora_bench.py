@@ -1,0 +1,63 @@
+"""The LoRA head-to-head's workload and bookkeeping (no server): workflow shapes, what a turn
+prefilled, the final answer compared across arms, the adapters it serves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving.lora_head_to_head import (  # noqa: E402
+    LoraFlow,
+    flow_steps,
+    last_answer,
+    parse_adapters,
+    prefilled,
+    request_fields,
+)
+
+
+def test_panel_and_chain_shapes():
+    agents = ["planner", "solver", "critic"]
+    assert flow_steps("panel", agents, 2) == [agents, agents]
+    assert flow_steps("chain", agents, 2) == [["planner"], ["solver"], ["critic"]] * 2
+
+
+def test_a_flow_prompt_is_the_shared_transcript_with_one_turn_opener():
+    flow = LoraFlow(0, "What is 2 + 3?", [["planner"]], ["PLAN:\n1. Add. "])
+    text = flow.prompt()
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>assistant\nPLAN:\n1. Add.<|im_end|>" in text
+
+
+def test_prefilled_reads_our_record_else_sglangs_cached_tokens():
+    ours = {"meta": {"prompt_tokens": 300, "cached_tokens": 200, "kvcmas_reuse": [
+        {"reused_exact": 100, "reused_repositioned": 100, "recomputed": 100}]}}
+    stock = {"meta": {"prompt_tokens": 300, "cached_tokens": 120}}
+    assert prefilled(ours) == 100 and prefilled(stock) == 180
+
+
+def test_the_final_answer_is_the_last_solver_turns_else_the_last_turns():
+    turns = [{"wid": 0, "step": 0, "agent": "solver", "text": "ANSWER: 7"},
+             {"wid": 0, "step": 3, "agent": "solver", "text": "ANSWER: 9"},
+             {"wid": 0, "step": 4, "agent": "critic", "text": "VERDICT: 11"},
+             {"wid": 1, "step": 0, "agent": "writer", "text": "so 5"}]
+    assert last_answer(turns, 0) == "9" and last_answer(turns, 1) == "5"
+    assert last_answer(turns, 2) is None
+
+
+def test_requests_name_their_adapter_and_workflow():
+    fields = request_fields(3, "critic", 64)
+    assert fields["lora_path"] == "critic"
+    assert fields["sampling_params"]["custom_params"] == {"kvcmas_workflow": "lora-3"}
+
+
+def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):
+    assert list(parse_adapters(None)) == ["planner", "solver", "critic"]
+    assert parse_adapters(f"a={tmp_path}") == {"a": tmp_path}
+    with pytest.raises(SystemExit, match="name=folder"):
+        parse_adapters(f"a={tmp_path / 'missing'}")
