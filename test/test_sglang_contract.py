@@ -67,6 +67,11 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.rotary_embedding.rope_variant", "DynamicNTKScalingRotaryEmbedding"): None,
     ("sglang.srt.layers.rotary_embedding.rope_variant", "Llama3RotaryEmbedding"): None,
     ("sglang.srt.layers.rotary_embedding.yarn", "YaRNScalingRotaryEmbedding"): None,
+    # LoRA agents: the CPU LoRA backend (cpu_lora.py), /load_lora_adapter's check
+    # (lora_hooks.py), background catch-up requests (lora_catchup.py)
+    ("sglang.srt.lora.backend.lora_registry", "LORA_SUPPORTED_BACKENDS"): None,
+    ("sglang.srt.managers.io_struct", "GenerateReqInput"): ("text", "input_ids"),
+    ("sglang.srt.managers.io_struct", "LoadLoRAAdapterReqOutput"): None,  # success=, error_message=
     # agent detection from the served chat template (chat_template_markers.py)
     ("sglang.srt.parser.conversation", "chat_templates"): None,
     ("sglang.srt.parser.conversation", "chat_template_exists"): ("template_name",),

@@ -98,9 +98,9 @@ def make_lora_cpu_safe() -> bool:
 def register_cpu_lora_backend() -> None:
     """Wrap the ``torch_native`` entry of SGLang's LoRA backend registry (once): creating that
     backend first makes the LoRA modules CPU-safe (see the module docstring)."""
-    from sglang.srt.lora.backend import lora_registry
+    from sglang.srt.lora.backend.lora_registry import LORA_SUPPORTED_BACKENDS
 
-    original = lora_registry.LORA_SUPPORTED_BACKENDS.get(BACKEND)
+    original = LORA_SUPPORTED_BACKENDS.get(BACKEND)
     if original is None or getattr(original, "_kvcmas_cpu_safe", False):
         return
 
@@ -109,4 +109,4 @@ def register_cpu_lora_backend() -> None:
         return original()
 
     create_torch_native_backend._kvcmas_cpu_safe = True  # type: ignore[attr-defined]
-    lora_registry.LORA_SUPPORTED_BACKENDS[BACKEND] = create_torch_native_backend
+    LORA_SUPPORTED_BACKENDS[BACKEND] = create_torch_native_backend
