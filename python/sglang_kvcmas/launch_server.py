@@ -9,7 +9,9 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
   fails before SGLang boots, with exit status 2; so does an adapter of ``--lora-paths`` that
   does not fit the model (``models/adapter_check.py``).
 - On CPU (no ``--device`` or ``--device cpu``): ``--device cpu --dtype float32
-  --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static 0.1``,
+  --attention-backend torch_native --max-total-tokens 16384 --mem-fraction-static`` (sized from
+  the model), ``--sleep-on-idle`` (an idle scheduler would poll on a full core),
+  ``--lora-backend torch_native`` (used only with ``--enable-lora``),
   ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
   ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 1, see
   ``config.py``) unless the environment sets it.

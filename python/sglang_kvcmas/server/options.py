@@ -179,6 +179,9 @@ def default_flags(
         # Sized from the model's weights and the pool (a fixed 0.1 fails a 0.5B model's boot).
         DefaultFlag("mem_fraction_static", ("--mem-fraction-static", f"{mem_fraction_static:g}"),
                     cpu_only=True),
+        # An idle scheduler otherwise polls for requests on one full core (measured: 100% CPU
+        # idle, 2% with it; 1-token latency 0.06-0.12 s either way).
+        DefaultFlag("sleep_on_idle", ("--sleep-on-idle",), cpu_only=True),
         # SGLang's default LoRA backend is a GPU kernel; torch_native runs on CPU (cpu_lora).
         DefaultFlag("lora_backend", ("--lora-backend", "torch_native"), cpu_only=True),
         DefaultFlag("enable_cache_report", ("--enable-cache-report",)),
