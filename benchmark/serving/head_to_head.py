@@ -39,6 +39,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -182,14 +183,31 @@ def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
     return max(answers, key=answers.count) if answers else None  # first of the most common
 
 
+def replay_steps(turns: list[dict], flow_of, one) -> list[dict]:
+    """``one(turn)`` for every turn, as the workflows ran: each workflow's steps in order, the
+    turns of a step together, workflows concurrently (``flow_of(turn)``: its workflow key)."""
+    by_flow: dict[Any, list[dict]] = {}
+    for t in turns:
+        by_flow.setdefault(flow_of(t), []).append(t)
+    out: list[dict] = []
+    lock = threading.Lock()
+
+    def flow(ts: list[dict]) -> None:
+        for step in sorted({t["step"] for t in ts}):
+            group = [t for t in ts if t["step"] == step]
+            with ThreadPoolExecutor(len(group)) as pool:
+                res = list(pool.map(one, group))
+            with lock:
+                out.extend(res)
+
+    with ThreadPoolExecutor(len(by_flow)) as pool:
+        list(pool.map(flow, by_flow.values()))
+    return out
+
+
 def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
     """Replay the reference arm's prompts + continuations step by step (agents of a step
     together, workflows concurrently); top-1 agreement per turn from input logprobs."""
-    by_flow: dict[tuple, list[dict]] = {}
-    for t in ref_turns:
-        by_flow.setdefault((t["kind"], t["wid"]), []).append(t)
-    out: list[dict] = []
-    lock = threading.Lock()
 
     def one(t: dict) -> dict:
         cont = list(t["output_ids"] or [])
@@ -209,17 +227,7 @@ def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
                 "top1": sum(agree) / max(1, len(agree)), "n": len(agree),
                 "first_divergence": first_div, "non_owner": rec.get("borrowed", 0) > 0}
 
-    def flow(ts: list[dict]) -> None:
-        for step in sorted({t["step"] for t in ts}):
-            group = [t for t in ts if t["step"] == step]
-            with ThreadPoolExecutor(len(group)) as pool:
-                res = list(pool.map(one, group))
-            with lock:
-                out.extend(res)
-
-    with ThreadPoolExecutor(len(by_flow)) as pool:
-        list(pool.map(flow, by_flow.values()))
-    return out
+    return replay_steps(ref_turns, lambda t: (t["kind"], t["wid"]), one)
 
 
 def leader_runs(turns: list[dict]) -> tuple[int, int]:

@@ -68,7 +68,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import KvSampler, pct, stream_generate  # noqa: E402
+from benchmark.serving.head_to_head import (  # noqa: E402
+    KvSampler,
+    pct,
+    replay_steps,
+    stream_generate,
+)
 from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import COMMON_FLAGS  # noqa: E402
@@ -222,11 +227,6 @@ def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) ->
     """Teacher-force the reference turns in workflow order (workflows concurrently): per turn,
     the top-20 per position as served (``custom``: per-request knobs), and with ``exact`` the
     same request under a fresh ``cache_salt``."""
-    by_flow: dict[int, list[dict]] = {}
-    for t in sorted(ref_turns, key=key):
-        by_flow.setdefault(t["wid"], []).append(t)
-    out: list[dict] = []
-    lock = threading.Lock()
 
     def one(t: dict) -> dict:
         cont = list(t["output_ids"] or [])[:32]
@@ -239,17 +239,7 @@ def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) ->
                                   body=body)
         return rec
 
-    def flow(ts: list[dict]) -> None:
-        for step in sorted({t["step"] for t in ts}):
-            group = [t for t in ts if t["step"] == step]
-            with ThreadPoolExecutor(len(group)) as pool:
-                res = list(pool.map(one, group))
-            with lock:
-                out.extend(res)
-
-    with ThreadPoolExecutor(len(by_flow)) as pool:
-        list(pool.map(flow, by_flow.values()))
-    return out
+    return replay_steps(ref_turns, lambda t: t["wid"], one)
 
 
 def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict:

@@ -21,6 +21,7 @@ import logging
 import uuid
 from typing import Any
 
+from sglang_kvcmas.integration import metrics
 from sglang_kvcmas.policy.lora_catchup import CatchupPlanner
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -36,7 +37,6 @@ GRACE_S = 0.05
 together arrive within milliseconds of each other)."""
 _TASKS: set[asyncio.Task] = set()
 _MODE: list[str] = []
-_COUNTER: Any = None
 
 
 def mode() -> str:
@@ -49,16 +49,8 @@ def mode() -> str:
 
 
 def _counter() -> Any:
-    global _COUNTER
-    if _COUNTER is None:
-        try:
-            from prometheus_client import Counter
-        except ImportError:
-            _COUNTER = False
-            return None
-        _COUNTER = Counter("kvcmas:lora_catchup_tokens", "Tokens of background per-adapter "
+    return metrics.counter("kvcmas:lora_catchup_tokens", "Tokens of background per-adapter "
                            "catch-up prefills (prompt, prefilled).", ["kind"])
-    return _COUNTER or None
 
 
 def _speaker(obj: Any, options: list[RequestOptions | None]) -> tuple[str, str] | None:

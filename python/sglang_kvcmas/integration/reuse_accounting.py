@@ -30,6 +30,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sglang_kvcmas.integration import metrics
+
 logger = logging.getLogger(__name__)
 
 META_KEY = "kvcmas_reuse"
@@ -79,24 +81,13 @@ KINDS = {"exact": "reused_exact", "corrected": "reused_corrected",
 """Prometheus ``kind`` label -> record field."""
 
 
-_COUNTER = None
-
-
 def _counter():
-    global _COUNTER
-    if _COUNTER is None:
-        try:
-            from prometheus_client import Counter
-        except ImportError:  # metrics are optional, like SGLang's --enable-metrics
-            _COUNTER = False
-            return None
-        _COUNTER = Counter(
-            "kvcmas:prompt_tokens",
-            "Prompt tokens by how sglang-kvcmas served them (exact reuse, corrected reuse, "
-            "re-positioned reuse, recomputed).",
-            ["kind"],
-        )
-    return _COUNTER or None
+    return metrics.counter(
+        "kvcmas:prompt_tokens",
+        "Prompt tokens by how sglang-kvcmas served them (exact reuse, corrected reuse, "
+        "re-positioned reuse, recomputed).",
+        ["kind"],
+    )
 
 
 def attach(req: Any, record: ReuseRecord) -> None:

@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sglang_kvcmas.integration import metrics
 from sglang_kvcmas.integration.reuse_accounting import BUDGET_KEY, META_KEY
 from sglang_kvcmas.policy import spend_forecast
 from sglang_kvcmas.policy.request_options import RequestOptions
@@ -63,7 +64,6 @@ def load_forecaster(path: Any = None) -> spend_forecast.SpendForecaster | None:
 
 LEDGER = WorkflowLedger(forecaster=load_forecaster())
 _labelled: set[str] = set()
-_COUNTER: Any = None
 _DEFAULT_BUDGET: list[Budget | None] = []
 
 
@@ -114,18 +114,10 @@ def admit_options(options: list[RequestOptions | None], now: float | None = None
 
 
 def _counter() -> Any:
-    global _COUNTER
-    if _COUNTER is None:
-        try:
-            from prometheus_client import Counter
-        except ImportError:
-            _COUNTER = False
-            return None
-        _COUNTER = Counter("kvcmas:workflow_tokens",
+    return metrics.counter("kvcmas:workflow_tokens",
                            "Tokens per workflow by how sglang-kvcmas served them (prompt, "
                            "exact / corrected / re-positioned reuse, recomputed, completion).",
                            ["workflow", "kind"])
-    return _COUNTER or None
 
 
 def metric_label(workflow: str) -> str:

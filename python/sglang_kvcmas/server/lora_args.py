@@ -8,6 +8,7 @@ against the model first (``models.adapter_check``) and stops with one line namin
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,21 +17,12 @@ from sglang_kvcmas.models.adapter_check import AdapterError, ModelShape, check_a
 
 
 def flag_values(argv: Sequence[str], flag: str) -> list[str]:
-    """Every value given to ``flag`` (``--flag v1 v2``, ``--flag=v``, or repeated)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == flag:
-            i += 1
-            while i < len(argv) and not argv[i].startswith("--"):
-                out.append(argv[i])
-                i += 1
-            continue
-        if arg.startswith(flag + "="):
-            out.append(arg.split("=", 1)[1])
-        i += 1
-    return out
+    """Every value given to ``flag`` (``--flag v1 v2``, ``--flag=v``, or repeated), read by
+    argparse as SGLang's parser reads it (cf. ``options._peek`` for one value)."""
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek.add_argument(flag, dest="values", nargs="*", action="extend", default=[])
+    known, _ = peek.parse_known_args(list(argv))
+    return known.values
 
 
 def named_adapters(argv: Sequence[str]) -> dict[str, str]:
