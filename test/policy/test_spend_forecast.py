@@ -106,3 +106,29 @@ def test_budget_status_and_refusal(fitted):
     assert BudgetStatus(Budget(10), 3, None).usage_fields()["kvcmas_budget_forecast"] is None
     with pytest.raises(ValueError):
         Budget(0)
+
+
+def test_in_flight_enters_the_state_and_prefixes_match_of_turns():
+    turns = [{"agent": "p", "prompt_tokens": 100, "recomputed": 100, "completion_tokens": 40},
+             {"agent": "w", "prompt_tokens": 150, "recomputed": 60, "completion_tokens": 30,
+              "in_flight": 3},
+             {"agent": "w", "prompt_tokens": 150, "recomputed": 60, "completion_tokens": 30,
+              "in_flight": 2}]
+    states = sf.TrajectoryState.prefixes(turns)
+    assert [s.in_flight for s in states] == [0, 3, 2]
+    assert [s.turns for s in states] == [1, 2, 3] and states[1].agents == 2
+    assert sf.TrajectoryState.of_turns(turns) == states[-1]
+    assert sf.TrajectoryState.of_turns([]) == sf.TrajectoryState()
+    x = states[1].features()
+    assert len(x) == len(sf.FEATURES)
+    assert x[sf.FEATURES.index("log_in_flight")] > states[0].features()[
+        sf.FEATURES.index("log_in_flight")]
+
+
+def test_each_known_model_may_ship_its_own_artifact():
+    assert sf.artifact_for(None) == sf.ARTIFACT
+    assert sf.artifact_for("no-such-model") == sf.ARTIFACT
+    for own in sf.ARTIFACT.parent.glob("spend_forecast_*.json"):
+        model = own.stem.removeprefix("spend_forecast_")
+        assert sf.artifact_for(model) == own
+        sf.load(own)  # every shipped artifact loads

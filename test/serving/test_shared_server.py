@@ -148,6 +148,11 @@ def test_workflow_ledger_adds_up_each_workflows_requests(server):
     for field in ("reused_exact", "reused_repositioned", "recomputed"):
         assert flow[field] == sum(u["prompt_tokens_details"][f"kvcmas_{field}"] for u in usages)
     assert flow["computed"] == flow["recomputed"] + flow["completion_tokens"]
+    per_token = flow["kv_bytes_read"] // flow["prompt_tokens"]  # the served pool's slot size
+    assert per_token > 0 and flow["kv_bytes_read"] == flow["prompt_tokens"] * per_token
+    assert flow["kv_bytes_written"] == flow["computed"] * per_token
+    assert sum(t["kv_bytes_written"] for t in flow["turns"]) == flow["kv_bytes_written"]
+    assert flow["in_flight"] == 0 and [t["in_flight"] for t in flow["turns"]] == [0, 0]
     with urllib.request.urlopen(server.url + "/kvcmas/workflows?limit=5", timeout=60) as r:
         listing = json.loads(r.read())
     assert listing["workflows"][0]["workflow"] == "wf-ledger"
@@ -160,6 +165,10 @@ def test_workflow_ledger_adds_up_each_workflows_requests(server):
               if line.startswith("kvcmas:workflow_tokens_total{") and 'workflow="wf-ledger"' in line
               and 'kind="prompt"' in line]
     assert series and float(series[0].rsplit(" ", 1)[1]) == flow["prompt_tokens"], series
+    written = [line for line in metrics.splitlines()
+               if line.startswith("kvcmas:workflow_kv_bytes_total{")
+               and 'workflow="wf-ledger"' in line and 'kind="written"' in line]
+    assert written and float(written[0].rsplit(" ", 1)[1]) == flow["kv_bytes_written"], written
 
 
 BAD_FIELDS = [

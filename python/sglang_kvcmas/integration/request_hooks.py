@@ -85,7 +85,8 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     workflow_accounting.admit_options(options)  # budgets: recorded, and enforced (a 400)
     outputs = original(manager, obj, request, *args, **kwargs)
     outputs = lora_catchup.around_request(original, manager, obj, options, outputs)
-    return usage_stream.collecting(workflow_accounting.observing(outputs))
+    workflows = [opts.workflow if opts is not None else None for opts in options]
+    return usage_stream.collecting(workflow_accounting.observing(outputs, workflows))
 
 
 def validate_around(original: Any, manager: Any, obj: Any, input_ids: Any, *args: Any,

@@ -48,6 +48,8 @@ class ReuseRecord:
         agent: agent id, or None for a request without an agent head.
         workflow: the request's workflow (``kvcmas_workflow`` / ``X-KVCMAS-Workflow``), or None.
         prompt_tokens: prompt length = the four kinds added up.
+        kv_bytes_per_token: KV bytes one pool slot holds in this server (all layers, K and V;
+            0 when unknown), so the HTTP process can turn token counts into bytes.
     """
 
     agent: str | None
@@ -59,6 +61,7 @@ class ReuseRecord:
     recomputed: int
     recomputed_borrowed: int = 0
     exact_from_leaves: int = 0
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         kinds = (self.reused_exact, self.reused_corrected, self.reused_repositioned,

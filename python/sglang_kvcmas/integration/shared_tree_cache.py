@@ -454,6 +454,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 reused_repositioned=repositioned,
                 recomputed=prompt - exact - repositioned - corrected,
                 recomputed_borrowed=recomputed_borrowed, exact_from_leaves=from_leaves,
+                kv_bytes_per_token=self.kv_bytes_per_token,
             ))
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len

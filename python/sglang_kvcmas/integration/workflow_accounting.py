@@ -7,11 +7,13 @@ the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.W
 
 - ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (prompt tokens,
   reused exact / corrected / re-positioned, recomputed, completion tokens, computed = prefill +
-  decode, requests, agents, first and last seen);
-- ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory);
+  decode, requests, agents, first and last seen, requests in flight, KV bytes written and read);
+- ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory:
+  each turn's counts, the requests still in flight when it finished and the KV bytes it wrote);
   404 for a workflow the ledger does not hold;
 - Prometheus ``kvcmas:workflow_tokens_total{workflow, kind}`` (``kind``: ``prompt``, ``exact``,
-  ``corrected``, ``repositioned``, ``recomputed``, ``completion``), with at most
+  ``corrected``, ``repositioned``, ``recomputed``, ``completion``) and
+  ``kvcmas:workflow_kv_bytes_total{workflow, kind}`` (``written``, ``read``), with at most
   ``METRIC_WORKFLOWS`` workflow label values per server process: later workflows are counted
   under ``workflow="_other"``, so the series count stays bounded.
 
@@ -31,8 +33,10 @@ never fails a response: an error here is logged and the output passes on unchang
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
@@ -54,7 +58,12 @@ KIND_FIELDS = {"prompt": "prompt_tokens", "exact": "reused_exact",
 
 
 def load_forecaster(path: Any = None) -> spend_forecast.SpendForecaster | None:
-    """The spend forecaster from its artifact, or None (logged) when it is missing or bad."""
+    """The spend forecaster from its artifact (default: the ``--kvcmas-forecast-artifact`` the
+    launcher chose, else the generic one), or None (logged) when it is missing or bad."""
+    if path is None:
+        from sglang_kvcmas.config import knob
+
+        path = os.environ.get(knob("forecast_artifact").env) or None
     try:
         return spend_forecast.load(path)
     except spend_forecast.ForecastArtifactError as e:
@@ -120,6 +129,13 @@ def _counter() -> Any:
                            ["workflow", "kind"])
 
 
+def _kv_counter() -> Any:
+    return metrics.counter("kvcmas:workflow_kv_bytes",
+                           "KV bytes per workflow: written (the pool slots its prefill and "
+                           "decode filled) and read (the prompts its turns attended over).",
+                           ["workflow", "kind"])
+
+
 def metric_label(workflow: str) -> str:
     """The workflow's label value: itself for the first ``METRIC_WORKFLOWS`` workflows seen,
     ``_other`` after."""
@@ -131,8 +147,10 @@ def metric_label(workflow: str) -> str:
     return OTHER
 
 
-def observe(out: Any, now: float | None = None) -> None:
-    """Add one generator output to the ledger when it is a finished request of a workflow."""
+def observe(out: Any, now: float | None = None) -> list[str]:
+    """Add one generator output to the ledger when it is a finished request of a workflow;
+    returns the workflows of the requests it finished."""
+    finished = []
     for item in out if isinstance(out, list) else (out,):
         if not isinstance(item, dict):
             continue
@@ -146,31 +164,50 @@ def observe(out: Any, now: float | None = None) -> None:
         turn = Turn.of_record(time.time() if now is None else now, rec,
                               meta.get("completion_tokens", 0))
         LEDGER.add(rec["workflow"], turn)
+        finished.append(rec["workflow"])
         status = LEDGER.budget_status(rec["workflow"], default_budget())
         if status is not None:
             rec[BUDGET_KEY] = status.usage_fields()
-        counter = _counter()
+        counter, kv = _counter(), _kv_counter()
+        label = metric_label(rec["workflow"])
         if counter is not None:
-            label = metric_label(rec["workflow"])
             for kind, name in KIND_FIELDS.items():
                 if (value := getattr(turn, name)) > 0:
                     counter.labels(workflow=label, kind=kind).inc(value)
+        if kv is not None:
+            for kind, value in (("written", turn.kv_bytes_written),
+                                ("read", turn.kv_bytes_read)):
+                if value > 0:
+                    kv.labels(workflow=label, kind=kind).inc(value)
+    return finished
 
 
-def observing(outputs: Any) -> Any:
-    """``outputs`` (an async generator of the tokenizer manager) with each output observed."""
+def observing(outputs: Any, workflows: Sequence[str | None] = ()) -> Any:
+    """``outputs`` (an async generator of the tokenizer manager) with each output observed.
+
+    ``workflows``: the workflow of each of the request's prompts (None: none). They are counted
+    in flight from now until each finishes; those still unfinished when the generator ends
+    (aborted, failed) are taken out of flight then."""
     if not hasattr(outputs, "__aiter__"):
         return outputs
-    return _observe(outputs)
+    begun = Counter(w for w in workflows if w)
+    for w, n in begun.items():
+        LEDGER.begin(w, time.time(), n)
+    return _observe(outputs, begun)
 
 
-async def _observe(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    async for out in outputs:
-        try:
-            observe(out)
-        except Exception:  # accounting must never fail a response
-            logger.exception("sglang-kvcmas: could not account a workflow's request")
-        yield out
+async def _observe(outputs: AsyncIterator[Any], begun: Counter) -> AsyncIterator[Any]:
+    try:
+        async for out in outputs:
+            try:
+                begun.subtract(observe(out))
+            except Exception:  # accounting must never fail a response
+                logger.exception("sglang-kvcmas: could not account a workflow's request")
+            yield out
+    finally:
+        for w, n in begun.items():
+            if n > 0:
+                LEDGER.abandon(w, n)
 
 
 def add_routes(app: Any) -> None:

@@ -10,15 +10,19 @@
 The model sees only what a server sees of a run (no workflow kind, no script): after ``k``
 finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen (also one-hot:
 the shape of the workflow), spend so far, first and last prompt length, completion and reuse
-per turn). Per measure it predicts the
+per turn, and the workflow's requests still in flight when the turn finished: a fan-out's
+workers, a round's other debaters). Per measure it predicts the
 *remaining* spend, ``log1p(remaining) = w . features``, a ridge regression on standardized
 features, and the total is ``spent + remaining``: so the forecast is never below the spend so
 far and grows with it. The interval scales the remaining spend by the ``q_low`` / ``q_high``
 quantiles of held-out log residuals (``low <= total <= high`` by construction).
 
 Fitted offline (:func:`fit`, by ``benchmark/serving/forecast_bench.py --fit`` on recorded runs)
-into a small JSON artifact, ``spend_forecast.json`` beside this module, loaded once
-(:func:`load`). A forecast is a few dozen float operations in pure Python (microseconds); numpy is
+into a small JSON artifact, loaded once (:func:`load`): token counts differ by model (answer
+lengths, how a model stops), so each known model may ship its own beside this module
+(``spend_forecast_<short name>.json``, :func:`artifact_for`), and ``spend_forecast.json`` (the
+embedded model's runs) serves every other model unless the server is given one
+(``--kvcmas-forecast-artifact``). A forecast is a few dozen float operations in pure Python (microseconds); numpy is
 used by the fit only.
 """
 
@@ -32,17 +36,28 @@ from pathlib import Path
 from typing import Any
 
 ARTIFACT = Path(__file__).resolve().with_name("spend_forecast.json")
-VERSION = 1
+VERSION = 2
 MEASURES = ("computed", "prompt")
 FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_growth",
             "log_mean_completion", "log_mean_computed", "reused_fraction", "log_spent",
-            "log_rounds", "agents_1", "agents_2", "agents_3", "agents_4plus")
+            "log_rounds", "agents_1", "agents_2", "agents_3", "agents_4plus", "log_in_flight",
+            "log_in_flight_computed")
 """Feature names, in order (see :meth:`TrajectoryState.features`)."""
 SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
-         "reused_fraction": -1}
+         "reused_fraction": -1, "log_in_flight": 1, "log_in_flight_computed": 1}
 """Sign constraints of the fit: the features that grow with the spend so far (and the reused
 share, which shrinks as more is recomputed) may only push the remaining spend up, so the total
 forecast never falls when the spend so far rises (a violating feature is dropped)."""
+
+
+def artifact_for(model: str | None) -> Path:
+    """The artifact shipped for the known model ``model`` (its short name), else the generic
+    :data:`ARTIFACT`."""
+    if model:
+        own = ARTIFACT.with_name(f"spend_forecast_{model}.json")
+        if own.is_file():
+            return own
+    return ARTIFACT
 
 
 class ForecastArtifactError(ValueError):
@@ -61,6 +76,9 @@ class TrajectoryState:
         completion_tokens: tokens decoded so far.
         first_prompt: the first turn's prompt length.
         last_prompt: the latest turn's prompt length.
+        in_flight: the workflow's requests admitted and not finished when the latest turn
+            finished (its own work still under way: a fan-out's workers, a round's other
+            agents).
     """
 
     turns: int = 0
@@ -70,6 +88,7 @@ class TrajectoryState:
     completion_tokens: int = 0
     first_prompt: int = 0
     last_prompt: int = 0
+    in_flight: int = 0
 
     @property
     def computed(self) -> int:
@@ -80,32 +99,43 @@ class TrajectoryState:
         return self.computed if measure == "computed" else self.prompt_tokens
 
     def add(self, prompt_tokens: int, recomputed: int, completion_tokens: int,
-            new_agent: bool) -> TrajectoryState:
-        """The state after one more finished turn."""
+            new_agent: bool, in_flight: int = 0) -> TrajectoryState:
+        """The state after one more finished turn (``in_flight``: the workflow's other requests
+        still running then)."""
         return replace(self, turns=self.turns + 1, agents=self.agents + int(new_agent),
                        prompt_tokens=self.prompt_tokens + prompt_tokens,
                        recomputed=self.recomputed + recomputed,
                        completion_tokens=self.completion_tokens + completion_tokens,
                        first_prompt=self.first_prompt if self.turns else prompt_tokens,
-                       last_prompt=prompt_tokens)
+                       last_prompt=prompt_tokens, in_flight=max(0, in_flight))
 
     @classmethod
-    def of_turns(cls, turns: Iterable[Mapping[str, Any]]) -> TrajectoryState:
-        """The state after ``turns`` (dicts with ``prompt_tokens``, ``recomputed``,
-        ``completion_tokens`` and ``agent``: the ledger's turn records), in finish order."""
-        state, seen = cls(), set()
+    def prefixes(cls, turns: Iterable[Mapping[str, Any]]) -> list[TrajectoryState]:
+        """The state after each of ``turns`` (dicts with ``prompt_tokens``, ``recomputed``,
+        ``completion_tokens``, ``agent`` and optionally ``in_flight``: the ledger's turn
+        records), in finish order: element ``k - 1`` is the state after ``k`` turns."""
+        states, state, seen = [], cls(), set()
         for t in turns:
             agent = t.get("agent")
             state = state.add(int(t.get("prompt_tokens", 0)), int(t.get("recomputed", 0)),
                               int(t.get("completion_tokens", 0)),
-                              agent is not None and agent not in seen)
+                              agent is not None and agent not in seen,
+                              int(t.get("in_flight", 0) or 0))
             seen.add(agent)
-        return state
+            states.append(state)
+        return states
+
+    @classmethod
+    def of_turns(cls, turns: Iterable[Mapping[str, Any]]) -> TrajectoryState:
+        """The state after ``turns`` (see :meth:`prefixes`)."""
+        states = cls.prefixes(turns)
+        return states[-1] if states else cls()
 
     def features(self) -> list[float]:
         """The model's inputs, in :data:`FEATURES` order (logs of token counts; ``log_rounds``:
         turns per agent so far; ``agents_*``: one-hot of the agents seen, which tells the
-        workflow's shape apart)."""
+        workflow's shape apart; ``log_in_flight``: requests still running, and that count times
+        the mean computed tokens per turn so far)."""
         k = max(1, self.turns)
         growth = max(0, self.last_prompt - self.first_prompt) / k
         reused = 1.0 - self.recomputed / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -115,7 +145,8 @@ class TrajectoryState:
                 reused, math.log1p(self.computed),
                 math.log1p(self.turns / max(1, self.agents)),
                 float(self.agents <= 1), float(self.agents == 2), float(self.agents == 3),
-                float(self.agents >= 4)]
+                float(self.agents >= 4), math.log1p(self.in_flight),
+                math.log1p(self.in_flight * self.computed / k)]
 
 
 @dataclass(frozen=True)
@@ -309,17 +340,11 @@ def training_rows(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[list, di
     ys: dict[str, list[float]] = {m: [] for m in MEASURES}
     groups: list[int] = []
     for i, turns in enumerate(runs):
-        final = TrajectoryState.of_turns(turns)
-        state, seen = TrajectoryState(), set()
-        for k, t in enumerate(turns[:-1]):
-            agent = t.get("agent")
-            state = state.add(int(t.get("prompt_tokens", 0)), int(t.get("recomputed", 0)),
-                              int(t.get("completion_tokens", 0)),
-                              agent is not None and agent not in seen)
-            seen.add(agent)
+        states = TrajectoryState.prefixes(turns)
+        for state in states[:-1]:
             xs.append(state.features())
             for m in MEASURES:
-                ys[m].append(final.spent(m) - state.spent(m))
+                ys[m].append(states[-1].spent(m) - state.spent(m))
             groups.append(i)
     return xs, ys, groups
 

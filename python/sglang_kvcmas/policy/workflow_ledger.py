@@ -11,6 +11,14 @@ Token kinds (the reuse record's): ``reused_exact`` + ``reused_corrected`` +
 ``reused_repositioned`` + ``recomputed`` = ``prompt_tokens``; ``computed`` = ``recomputed``
 (prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for.
 
+KV bytes (with the server's KV bytes per token, from the reuse record): ``kv_bytes_written`` =
+``computed`` tokens' KV, the pool slots the workflow's requests filled (each turn's in its
+trajectory, so the growth shows over time; the cache may since have evicted some, so this bounds
+what the workflow holds from above), and ``kv_bytes_read`` = ``prompt_tokens``' KV, what its
+turns attended over (shared or not). What a workflow *holds* at a moment is not counted per
+workflow: a cached prefix (a system prompt, a shared transcript) is one copy that several
+workflows may read; the pool's occupancy is in ``/server_info``.
+
 With a forecaster (``policy/spend_forecast.py``), each finished turn also updates the workflow's
 forecast of its total spend (:attr:`WorkflowTotals.forecast`); a forecaster that fails is logged
 and the workflow goes without a forecast. A workflow may carry a budget (``policy/spend_budget``:
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sglang_kvcmas.policy.spend_budget import Budget, BudgetStatus
@@ -41,6 +49,7 @@ class Turn:
         t: when it finished (seconds, the ledger's clock).
         agent: its agent id, or None.
         prompt_tokens ... completion_tokens: its counts (see the module docstring).
+        in_flight: the workflow's requests still running when it finished (set by the ledger).
     """
 
     t: float
@@ -51,17 +60,30 @@ class Turn:
     reused_repositioned: int
     recomputed: int
     completion_tokens: int
+    in_flight: int = 0
+    kv_bytes_per_token: int = 0
 
     @classmethod
     def of_record(cls, t: float, record: dict[str, Any], completion_tokens: int) -> Turn:
         """A turn from a reuse record (``meta_info.kvcmas_reuse[0]``)."""
         return cls(t=t, agent=record.get("agent"),
                    completion_tokens=max(0, int(completion_tokens or 0)),
+                   kv_bytes_per_token=max(0, int(record.get("kv_bytes_per_token", 0) or 0)),
                    **{k: int(record.get(k, 0) or 0) for k in COUNTS[:-1]})
 
     @property
     def computed(self) -> int:
         return self.recomputed + self.completion_tokens
+
+    @property
+    def kv_bytes_written(self) -> int:
+        """KV bytes of the pool slots this turn filled (prefill + decode)."""
+        return self.computed * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_read(self) -> int:
+        """KV bytes of the prompt this turn attended over."""
+        return self.prompt_tokens * self.kv_bytes_per_token
 
 
 @dataclass
@@ -83,6 +105,9 @@ class WorkflowTotals:
     state: TrajectoryState = field(default_factory=TrajectoryState)
     forecast: SpendForecast | None = None
     budget: Budget | None = None
+    in_flight: int = 0
+    kv_bytes_written: int = 0
+    kv_bytes_read: int = 0
 
     @property
     def computed(self) -> int:
@@ -90,11 +115,14 @@ class WorkflowTotals:
 
     def add(self, turn: Turn, max_turns: int) -> None:
         self.state = self.state.add(turn.prompt_tokens, turn.recomputed, turn.completion_tokens,
-                                    turn.agent is not None and turn.agent not in self.agents)
+                                    turn.agent is not None and turn.agent not in self.agents,
+                                    turn.in_flight)
         self.requests += 1
         self.last_t = max(self.last_t, turn.t)
         for k in COUNTS:
             setattr(self, k, getattr(self, k) + getattr(turn, k))
+        self.kv_bytes_written += turn.kv_bytes_written
+        self.kv_bytes_read += turn.kv_bytes_read
         if turn.agent is not None:
             self.agents.add(turn.agent)
         self.turns.append(turn)
@@ -104,7 +132,10 @@ class WorkflowTotals:
     def to_json(self, with_turns: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"workflow": self.workflow, "requests": self.requests,
                                "agents": len(self.agents), "first_t": self.first_t,
-                               "last_t": self.last_t, "computed": self.computed}
+                               "last_t": self.last_t, "computed": self.computed,
+                               "in_flight": self.in_flight,
+                               "kv_bytes_written": self.kv_bytes_written,
+                               "kv_bytes_read": self.kv_bytes_read}
         out.update({k: getattr(self, k) for k in COUNTS})
         reused = self.reused_exact + self.reused_corrected + self.reused_repositioned
         out["reused_fraction"] = reused / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -112,7 +143,8 @@ class WorkflowTotals:
             out["forecast"] = self.forecast.to_json() if self.forecast else None
             out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}
                              if self.budget else None)
-            out["turns"] = [asdict(t) for t in self.turns]
+            out["turns"] = [{**asdict(t), "kv_bytes_written": t.kv_bytes_written}
+                            for t in self.turns]
         return out
 
 
@@ -138,9 +170,23 @@ class WorkflowLedger:
     def __len__(self) -> int:
         return len(self._flows)
 
+    def begin(self, workflow: str, t: float, n: int = 1) -> None:
+        """``n`` requests of ``workflow`` were admitted (each ends in :meth:`add` or
+        :meth:`abandon`)."""
+        self._held(workflow, t).in_flight += n
+
+    def abandon(self, workflow: str, n: int = 1) -> None:
+        """``n`` admitted requests of ``workflow`` ended without finishing (aborted, failed)."""
+        totals = self._flows.get(workflow)
+        if totals is not None:
+            totals.in_flight = max(0, totals.in_flight - n)
+
     def add(self, workflow: str, turn: Turn) -> WorkflowTotals:
+        """One finished request: its turn joins the totals with the workflow's requests still in
+        flight (those begun and not finished)."""
         totals = self._held(workflow, turn.t)
-        totals.add(turn, self.max_turns)
+        totals.in_flight = max(0, totals.in_flight - 1)
+        totals.add(replace(turn, in_flight=totals.in_flight), self.max_turns)
         if self.forecaster is not None:
             try:
                 totals.forecast = self.forecaster.forecast(totals.state)
