@@ -192,6 +192,11 @@ class ServingConfig:
         False, "Refuse a workflow's further turns (400) once its budget is spent or even the "
         "low end of its spend forecast is past it (a request may set kvcmas_budget_enforce).",
         kind=bool)
+    forecast_artifact: str | None = _knob(
+        None, "The workflow spend forecaster's artifact (a JSON file written by "
+        "benchmark/serving/forecast_bench.py --fit on your own recorded runs); unset: the one "
+        "shipped for the served model when it is a known model with one, else the package's "
+        "generic one.", kind=str, optional=True)
     recompute_boundary: int = _knob(
         16, "A reader recomputes the first N tokens of every span it borrows, in its own "
         "context and in the same forward pass (0: naive reuse).", kind=int, low=0,

@@ -23,6 +23,9 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
   ``cache_salt``); implies ``--attention-backend kvcmas_delta``. Every ``--kvcmas-*`` knob (listed
   by ``--help``, defined once in ``sglang_kvcmas/config.py``) can also be set by its ``KVCMAS_*``
   environment variable; the flag wins. A bad value fails here, before SGLang boots.
+- The workflow spend forecaster: ``--kvcmas-forecast-artifact`` if given, else the artifact
+  shipped for the served model (a known short name), else the generic one; one that does not
+  load fails here (exit status 2).
 
 The tree cache actually built is reported in the server log ("sglang-kvcmas: tree cache ... in
 use") and in ``/server_info`` → ``internal_states[i].kvcmas.tree_cache_class``.
@@ -33,14 +36,35 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from pathlib import Path
+from typing import Any
 
+from sglang_kvcmas.config import knob
 from sglang_kvcmas.models.adapter_check import AdapterError
+from sglang_kvcmas.models.registry import known_model
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
+from sglang_kvcmas.policy import spend_forecast
+from sglang_kvcmas.policy.spend_forecast import ForecastArtifactError
 from sglang_kvcmas.server.lora_args import check_lora_paths
 from sglang_kvcmas.server.options import build_sglang_argv, knobs_help, parse_launcher_args
 
 
 EXIT_BAD_MODEL = 2
+
+
+def forecast_artifact(options: Any) -> Path:
+    """The spend forecaster's artifact the server loads: the one given, else the one shipped for
+    the served model (a known short name), else the generic one; checked here.
+
+    Raises:
+        ForecastArtifactError: it does not load.
+    """
+    given = options.config.forecast_artifact
+    known = known_model(options.model)
+    path = Path(given).expanduser() if given else spend_forecast.artifact_for(
+        known.name if known is not None else None)
+    spend_forecast.load(path)
+    return path.resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
 
+    try:
+        forecaster = forecast_artifact(options)
+    except ForecastArtifactError as e:
+        print(f"sglang-kvcmas-server: error: bad --kvcmas-forecast-artifact: {e}",
+              file=sys.stderr)
+        return EXIT_BAD_MODEL
+
     os.environ.update(options.server_env())  # server processes inherit our serving options
+    os.environ[knob("forecast_artifact").env] = str(forecaster)
     if options.on_cpu:
         # Threads are read once by the OpenMP runtime: set them before torch is imported.
         os.environ.setdefault("OMP_NUM_THREADS", str(options.cpu_threads))

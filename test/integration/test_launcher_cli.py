@@ -149,3 +149,35 @@ def test_an_adapter_that_does_not_fit_fails_fast_naming_it(tmp_path):
     assert proc.returncode == 2
     assert "--lora-paths wrong: wrong-rank has rank 64" in proc.stderr, proc.stderr[-2000:]
     assert "launching SGLang" not in proc.stderr
+
+
+def test_a_forecast_artifact_that_does_not_load_fails_fast(tmp_path):
+    bad = tmp_path / "forecaster.json"
+    bad.write_text('{"version": 99}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_kvcmas.launch_server", "--kvcmas-forecast-artifact",
+         str(bad), "--port", "30999"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "bad --kvcmas-forecast-artifact" in proc.stderr and "version 99" in proc.stderr
+    assert "launching SGLang" not in proc.stderr
+
+
+def test_the_forecast_artifact_follows_the_served_model(tmp_path):
+    from types import SimpleNamespace
+
+    from sglang_kvcmas.launch_server import forecast_artifact
+    from sglang_kvcmas.policy import spend_forecast as sf
+
+    def options(model, given=None):
+        return SimpleNamespace(model=model, config=SimpleNamespace(forecast_artifact=given))
+
+    assert forecast_artifact(options(None)) == sf.ARTIFACT.resolve()
+    assert forecast_artifact(options("/some/hf/folder")) == sf.ARTIFACT.resolve()
+    for own in sf.ARTIFACT.parent.glob("spend_forecast_*.json"):
+        assert forecast_artifact(options(own.stem.removeprefix("spend_forecast_"))) == \
+            own.resolve()
+    mine = tmp_path / "mine.json"
+    mine.write_text(sf.ARTIFACT.read_text())
+    assert forecast_artifact(options(None, str(mine))) == mine.resolve()
