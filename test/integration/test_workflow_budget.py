@@ -62,6 +62,9 @@ def test_budget_fields_reach_usage_and_the_route(ledger):
     assert route["forecast"]["at_turn"] == 1 and route["forecast"]["total"] >= 150
     assert route["forecast"]["low"] <= route["forecast"]["total"] <= route["forecast"]["high"]
     assert route["budget"] == {"tokens": 500, "enforce": False}
+    listed = ledger.snapshot()["workflows"][0]  # the listing shows forecast and budget too
+    assert listed["forecast"] == route["forecast"] and listed["budget"] == route["budget"]
+    assert "turns" not in listed
     plain = finished("other", 5, 5)  # no budget: no budget fields
     wa.observe(plain)
     assert "kvcmas_budget_tokens" not in ra.usage_fields(plain["meta_info"]["kvcmas_reuse"])

@@ -7,7 +7,8 @@ the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.W
 
 - ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (prompt tokens,
   reused exact / corrected / re-positioned, recomputed, completion tokens, computed = prefill +
-  decode, requests, agents, first and last seen, requests in flight, KV bytes written and read);
+  decode, requests, agents, first and last seen, requests in flight, KV bytes written and read,
+  the spend forecast and the budget);
 - ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory:
   each turn's counts, the requests still in flight when it finished and the KV bytes it wrote);
   404 for a workflow the ledger does not hold;

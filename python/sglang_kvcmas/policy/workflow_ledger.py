@@ -139,10 +139,10 @@ class WorkflowTotals:
         out.update({k: getattr(self, k) for k in COUNTS})
         reused = self.reused_exact + self.reused_corrected + self.reused_repositioned
         out["reused_fraction"] = reused / self.prompt_tokens if self.prompt_tokens else 0.0
+        out["forecast"] = self.forecast.to_json() if self.forecast else None
+        out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}
+                         if self.budget else None)
         if with_turns:
-            out["forecast"] = self.forecast.to_json() if self.forecast else None
-            out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}
-                             if self.budget else None)
             out["turns"] = [{**asdict(t), "kv_bytes_written": t.kv_bytes_written}
                             for t in self.turns]
         return out
