@@ -20,6 +20,9 @@ ops = st.lists(
         st.tuples(st.just("unlock"), st.integers(0, 20)),
         st.tuples(st.just("evict"), st.integers(1, 30)),
         st.tuples(st.just("drop"), st.integers(0, 5)),
+        st.tuples(st.just("leaf"), st.lists(st.integers(0, 3), min_size=1, max_size=12),
+                  st.integers(0, 2), st.lists(st.integers(0, 11), min_size=1, max_size=6)),
+        st.tuples(st.just("trim"), st.integers(0, 12)),
     ),
     max_size=60,
 )
@@ -60,6 +63,22 @@ def test_shared_tree_invariants(sequence):
         elif op[0] == "unlock" and locks:
             node, _ = locks.pop(op[1] % len(locks))
             tree.unlock(node)
+        elif op[0] == "leaf":  # a reader adopts exact KV of some of a node's tokens
+            n, node = tree.match(NS, op[1], split=True)
+            if node is not None:
+                offsets = torch.tensor(sorted({o % len(node) for o in op[3]}))
+                slots = fresh(len(offsets))
+                left = tree.add_overrides(node, f"r{op[2]}", offsets, slots, 100 + op[2])
+                freed.extend(int(x) for x in left)  # the caller frees what was not adopted
+        elif op[0] == "trim":
+            held = {n for locked, _ in locks for n in _path_nodes(locked)}
+            before = {id(n): {a: leaf.slots.tolist() for a, leaf in n.deltas.items()}
+                      for n in held}
+            tree.trim_leaves(op[1])
+            unlocked_leaves = sum(n.delta_tokens for n in tree.nodes() if n not in held)
+            assert tree.leaf_size <= op[1] or unlocked_leaves == 0
+            for n in held:  # the leaves of nodes a request reads stay as they were
+                assert {a: leaf.slots.tolist() for a, leaf in n.deltas.items()} == before[id(n)]
         elif op[0] == "evict":
             tree.evict(op[1])
         elif op[0] == "drop":
@@ -76,7 +95,12 @@ def test_shared_tree_invariants(sequence):
             assert got == [truth[key[: i + 1]] for i in range(len(key))]
             assert not set(got) & set(freed), "a locked slot was freed"
         live = list(tree.nodes())
-        assert tree.owned_size == sum(len(n) for n in live if n.owns_slots)
+        assert tree.owned_size == sum(n.owned_tokens for n in live)
+        assert tree.leaf_size == sum(n.delta_tokens for n in live)
+        assert tree.check_invariants() == []
+        for n in live:
+            for leaf in n.deltas.values():
+                assert not set(leaf.slots.tolist()) & set(freed), "a leaf's slot was freed"
         assert 0 <= tree.owned_locked_size <= tree.owned_size
         assert all(n.lock_ref >= 0 for n in live)
         for n in live:  # every live token's slot is what was inserted for its token path
@@ -84,6 +108,10 @@ def test_shared_tree_invariants(sequence):
             slots = SharedTree.path_slots(n).tolist()
             assert slots == [truth[tuple(path[: i + 1])] for i in range(len(path))]
             assert not set(n.slots.tolist()) & set(freed)
+
+
+def _path_nodes(node):
+    return [p.node for p in SharedTree.path(node)]
 
 
 def _path_anchors(node):

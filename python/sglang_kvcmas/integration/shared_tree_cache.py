@@ -548,6 +548,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             req._kvcmas_release_slots = left
         req.last_node = handle.without_recompute()
         req.kv.cache_protected_len = start
+        if self.config.leaf_budget is not None:
+            self.shared.trim_leaves(int(self.config.leaf_budget * self.shared.indexed_tokens()))
 
     @staticmethod
     def _recorded_mass(req: Req, start: int, end: int) -> torch.Tensor | None:

@@ -128,6 +128,8 @@ class SharedTree:
         self._by_anchor: dict[int, set[SharedNode]] = {}
         self.owned_size = 0
         self.owned_locked_size = 0
+        self.leaf_size = 0
+        """Pool slots held by delta leaves (part of ``owned_size``)."""
         self.lowrank = LowRankLeaves()
         """Reader agents' low-rank leaves (factors, not pool slots): ``tree/lowrank_leaves.py``."""
         self.version = getattr(self, "version", 0) + 1
@@ -303,6 +305,7 @@ class SharedTree:
             n.alive = False
             for leaf in n.deltas.values():
                 self.owned_size -= len(leaf)
+                self.leaf_size -= len(leaf)
                 freed.append(leaf.slots)
             n.deltas = {}
             if n.owns_slots:
@@ -362,6 +365,7 @@ class SharedTree:
                     if leaf is None:
                         continue
                     self.owned_size -= len(leaf)
+                    self.leaf_size -= len(leaf)
                     slots = [leaf.slots]
                 else:
                     slots = self._remove_subtree(node)
@@ -405,13 +409,42 @@ class SharedTree:
         adopted = len(merged) - len(leaf)
         node.deltas[agent] = merged
         self.owned_size += adopted
+        self.leaf_size += adopted
         if node.lock_ref:
             self.owned_locked_size += adopted
         return rejected
 
     def delta_tokens(self) -> int:
-        """Pool slots held by delta leaves."""
+        """Pool slots held by delta leaves (walked; :attr:`leaf_size` is the running count)."""
         return sum(n.delta_tokens for n in self.nodes())
+
+    def indexed_tokens(self) -> int:
+        """Tokens the tree indexes: its one copy of every shared transcript (walked)."""
+        return sum(len(n) for n in self.nodes())
+
+    def trim_leaves(self, max_tokens: int) -> int:
+        """Free delta leaves until they hold at most ``max_tokens`` pool slots: least recently
+        used first, whole leaves, only on nodes no request holds (a locked node's leaves are
+        being read and stay, so the bound may be exceeded while they are). Approximate state
+        goes before anything exact: a reader that loses its leaf recomputes or re-positions
+        those tokens on its next turn. Returns slots freed."""
+        excess = self.leaf_size - max(0, max_tokens)
+        if excess <= 0:
+            return 0
+        candidates = sorted(((leaf.last_access, n, agent) for n in self._unlocked_nodes()
+                             for agent, leaf in n.deltas.items()), key=lambda c: c[0])
+        freed = 0
+        for _, node, agent in candidates:
+            if freed >= excess:
+                break
+            leaf = node.deltas.pop(agent)
+            self.owned_size -= len(leaf)
+            self.leaf_size -= len(leaf)
+            self._free(leaf.slots)
+            freed += len(leaf)
+        if freed:
+            self.version += 1  # cached reads of the dropped leaves are stale
+        return freed
 
     # ----- introspection -----
 
@@ -459,6 +492,9 @@ class SharedTree:
             slots += [leaf.slots for leaf in n.deltas.values()]
         if owned != self.owned_size:
             problems.append(f"owned_size {self.owned_size} but nodes own {owned}")
+        leaves = sum(n.delta_tokens for n in self.nodes())
+        if leaves != self.leaf_size:
+            problems.append(f"leaf_size {self.leaf_size} but leaves hold {leaves}")
         if locked != self.owned_locked_size:
             problems.append(f"owned_locked_size {self.owned_locked_size} but locked nodes own "
                             f"{locked}")
