@@ -132,3 +132,55 @@ def test_each_known_model_may_ship_its_own_artifact():
         model = own.stem.removeprefix("spend_forecast_")
         assert sf.artifact_for(model) == own
         sf.load(own)  # every shipped artifact loads
+
+
+def test_the_pure_python_forest_equals_scikit_learns_prediction():
+    """The server's tree walk against the library that fitted it, on training rows, random
+    rows, and rows sitting exactly on split thresholds."""
+    import numpy as np
+    from sklearn.ensemble import RandomForestRegressor
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, len(sf.FEATURES))).astype(np.float64) * 3
+    y = x[:, 1] * 2 + np.sin(x[:, 4]) + rng.normal(size=300) * 0.1
+    forest = RandomForestRegressor(**sf.FOREST, random_state=0).fit(x, y)
+    model = sf.MeasureModel(tuple(sf.Tree.of_sklearn(t) for t in forest.estimators_), 0.0, 0.0)
+    on_threshold = x[:20].copy()
+    tree0 = model.trees[0]
+    for i, row in enumerate(on_threshold):
+        node = i % len(tree0.value)
+        if tree0.left[node] >= 0:
+            row[tree0.feature[node]] = tree0.threshold[node]
+    probe = np.vstack([x[:50], rng.normal(size=(50, len(sf.FEATURES))) * 5, on_threshold,
+                       np.zeros((1, len(sf.FEATURES)))])
+    want = forest.predict(probe)
+    from array import array
+
+    got = [sum(t.predict(array("f", row)) for t in model.trees) / len(model.trees)
+           for row in probe]
+    assert np.allclose(got, want, rtol=0, atol=1e-9)
+
+
+def test_malformed_trees_are_refused(tmp_path, fitted):
+    good = fitted.to_json()
+    path = tmp_path / "f.json"
+
+    def with_tree(change):
+        data = json.loads(json.dumps(good))
+        tree = data["models"]["computed"]["trees"][0]
+        change(tree)
+        return data
+
+    bad = [
+        with_tree(lambda t: t[4].pop()),                      # arrays of different lengths
+        with_tree(lambda t: t[2].__setitem__(0, 0)),          # a cycle: node 0's child is 0
+        with_tree(lambda t: t[0].__setitem__(0, 99)),         # no such feature
+        with_tree(lambda t: t[3].__setitem__(0, -1)),         # a node with one child
+        with_tree(lambda t: t.clear()),                       # not a tree
+    ]
+    empty = json.loads(json.dumps(good))
+    empty["models"]["prompt"]["trees"] = []
+    for data in (*bad, empty):
+        path.write_text(json.dumps(data))
+        with pytest.raises(sf.ForecastArtifactError):
+            sf.load(path)

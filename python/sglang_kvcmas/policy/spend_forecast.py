@@ -11,32 +11,36 @@ The model sees only what a server sees of a run (no workflow kind, no script): a
 finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen (also one-hot:
 the shape of the workflow), spend so far, first and last prompt length, completion and reuse
 per turn, and the workflow's requests still in flight when the turn finished: a fan-out's
-workers, a round's other debaters). Per measure it predicts the
-*remaining* spend, ``log1p(remaining) = w . features``, a ridge regression on standardized
-features, and the total is ``spent + remaining``: so the forecast is never below the spend so
-far and grows with it. The interval scales the remaining spend by the ``q_low`` / ``q_high``
-quantiles of held-out log residuals (``low <= total <= high`` by construction).
+workers, a round's other debaters). Per measure it predicts the *remaining* spend,
+``log1p(remaining)``, by a random forest (scikit-learn's ``RandomForestRegressor``, fitted
+offline, rows weighted so that every run weighs the same, and monotone non-decreasing in the
+features that grow with the spend so far: :data:`SIGNS`); the total is ``spent + remaining``, so
+the forecast is never below the spend so far and does not fall when it rises. The interval
+scales the remaining spend by the ``q_low`` / ``q_high`` quantiles of held-out log residuals
+(``low <= total <= high`` by construction). On the recorded runs a forest halves the error of the
+ridge regression it replaced (``benchmark/serving/forecast_bench.py``; ``docs/results.md``).
 
 Fitted offline (:func:`fit`, by ``benchmark/serving/forecast_bench.py --fit`` on recorded runs)
-into a small JSON artifact, loaded once (:func:`load`): token counts differ by model (answer
-lengths, how a model stops), so each known model may ship its own beside this module
-(``spend_forecast_<short name>.json``, :func:`artifact_for`), and ``spend_forecast.json`` (the
-embedded model's runs) serves every other model unless the server is given one
-(``--kvcmas-forecast-artifact``). A forecast is a few dozen float operations in pure Python (microseconds); numpy is
-used by the fit only.
+into a JSON artifact of the trees' arrays, loaded once (:func:`load`): token counts differ by
+model (answer lengths, how a model stops), so each known model may ship its own beside this
+module (``spend_forecast_<short name>.json``, :func:`artifact_for`), and ``spend_forecast.json``
+(the embedded model's runs) serves every other model unless the server is given one
+(``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python (tens of
+microseconds); scikit-learn and numpy are needed by the fit only.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ARTIFACT = Path(__file__).resolve().with_name("spend_forecast.json")
-VERSION = 2
+VERSION = 3
 MEASURES = ("computed", "prompt")
 FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_growth",
             "log_mean_completion", "log_mean_computed", "reused_fraction", "log_spent",
@@ -45,9 +49,12 @@ FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_gr
 """Feature names, in order (see :meth:`TrajectoryState.features`)."""
 SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
          "reused_fraction": -1, "log_in_flight": 1, "log_in_flight_computed": 1}
-"""Sign constraints of the fit: the features that grow with the spend so far (and the reused
+"""Monotone constraints of the fit: the features that grow with the spend so far (and the reused
 share, which shrinks as more is recomputed) may only push the remaining spend up, so the total
-forecast never falls when the spend so far rises (a violating feature is dropped)."""
+forecast never falls when the spend so far rises."""
+FOREST = {"n_estimators": 30, "max_depth": 6, "min_samples_leaf": 5}
+"""The forest's size: chosen by cross-validation on the recorded runs (30 trees of depth 6 did
+as well as 50 deeper ones at a tenth of the artifact)."""
 
 
 def artifact_for(model: str | None) -> Path:
@@ -179,25 +186,87 @@ class SpendForecast:
 
 
 @dataclass(frozen=True)
-class MeasureModel:
-    """The fitted model of one measure.
+class Tree:
+    """One regression tree, as arrays over its nodes (scikit-learn's ``tree_`` layout).
 
     Attributes:
-        weights: ridge weights over standardized features (``FEATURES`` order).
-        mean, scale: standardization of each feature (the bias is left as is).
+        feature: [nodes] the feature index a node splits on (unused at a leaf).
+        threshold: [nodes] ``x[feature] <= threshold`` goes left.
+        left, right: [nodes] child node indices, -1 at a leaf.
+        value: [nodes] the prediction at a leaf.
+    """
+
+    feature: tuple[int, ...]
+    threshold: tuple[float, ...]
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    value: tuple[float, ...]
+
+    def predict(self, x: Sequence[float]) -> float:
+        """The leaf value ``x`` reaches (``x`` already rounded to float32, as the fit saw it)."""
+        i = 0
+        left, right, feature, threshold = self.left, self.right, self.feature, self.threshold
+        while left[i] >= 0:
+            i = left[i] if x[feature[i]] <= threshold[i] else right[i]
+        return self.value[i]
+
+    def check(self, n_features: int) -> None:
+        """Raises ForecastArtifactError: arrays of different lengths, a child out of range or
+        not after its parent (no cycles), a feature out of range, a non-finite number."""
+        n = len(self.value)
+        if n == 0 or any(len(a) != n for a in (self.feature, self.threshold, self.left,
+                                                 self.right)):
+            raise ForecastArtifactError("a tree's arrays differ in length")
+        for i in range(n):
+            kids = (self.left[i], self.right[i])
+            if (kids[0] < 0) != (kids[1] < 0):
+                raise ForecastArtifactError(f"node {i} has one child")
+            if kids[0] >= 0 and (not all(i < k < n for k in kids)
+                                 or not 0 <= self.feature[i] < n_features
+                                 or not math.isfinite(self.threshold[i])):
+                raise ForecastArtifactError(f"node {i} is malformed")
+            if not math.isfinite(self.value[i]):
+                raise ForecastArtifactError(f"node {i} has a non-finite value")
+
+    def to_json(self) -> list[list[float]]:
+        return [list(self.feature), [round(t, 6) for t in self.threshold], list(self.left),
+                list(self.right), [round(v, 6) for v in self.value]]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Tree:
+        feature, threshold, left, right, value = raw
+        return cls(tuple(int(v) for v in feature), tuple(float(v) for v in threshold),
+                   tuple(int(v) for v in left), tuple(int(v) for v in right),
+                   tuple(float(v) for v in value))
+
+    @classmethod
+    def of_sklearn(cls, tree: Any) -> Tree:
+        """From a fitted scikit-learn ``DecisionTreeRegressor`` (its ``tree_``)."""
+        t = tree.tree_
+        return cls(tuple(int(v) for v in t.feature), tuple(float(v) for v in t.threshold),
+                   tuple(int(v) for v in t.children_left),
+                   tuple(int(v) for v in t.children_right),
+                   tuple(float(v) for v in t.value[:, 0, 0]))
+
+
+@dataclass(frozen=True)
+class MeasureModel:
+    """The fitted model of one measure: a forest over :data:`FEATURES`.
+
+    Attributes:
+        trees: the forest; its prediction (the mean of the trees') is ``log1p(remaining)``.
         q_low, q_high: quantiles of held-out log residuals of the remaining spend
             (``q_low <= 0 <= q_high``).
     """
 
-    weights: tuple[float, ...]
-    mean: tuple[float, ...]
-    scale: tuple[float, ...]
+    trees: tuple[Tree, ...]
     q_low: float
     q_high: float
 
     def remaining(self, x: Sequence[float]) -> float:
         """Point forecast of the remaining spend (tokens) for features ``x``."""
-        z = sum(w * (v - m) / s for w, v, m, s in zip(self.weights, x, self.mean, self.scale))
+        x32 = array("f", x)  # the fit saw float32 features (scikit-learn's trees do)
+        z = sum(t.predict(x32) for t in self.trees) / len(self.trees)
         return math.expm1(min(max(z, 0.0), 30.0))
 
 
@@ -233,8 +302,8 @@ class SpendForecaster:
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "features": list(FEATURES), "coverage": list(self.coverage),
                 "fitted_on": self.fitted_on,
-                "models": {m: {"weights": list(v.weights), "mean": list(v.mean),
-                               "scale": list(v.scale), "q_low": v.q_low, "q_high": v.q_high}
+                "models": {m: {"q_low": v.q_low, "q_high": v.q_high,
+                               "trees": [t.to_json() for t in v.trees]}
                            for m, v in self.models.items()}}
 
     @classmethod
@@ -251,14 +320,18 @@ class SpendForecaster:
             models = {}
             for m in MEASURES:
                 raw = data["models"][m]
-                vecs = [tuple(float(v) for v in raw[k]) for k in ("weights", "mean", "scale")]
-                if any(len(v) != len(FEATURES) for v in vecs) or min(vecs[2]) <= 0:
-                    raise ForecastArtifactError(f"model {m!r} has bad vectors")
+                trees = tuple(Tree.from_json(t) for t in raw["trees"])
+                if not trees:
+                    raise ForecastArtifactError(f"model {m!r} has no trees")
+                for t in trees:
+                    try:
+                        t.check(len(FEATURES))
+                    except ForecastArtifactError as e:
+                        raise ForecastArtifactError(f"model {m!r}: {e}") from None
                 q_low, q_high = float(raw["q_low"]), float(raw["q_high"])
-                if not (q_low <= 0.0 <= q_high) or not all(
-                        map(math.isfinite, (*vecs[0], *vecs[1], *vecs[2], q_low, q_high))):
-                    raise ForecastArtifactError(f"model {m!r} has bad numbers")
-                models[m] = MeasureModel(*vecs, q_low=q_low, q_high=q_high)
+                if not (q_low <= 0.0 <= q_high) or not all(map(math.isfinite, (q_low, q_high))):
+                    raise ForecastArtifactError(f"model {m!r} has bad interval quantiles")
+                models[m] = MeasureModel(trees, q_low=q_low, q_high=q_high)
             lo, hi = (float(c) for c in data["coverage"])
             return cls(models, (lo, hi), str(data.get("fitted_on", "")))
         except ForecastArtifactError:
@@ -281,40 +354,25 @@ def load(path: Path | None = None) -> SpendForecaster:
     return SpendForecaster.from_json(data)
 
 
-def fit_measure(x: Any, y_remaining: Any, ridge: float = 1.0,
-                coverage: tuple[float, float] = (0.1, 0.9), folds: int = 5,
-                groups: Any = None) -> MeasureModel:
+def fit_measure(x: Any, y_remaining: Any, coverage: tuple[float, float] = (0.1, 0.9),
+                folds: int = 5, groups: Any = None, seed: int = 0) -> MeasureModel:
     """Fit one measure: ``x`` (n x len(FEATURES)), ``y_remaining`` (n, tokens). Rows are
     weighted so that every run (``groups``: the run of each row) weighs the same. The interval's
     quantiles come from residuals of ``folds``-fold cross-validation, folds drawn by run (a
-    run's rows are held out together)."""
+    run's rows are held out together). Needs scikit-learn."""
     import numpy as np
+    from sklearn.ensemble import RandomForestRegressor
 
     x = np.asarray(x, dtype=np.float64)
     y = np.log1p(np.maximum(np.asarray(y_remaining, dtype=np.float64), 0.0))
     groups = np.arange(len(y)) if groups is None else np.asarray(groups)
     _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
-    root_w = np.sqrt(1.0 / counts[inverse])  # every run weighs the same, long or short
+    weight = 1.0 / counts[inverse]  # every run weighs the same, long or short
+    monotone = [SIGNS.get(name, 0) for name in FEATURES]
 
-    def solve(rows: Any) -> tuple[Any, Any, Any]:
-        mean = x[rows].mean(axis=0)
-        scale = x[rows].std(axis=0)
-        mean[0], scale[0] = 0.0, 1.0
-        scale[scale < 1e-9] = 1.0
-        z = (x[rows] - mean) / scale * root_w[rows, None]
-        yw = y[rows] * root_w[rows]
-        keep = np.ones(z.shape[1], dtype=bool)
-        while True:  # drop features whose weight breaks its sign constraint, then refit
-            reg = ridge * np.eye(int(keep.sum()))
-            reg[0, 0] = 0.0
-            zk = z[:, keep]
-            w = np.zeros(z.shape[1])
-            w[keep] = np.linalg.solve(zk.T @ zk + reg, zk.T @ yw)
-            bad = [i for i, name in enumerate(FEATURES)
-                   if keep[i] and SIGNS.get(name, 0) * w[i] < 0]
-            if not bad:
-                return w, mean, scale
-            keep[bad] = False
+    def forest(rows: Any) -> Any:
+        return RandomForestRegressor(**FOREST, monotonic_cst=monotone, random_state=seed,
+                                     n_jobs=1).fit(x[rows], y[rows], sample_weight=weight[rows])
 
     uniq = np.unique(groups)
     residuals = []
@@ -322,15 +380,13 @@ def fit_measure(x: Any, y_remaining: Any, ridge: float = 1.0,
         held = np.isin(groups, uniq[f::folds])
         if held.all() or not held.any():
             continue
-        w, mean, scale = solve(~held)
-        pred = np.clip(((x[held] - mean) / scale) @ w, 0.0, 30.0)
+        pred = np.clip(forest(~held).predict(x[held]), 0.0, 30.0)
         residuals.append(y[held] - pred)
     res = np.concatenate(residuals) if residuals else np.zeros(1)
-    w, mean, scale = solve(np.ones(len(y), dtype=bool))
+    fitted = forest(np.ones(len(y), dtype=bool))
     q_low = min(0.0, float(np.quantile(res, coverage[0])))
     q_high = max(0.0, float(np.quantile(res, coverage[1])))
-    return MeasureModel(tuple(map(float, w)), tuple(map(float, mean)), tuple(map(float, scale)),
-                        q_low, q_high)
+    return MeasureModel(tuple(Tree.of_sklearn(t) for t in fitted.estimators_), q_low, q_high)
 
 
 def training_rows(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[list, dict, list]:
@@ -349,10 +405,11 @@ def training_rows(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[list, di
     return xs, ys, groups
 
 
-def fit(runs: Sequence[Sequence[Mapping[str, Any]]], ridge: float = 1.0,
-        coverage: tuple[float, float] = (0.1, 0.9), fitted_on: str = "") -> SpendForecaster:
+def fit(runs: Sequence[Sequence[Mapping[str, Any]]],
+        coverage: tuple[float, float] = (0.1, 0.9), fitted_on: str = "",
+        seed: int = 0) -> SpendForecaster:
     """A forecaster fitted on ``runs`` (each a list of turn records in finish order, as
-    :meth:`TrajectoryState.of_turns` reads them).
+    :meth:`TrajectoryState.prefixes` reads them). Needs scikit-learn.
 
     Raises:
         ValueError: fewer than two runs of two or more turns.
@@ -360,5 +417,5 @@ def fit(runs: Sequence[Sequence[Mapping[str, Any]]], ridge: float = 1.0,
     xs, ys, groups = training_rows(runs)
     if len(set(groups)) < 2:
         raise ValueError("fitting needs at least two runs of two or more turns")
-    return SpendForecaster({m: fit_measure(xs, ys[m], ridge, coverage, groups=groups)
+    return SpendForecaster({m: fit_measure(xs, ys[m], coverage, groups=groups, seed=seed)
                             for m in MEASURES}, coverage, fitted_on)
