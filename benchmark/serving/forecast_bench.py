@@ -1,47 +1,61 @@
 """How well the spend forecaster predicts a run's total spend, and what a budget saves with it.
 
-Input: runs recorded by ``record_runs.py`` (``results/record_runs_<variant>.jsonl``; each run's
-turns as the server's ledger saw them, in finish order). Spend is *computed* tokens (prefill +
-decode; ``policy/spend_forecast.py``), and the prompt tokens read as a second measure.
+Input: runs recorded by ``record_runs.py`` (``results/record_runs_<variant>.jsonl``, one or more
+variants: e.g. the embedded model's runs and the capable model's; each run's turns as the
+server's ledger saw them, in finish order). Spend is *computed* tokens (prefill + decode;
+``policy/spend_forecast.py``), and the prompt tokens read as a second measure.
 
-- ``--fit``: fit the forecaster on every run and write its artifact
-  (``python/sglang_kvcmas/policy/spend_forecast.json``, shipped with the package).
+- ``--fit``: fit the forecaster on every run of the variants (one model's) and write the
+  artifact the server loads for that model (``python/sglang_kvcmas/policy/spend_forecast.json``
+  for the embedded model, ``spend_forecast_<model>.json`` beside it for another known model;
+  ``--out`` elsewhere, for ``--kvcmas-forecast-artifact``), shipped with the package.
 - Default: the benchmark, by ``--folds``-fold cross-validation split by run (seed ``--seed``):
-  each run is forecast by a model fitted on the other folds' runs only. Per run, at 25 / 50 / 75%
+  each run is forecast by a model fitted on the other folds' runs of the same served model
+  only (as shipped: one artifact per model). Per run, at 25 / 50 / 75%
   of its turns (turn ``k = round(p * T)``, clamped to ``1..T-1``): the absolute percentage error
-  of the total forecast; the median over runs (MAPE, as a median) beside two naive forecasters:
+  of the total forecast; the median over runs (MAPE, as a median), overall and per variant,
+  beside naive forecasters:
 
-  - ``naive_linear``: the spend so far scaled by ``T / k``; it is told the run's final turn
-    count ``T``, which no server knows (an optimistic naive);
+  - ``naive_rate`` (the naive baseline of the headline): the spend so far extrapolated at its
+    rate per turn to the training runs' mean turn count (at least one more turn) -- what a
+    server could run without a model;
+  - ``naive_linear``: the spend so far scaled by ``T / k``; it is *told* the run's final turn
+    count ``T``, which no server knows (an oracle, reported for context);
   - ``naive_mean``: the mean total of the training runs (at least the spend so far).
 
   Also: how often the interval holds the true total, per kind, forecaster milliseconds per turn
-  (state update + forecast, pure Python), and a budget replay: each held-out run replayed turn
-  by turn against a fixed per-run budget (the training runs' median total): ``cap`` refuses a
-  turn once the spend reaches the budget; ``forecast`` also refuses once the forecast's low end
-  is past the budget times ``m`` (``m = 1`` is the server's rule; the smallest ``m`` of a grid
-  that keeps the training runs' completion rate equal to ``cap``'s is chosen per fold, on the
-  training runs). A run *completes* when it reaches its own end without a refusal. The embedded
-  model cannot do these tasks (its answers are mostly wrong), so task success is not measured:
-  the saving is reported at equal **completion** rate, labelled so.
+  (state update + forecast, pure Python), and per variant a budget replay: each held-out run
+  replayed turn by turn against a fixed per-run budget (the variant's training runs' median
+  total): ``cap`` refuses a turn once the spend reaches the budget; ``forecast`` also refuses
+  once the forecast's low end is past the budget times ``m`` (``m = 1`` is the server's rule;
+  the smallest ``m`` of a grid that keeps the training runs' success count equal to ``cap``'s
+  is chosen per fold, on the training runs). A run *succeeds* when it reaches its own end
+  without a refusal and, where the recording graded it (``outcome.correct``: its final answer
+  against GSM8K's), its answer is right; variants without grades (the embedded model, which
+  cannot do the tasks) are judged on completion only, labelled so.
 
-Writes ``results/forecast_bench_<variant>.txt`` and ends with
+Writes ``results/forecast_bench_<variants joined by +>.txt`` and ends with
 ``HEADLINE mape_at_50pct=<x> naive_mape_at_50pct=<x> forecast_ms=<x> budget_tokens_saved=<x>``
-(``naive`` = ``naive_linear``, the stronger naive).
+(MAPE over every held-out run; ``naive`` = ``naive_rate``; tokens saved on the first graded
+variant, else the first variant).
 
-    python benchmark/serving/forecast_bench.py --fit
-    python benchmark/serving/forecast_bench.py
+    python benchmark/serving/forecast_bench.py --variant embedded --fit
+    python benchmark/serving/forecast_bench.py --variant qwen2.5-coder-0.5b --fit
+    python benchmark/serving/forecast_bench.py --variant embedded,qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import random
 import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,15 +68,30 @@ POINTS = (0.25, 0.5, 0.75)
 M_GRID = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 
 
+def with_in_flight(ledger_turns: list[dict], usage_turns: list[dict]) -> list[dict]:
+    """The ledger's turns, each with ``in_flight`` (the run's requests started and unfinished
+    when it finished) where the recording lacks it: requests started before the turn's finish
+    (the client's send times) minus the turns finished by then (the ledger's clock, the same
+    machine's)."""
+    if all("in_flight" in t for t in ledger_turns):
+        return ledger_turns
+    starts = sorted(t["t0"] for t in usage_turns if "t0" in t)
+    if len(starts) != len(ledger_turns) or any("t" not in t for t in ledger_turns):
+        return ledger_turns
+    return [{**t, "in_flight": max(0, bisect.bisect_left(starts, t["t"]) - (k + 1))}
+            for k, t in enumerate(ledger_turns)]
+
+
 def load_runs(path: Path) -> list[dict]:
-    """Recorded runs with ``turns``: the ledger's turns (else the responses' usage), >= 2."""
+    """Recorded runs with ``turns``: the ledger's turns (else the responses' usage), >= 2; and
+    ``correct``: whether the run's final answer was right (None when not recorded)."""
     runs, seen = [], set()
     for line in path.read_text().splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        turns = rec.get("ledger_turns") or [
+        turns = with_in_flight(rec.get("ledger_turns") or [], rec.get("usage_turns", [])) or [
             {"agent": t.get("agent"), "prompt_tokens": t.get("prompt_tokens", 0),
              "recomputed": t.get("kvcmas_recomputed", t.get("prompt_tokens", 0)),
              "completion_tokens": t.get("completion_tokens", 0)}
@@ -70,20 +99,11 @@ def load_runs(path: Path) -> list[dict]:
         key = (rec["kind"], rec["qid"])
         if len(turns) >= 2 and key not in seen:  # a run recorded twice counts once
             seen.add(key)
-            runs.append({"kind": rec["kind"], "qid": rec["qid"], "turns": turns})
+            runs.append({"kind": rec["kind"], "qid": rec["qid"], "turns": turns,
+                         "variant": path.stem.removeprefix("record_runs_"),
+                         "model": rec.get("model", "embedded"),
+                         "correct": (rec.get("outcome") or {}).get("correct")})
     return runs
-
-
-def prefix_states(turns: list[dict]) -> list[sf.TrajectoryState]:
-    """The state after each turn (index k-1: after k turns)."""
-    states, state, seen = [], sf.TrajectoryState(), set()
-    for t in turns:
-        agent = t.get("agent")
-        state = state.add(int(t["prompt_tokens"]), int(t["recomputed"]),
-                          int(t["completion_tokens"]), agent is not None and agent not in seen)
-        seen.add(agent)
-        states.append(state)
-    return states
 
 
 def at(p: float, n_turns: int) -> int:
@@ -102,12 +122,13 @@ def replay(states: list[sf.TrajectoryState], model: sf.SpendForecaster | None, b
     return states[-1].computed, True
 
 
-def budget_outcome(runs: list[list[sf.TrajectoryState]], model: sf.SpendForecaster | None,
-                   budget: int, m: float) -> tuple[int, int]:
+def budget_outcome(runs: list[tuple[list[sf.TrajectoryState], bool | None]],
+                   model: sf.SpendForecaster | None, budget: int, m: float) -> tuple[int, int]:
+    """Tokens spent and runs succeeded over ``runs`` (states, graded correct or None)."""
     spent = done = 0
-    for states in runs:
-        s, ok = replay(states, model, budget, m)
-        spent, done = spent + s, done + ok
+    for states, correct in runs:
+        s, completed = replay(states, model, budget, m)
+        spent, done = spent + s, done + (completed and correct is not False)
     return spent, done
 
 
@@ -115,148 +136,199 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def describe(runs: list[dict]) -> str:
+    kinds = sorted({r["kind"] for r in runs})
+    return ", ".join(f"{k} {sum(r['kind'] == k for r in runs)}" for k in kinds)
+
+
+@dataclass
+class Replay:
+    """One variant's budget replay over its held-out runs."""
+
+    graded: bool
+    runs: int = 0
+    budgets: list[int] = field(default_factory=list)
+    ms: list[float] = field(default_factory=list)
+    cap: list[int] = field(default_factory=lambda: [0, 0])  # spent, succeeded
+    rule: list[int] = field(default_factory=lambda: [0, 0])
+    chosen: list[int] = field(default_factory=lambda: [0, 0])
+    sweep: dict[float, list[int]] = field(
+        default_factory=lambda: {m: [0, 0] for m in M_GRID})
+
+    def add(self, train: list, test: list, model: sf.SpendForecaster) -> None:
+        budget = int(statistics.median(s[-1].computed for s, _ in train))
+        self.budgets.append(budget)
+        _, cap_train = budget_outcome(train, None, budget, 1.0)
+        m = next((m for m in M_GRID if budget_outcome(train, model, budget, m)[1] >= cap_train),
+                 M_GRID[-1])
+        self.ms.append(m)
+        self.runs += len(test)
+        for acc, (mod, mm) in ((self.cap, (None, 1.0)), (self.rule, (model, 1.0)),
+                               (self.chosen, (model, m))):
+            s, d = budget_outcome(test, mod, budget, mm)
+            acc[0], acc[1] = acc[0] + s, acc[1] + d
+        for mm in M_GRID:
+            s, d = budget_outcome(test, model, budget, mm)
+            self.sweep[mm][0] += s
+            self.sweep[mm][1] += d
+
+    @property
+    def saved(self) -> int:
+        return self.cap[0] - self.chosen[0]
+
+    def lines(self, variant: str) -> list[str]:
+        what = "succeeded (completed, answer right)" if self.graded else "completed"
+        n = self.runs
+        return [
+            f"budget replay, {variant} ({n} held-out runs; per-fold budget = training runs' "
+            f"median total: {', '.join(map(str, self.budgets))} computed tokens):",
+            f"  cap (refuse once spent >= budget):        spent {self.cap[0]} tokens, "
+            f"{what} {self.cap[1]}/{n}",
+            f"  forecast, m=1 (server rule: low > budget): spent {self.rule[0]} tokens, "
+            f"{what} {self.rule[1]}/{n}",
+            f"  forecast, m chosen on training runs ({', '.join(f'{m:g}' for m in self.ms)}): "
+            f"spent {self.chosen[0]} tokens, {what} {self.chosen[1]}/{n}",
+            f"  tokens saved vs cap (chosen m): {self.saved} ({pct(self.saved / self.cap[0])}) "
+            f"at {self.chosen[1]}/{n} vs {self.cap[1]}/{n} {what}",
+            "  every m of the grid on the held-out runs (for context, not used to choose): "
+            + ", ".join(f"m={mm:g} {v[0]} tokens {v[1]}/{n}" for mm, v in self.sweep.items()),
+            ("  success = the run's graded final answer was right and no turn was refused"
+             if self.graded else "  completion = the run reached its own end without a "
+             "refusal; these runs carry no grade (the model cannot do the tasks), so this is "
+             "NOT task success")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", default="embedded", help="record_runs_<variant>.jsonl to read")
-    p.add_argument("--fit", action="store_true", help="fit on every run, write the artifact")
+    p.add_argument("--variant", default="embedded",
+                   help="record_runs_<variant>.jsonl to read; several, comma-separated, pooled")
+    p.add_argument("--fit", action="store_true",
+                   help="fit on every run of the variants (one model's), write the artifact the "
+                        "server loads for that model (spend_forecast.json for the embedded "
+                        "model, else spend_forecast_<model>.json beside it)")
+    p.add_argument("--out", default=None, help="with --fit: write the artifact here instead")
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ridge", type=float, default=3.0)
     args = p.parse_args()
-    src = RESULTS / f"record_runs_{args.variant}.jsonl"
-    runs = load_runs(src)
-    kinds = sorted({r["kind"] for r in runs})
-    print(f"{len(runs)} runs from {src.name}: " +
-          ", ".join(f"{k} {sum(r['kind'] == k for r in runs)}" for k in kinds), file=sys.stderr)
+    variants = list(dict.fromkeys(v.strip() for v in args.variant.split(",") if v.strip()))
+    runs = [r for v in variants for r in load_runs(RESULTS / f"record_runs_{v}.jsonl")]
+    for v in variants:
+        print(f"{v}: {describe([r for r in runs if r['variant'] == v])}", file=sys.stderr)
     if args.fit:
-        model = sf.fit([r["turns"] for r in runs], ridge=args.ridge,
-                       fitted_on=f"{len(runs)} runs of {src.name} ("
-                                 + ", ".join(f"{k} {sum(r['kind'] == k for r in runs)}"
-                                             for k in kinds) + ")")
-        sf.ARTIFACT.write_text(json.dumps(model.to_json(), indent=1) + "\n")
-        print(f"wrote {sf.ARTIFACT} ({sf.ARTIFACT.stat().st_size} bytes)", file=sys.stderr)
+        models = {r["model"] for r in runs}
+        if args.out is None and len(models) != 1:
+            p.error(f"--fit over runs of several models ({', '.join(sorted(models))}): "
+                    "give --out")
+        model_name = models.pop() if len(models) == 1 else None
+        out = Path(args.out) if args.out else sf.ARTIFACT if model_name == "embedded" else \
+            sf.ARTIFACT.with_name(f"spend_forecast_{model_name}.json")
+        model = sf.fit([r["turns"] for r in runs], seed=args.seed, fitted_on="; ".join(
+            f"{sum(r['variant'] == v for r in runs)} runs of record_runs_{v}.jsonl "
+            f"({describe([r for r in runs if r['variant'] == v])})" for v in variants))
+        out.write_text(json.dumps(model.to_json(), separators=(",", ":")) + "\n")
+        print(f"wrote {out} ({out.stat().st_size} bytes)", file=sys.stderr)
         return 0
 
     order = list(range(len(runs)))
     random.Random(args.seed).shuffle(order)
     fold_of = {i: n % args.folds for n, i in enumerate(order)}
-    states = [prefix_states(r["turns"]) for r in runs]
-    ape: dict[str, dict[float, list[float]]] = {
-        name: {q: [] for q in POINTS} for name in ("forecast", "naive_linear", "naive_mean",
-                                                    "prompt_forecast")}
+    states = [sf.TrajectoryState.prefixes(r["turns"]) for r in runs]
+    names = {"forecast": "spend_forecast (computed tokens)",
+             "naive_rate": "naive_rate (spend/turn x mean turns)",
+             "naive_linear": "naive_linear (spend x T/k; told T: oracle)",
+             "naive_mean": "naive_mean (training runs' mean total)",
+             "prompt_forecast": "spend_forecast (prompt tokens read)"}
+    ape: dict[str, dict[float, list[tuple[str, float]]]] = {
+        name: {q: [] for q in POINTS} for name in names}
     by_kind: dict[str, list[float]] = defaultdict(list)
     covered = {q: [] for q in POINTS}
     timings: list[float] = []
-    cap_spent = cap_done = fc_spent = fc_done = rule_spent = rule_done = 0
-    budgets, ms_chosen = [], []
-    sweep = {m: [0, 0] for m in M_GRID}  # m -> [spent, completed] over held-out runs
-    for f in range(args.folds):
-        train = [i for i in order if fold_of[i] != f]
-        test = [i for i in order if fold_of[i] == f]
+    replays = {v: Replay(graded=any(r["correct"] is not None for r in runs
+                                    if r["variant"] == v)) for v in variants}
+    served = sorted({r["model"] for r in runs})
+    for f, mdl in itertools.product(range(args.folds), served):
+        train = [i for i in order if fold_of[i] != f and runs[i]["model"] == mdl]
+        test = [i for i in order if fold_of[i] == f and runs[i]["model"] == mdl]
         if not test or len(train) < 2:
             continue
-        model = sf.fit([runs[i]["turns"] for i in train], ridge=args.ridge)
-        totals = [states[i][-1].computed for i in train]
-        mean_total = statistics.fmean(totals)
+        model = sf.fit([runs[i]["turns"] for i in train], seed=args.seed)
+        mean_total = statistics.fmean(states[i][-1].computed for i in train)
+        mean_turns = statistics.fmean(len(states[i]) for i in train)
         for i in test:
-            ss, final = states[i], states[i][-1]
+            ss, final, v = states[i], states[i][-1], runs[i]["variant"]
             n = len(ss)
             for q in POINTS:
                 s = ss[at(q, n) - 1]
                 fc = model.forecast(s)
-                ape["forecast"][q].append(abs(fc.total - final.computed) / final.computed)
+                guesses = {"forecast": fc.total,
+                           "naive_rate": s.computed * max(mean_turns, s.turns + 1) / s.turns,
+                           "naive_linear": s.computed * n / s.turns,
+                           "naive_mean": max(mean_total, s.computed)}
+                for name, guess in guesses.items():
+                    ape[name][q].append((v, abs(guess - final.computed) / final.computed))
                 ape["prompt_forecast"][q].append(
-                    abs(fc.prompt_total - final.prompt_tokens) / final.prompt_tokens)
-                ape["naive_linear"][q].append(abs(s.computed * n / s.turns - final.computed)
-                                              / final.computed)
-                ape["naive_mean"][q].append(abs(max(mean_total, s.computed) - final.computed)
-                                            / final.computed)
+                    (v, abs(fc.prompt_total - final.prompt_tokens) / final.prompt_tokens))
                 covered[q].append(fc.low <= final.computed <= fc.high)
                 if q == 0.5:
-                    by_kind[runs[i]["kind"]].append(ape["forecast"][q][-1])
-            state, seen = sf.TrajectoryState(), set()
+                    by_kind[f"{runs[i]['kind']}@{v}"].append(ape["forecast"][q][-1][1])
             t0 = time.perf_counter()
-            for t in runs[i]["turns"]:
-                state = state.add(int(t["prompt_tokens"]), int(t["recomputed"]),
-                                  int(t["completion_tokens"]),
-                                  t.get("agent") is not None and t.get("agent") not in seen)
-                seen.add(t.get("agent"))
+            for state in sf.TrajectoryState.prefixes(runs[i]["turns"]):
                 model.forecast(state)
             timings.append((time.perf_counter() - t0) * 1000 / n)
-        budget = int(statistics.median(totals))
-        budgets.append(budget)
-        train_states = [states[i] for i in train]
-        _, cap_train = budget_outcome(train_states, None, budget, 1.0)
-        m = next((m for m in M_GRID
-                  if budget_outcome(train_states, model, budget, m)[1] == cap_train), M_GRID[-1])
-        ms_chosen.append(m)
-        test_states = [states[i] for i in test]
-        s, d = budget_outcome(test_states, None, budget, 1.0)
-        cap_spent, cap_done = cap_spent + s, cap_done + d
-        s, d = budget_outcome(test_states, model, budget, m)
-        fc_spent, fc_done = fc_spent + s, fc_done + d
-        s, d = budget_outcome(test_states, model, budget, 1.0)
-        rule_spent, rule_done = rule_spent + s, rule_done + d
-        for mm in M_GRID:
-            s, d = budget_outcome(test_states, model, budget, mm)
-            sweep[mm][0] += s
-            sweep[mm][1] += d
+        for v, rep in replays.items():
+            if any(runs[i]["variant"] == v for i in test):
+                rep.add([(states[i], runs[i]["correct"]) for i in train
+                         if runs[i]["variant"] == v],
+                        [(states[i], runs[i]["correct"]) for i in test
+                         if runs[i]["variant"] == v], model)
+
+    def mdape(name: str, q: float, variant: str | None = None) -> float:
+        return statistics.median(e for v, e in ape[name][q] if variant in (None, v))
 
     n_runs = len(ape["forecast"][0.5])
-    med = {name: {q: statistics.median(v[q]) for q in POINTS} for name, v in ape.items()}
     ms = statistics.median(timings)
     lines = [f"# command: python benchmark/serving/forecast_bench.py --variant {args.variant} "
-             f"--folds {args.folds} --seed {args.seed} --ridge {args.ridge}",
-             f"runs: {len(runs)} from {src.name} (" + ", ".join(
-                 f"{k} {sum(r['kind'] == k for r in runs)}" for k in kinds) + "); "
-             f"{args.folds}-fold cross-validation split by run (seed {args.seed}): every run "
-             "forecast by a model fitted on the other folds",
-             "turns per run: " + ", ".join(
-                 f"{k} {min(len(r['turns']) for r in runs if r['kind'] == k)}-"
-                 f"{max(len(r['turns']) for r in runs if r['kind'] == k)}" for k in kinds),
-             "total computed tokens per run (prefill + decode): " + ", ".join(
-                 f"{k} {min(s[-1].computed for s, r in zip(states, runs) if r['kind'] == k)}-"
-                 f"{max(s[-1].computed for s, r in zip(states, runs) if r['kind'] == k)}"
-                 for k in kinds),
-             "",
-             "median absolute percentage error of the total forecast, at 25/50/75% of each run "
-             f"({n_runs} held-out runs):",
-             f"  {'forecaster':44s} {'25%':>7s} {'50%':>7s} {'75%':>7s}"]
-    names = {"forecast": "spend_forecast (computed tokens)",
-             "naive_linear": "naive_linear (spend x T/k; told T)",
-             "naive_mean": "naive_mean (training runs' mean total)",
-             "prompt_forecast": "spend_forecast (prompt tokens read)"}
+             f"--folds {args.folds} --seed {args.seed}",
+             f"runs: {len(runs)}; {args.folds}-fold cross-validation split by run (seed "
+             f"{args.seed}): every run forecast by a model fitted on the other folds' runs of "
+             "its own model (a model's forecaster is fitted on that model's runs, as shipped)"]
+    for v in variants:
+        vr = [(r, s) for r, s in zip(runs, states) if r["variant"] == v]
+        kinds = sorted({r["kind"] for r, _ in vr})
+        graded = [r["correct"] for r, _ in vr if r["correct"] is not None]
+        lines += [f"{v}: {len(vr)} runs ({describe([r for r, _ in vr])})" +
+                  (f"; answers right {sum(graded)}/{len(graded)}" if graded else "; not graded"),
+                  "  turns per run: " + ", ".join(
+                      f"{k} {min(len(s) for r, s in vr if r['kind'] == k)}-"
+                      f"{max(len(s) for r, s in vr if r['kind'] == k)}" for k in kinds),
+                  "  total computed tokens per run: " + ", ".join(
+                      f"{k} {min(s[-1].computed for r, s in vr if r['kind'] == k)}-"
+                      f"{max(s[-1].computed for r, s in vr if r['kind'] == k)}" for k in kinds)]
+    lines += ["", "median absolute percentage error of the total forecast, at 25/50/75% of each "
+              f"run ({n_runs} held-out runs):",
+              f"  {'forecaster':46s} {'25%':>7s} {'50%':>7s} {'75%':>7s}"]
     for name, label in names.items():
-        lines.append(f"  {label:44s} " + " ".join(f"{pct(med[name][q]):>7s}" for q in POINTS))
+        lines.append(f"  {label:46s} " + " ".join(f"{pct(mdape(name, q)):>7s}" for q in POINTS))
+    if len(variants) > 1:
+        for v in variants:
+            lines.append(f"  at 50%, {v}: " + ", ".join(
+                f"{name} {pct(mdape(name, 0.5, v))}" for name in names))
     lines.append("interval (nominal 10-90%) holds the true total: " + ", ".join(
         f"{int(100 * q)}% {pct(sum(covered[q]) / len(covered[q]))}" for q in POINTS))
     lines.append("forecast MdAPE at 50% by kind: " + ", ".join(
         f"{k} {pct(statistics.median(v))} ({len(v)})" for k, v in sorted(by_kind.items())))
     lines.append(f"forecaster: {ms:.4f} ms per turn (median over runs; state update + "
                  "forecast, pure Python)")
-    saved = cap_spent - fc_spent
+    for v, rep in replays.items():
+        lines += ["", *rep.lines(v)]
+    headline = next((rep for rep in replays.values() if rep.graded), replays[variants[0]])
     lines += ["",
-              f"budget replay (held-out runs; per-fold budget = training runs' median total: "
-              f"{', '.join(map(str, budgets))} computed tokens):",
-              f"  cap (refuse once spent >= budget):        spent {cap_spent} tokens, "
-              f"completed {cap_done}/{n_runs}",
-              f"  forecast, m=1 (server rule: low > budget): spent {rule_spent} tokens, "
-              f"completed {rule_done}/{n_runs}",
-              f"  forecast, m chosen on training runs ({', '.join(f'{m:g}' for m in ms_chosen)})"
-              f": spent {fc_spent} tokens, completed {fc_done}/{n_runs}",
-              f"  tokens saved vs cap (chosen m): {saved} ({pct(saved / cap_spent)}) at "
-              f"completion {fc_done}/{n_runs} vs {cap_done}/{n_runs}",
-              "  for context, every m of the grid on the held-out runs (not used to choose): "
-              + ", ".join(f"m={mm:g} {v[0]} tokens {v[1]}/{n_runs}" for mm, v in sweep.items()),
-              "  completion = the run reached its own end without a refusal; the embedded model "
-              "cannot do these tasks, so this is NOT task success",
-              "",
-              f"HEADLINE mape_at_50pct={med['forecast'][0.5]:.3f} "
-              f"naive_mape_at_50pct={med['naive_linear'][0.5]:.3f} forecast_ms={ms:.4f} "
-              f"budget_tokens_saved={saved}"]
+              f"HEADLINE mape_at_50pct={mdape('forecast', 0.5):.3f} "
+              f"naive_mape_at_50pct={mdape('naive_rate', 0.5):.3f} forecast_ms={ms:.4f} "
+              f"budget_tokens_saved={headline.saved}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    (RESULTS / f"forecast_bench_{args.variant}.txt").write_text(text)
+    (RESULTS / f"forecast_bench_{'+'.join(variants)}.txt").write_text(text)
     return 0
 
 

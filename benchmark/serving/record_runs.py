@@ -47,12 +47,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from benchmark.quality.sandbox import run_python  # noqa: E402
+from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
+                                     printed_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("debate", "review", "panel", "fanout")
+PAL_KINDS = ("pal_debate", "pal_review", "panel", "fanout")
+"""The kinds for a code model (``--kinds pal``): its debates and reviews are program-aided."""
 MAX_DEBATE_ROUNDS = 5
 MAX_REVIEW_LOOPS = 4
 MAX_PANEL_ROUNDS = 4
@@ -65,6 +70,13 @@ REVIEW_ROLES = {
     "Reviewer": "You are the Reviewer. You check the Writer's latest solution line by line. If "
     "it is fully correct, reply with the single word APPROVED. Otherwise list each problem you "
     "found with the corrected value.",
+}
+PAL_REVIEW_ROLES = {
+    "Writer": "You are the Writer. You solve math word problems by writing short Python "
+    "programs that print the answer, and revise them when the Reviewer finds problems.",
+    "Reviewer": "You are the Reviewer. You check the Writer's latest program and what it "
+    "printed against the question, line by line. If it is fully correct, reply with the single "
+    "word APPROVED. Otherwise list each problem you found.",
 }
 PANEL_ROLES = {
     "Algebraist": "You are the Algebraist on a panel of four experts. You set the problem up "
@@ -105,6 +117,22 @@ def final_number(text: str) -> str | None:
     except ValueError:
         return raw
     return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+def majority(answers: list[str | None]) -> str | None:
+    """The most common answer among those given (first seen wins a tie), else None."""
+    given = [a for a in answers if a is not None]
+    return Counter(given).most_common(1)[0][0] if given else None
+
+
+def is_correct(answer: str | None, gold: str) -> bool:
+    """Whether a final number equals the GSM8K reference number (compared as numbers)."""
+    if answer is None:
+        return False
+    try:
+        return abs(float(answer) - float(gold)) < 1e-6
+    except ValueError:
+        return answer.strip() == gold.strip()
 
 
 @dataclass
@@ -165,8 +193,7 @@ def run_debate(run: Run) -> dict:
         finals = [final_number(outs[a]) for a in DEBATERS]
         if finals[0] is not None and len(set(finals)) == 1:
             return {"stopped": "agreed", "rounds": rnd + 1, "answer": finals[0]}
-    return {"stopped": "max_rounds", "rounds": MAX_DEBATE_ROUNDS,
-            "answer": Counter(finals).most_common(1)[0][0]}
+    return {"stopped": "max_rounds", "rounds": MAX_DEBATE_ROUNDS, "answer": majority(finals)}
 
 
 def run_review(run: Run) -> dict:
@@ -203,10 +230,11 @@ def run_panel(run: Run) -> dict:
         verdict = run.ask(step, "Moderator", PANEL_ROLES["Moderator"], "\n\n".join(
             [*transcript, "Moderator: CONCLUDE or CONTINUE?"]))
         step += 1
+        answer = majority([final_number(outs[a]) for a in experts])
         if "CONCLUDE" in verdict.upper() and "CONTINUE" not in verdict.upper():
-            return {"stopped": "concluded", "rounds": rnd + 1}
+            return {"stopped": "concluded", "rounds": rnd + 1, "answer": answer}
         transcript.append(f"Moderator: {verdict.strip()}")
-    return {"stopped": "max_rounds", "rounds": MAX_PANEL_ROUNDS}
+    return {"stopped": "max_rounds", "rounds": MAX_PANEL_ROUNDS, "answer": answer}
 
 
 def run_fanout(run: Run) -> dict:
@@ -226,13 +254,53 @@ def run_fanout(run: Run) -> dict:
     return {"stopped": "aggregated", "workers": len(tasks), "answer": final_number(final)}
 
 
+def run_pal_debate(run: Run) -> dict:
+    """Program-aided debate: each debater writes a program printing the answer (run in the
+    sandbox; programs and printed numbers join the transcript), round after round, until the
+    printed numbers agree."""
+    flow = gsm8k_flow(run.qid, run.question, rounds=MAX_DEBATE_ROUNDS)
+    for rnd in range(MAX_DEBATE_ROUNDS):
+        asks = {a: tuple(m["content"] for m in flow.messages(rnd, a)) for a in GSM8K_DEBATERS}
+        flow.record(rnd, run.together(rnd, asks))
+        finals = [flow.executions[-1][a] for a in GSM8K_DEBATERS]
+        if finals[0] is not None and len(set(finals)) == 1:
+            return {"stopped": "agreed", "rounds": rnd + 1, "answer": finals[0]}
+    return {"stopped": "max_rounds", "rounds": MAX_DEBATE_ROUNDS, "answer": majority(finals)}
+
+
+def run_pal_review(run: Run) -> dict:
+    """Program-aided review: the writer's program is run; the reviewer sees it and what it
+    printed and approves it or lists problems; the writer revises, until approved."""
+    transcript: list[str] = [f"Question: {run.question}"]
+    step = 0
+    for loop in range(MAX_REVIEW_LOOPS):
+        ask = ("Write a short Python program that computes the answer and prints only the "
+               "final number, in one ```python block." if loop == 0 else
+               "Revise your program, fixing every problem the Reviewer listed, in one "
+               "```python block.")
+        draft = run.ask(step, "Writer", PAL_REVIEW_ROLES["Writer"],
+                        "\n\n".join([*transcript, ask]))
+        code = code_block(draft)
+        answer = printed_number(run_python(code, 10.0).stdout)
+        transcript.append(f"Writer (program {loop + 1}):\n```python\n{code}\n```\n"
+                          f"printed: {answer}")
+        step += 1
+        review = run.ask(step, "Reviewer", PAL_REVIEW_ROLES["Reviewer"], "\n\n".join(
+            [*transcript, "Review the latest program. Reply APPROVED if it is correct."]))
+        transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
+        step += 1
+        if "APPROVED" in review.upper():
+            return {"stopped": "approved", "loops": loop + 1, "answer": answer}
+    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer}
+
+
 RUNNERS = {"debate": run_debate, "review": run_review, "panel": run_panel,
-           "fanout": run_fanout}
+           "fanout": run_fanout, "pal_debate": run_pal_debate, "pal_review": run_pal_review}
 
 
-def plan_runs(n: int) -> list[tuple[str, int]]:
-    """The first ``n`` runs: kinds in turn, each on its own GSM8K question (test split)."""
-    return [(KINDS[i % len(KINDS)], i) for i in range(n)]
+def plan_runs(n: int, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
+    """The first ``n`` runs: ``kinds`` in turn, each on its own GSM8K question (test split)."""
+    return [(kinds[i % len(kinds)], i) for i in range(n)]
 
 
 def done_keys(path: Path) -> set[str]:
@@ -248,9 +316,11 @@ def done_keys(path: Path) -> set[str]:
     return keys
 
 
-def record_one(run: Run, model_name: str) -> dict:
+def record_one(run: Run, model_name: str, gold: str) -> dict:
     t0 = time.time()
     outcome = RUNNERS[run.kind](run)
+    outcome["gold"] = gold
+    outcome["correct"] = is_correct(outcome.get("answer"), gold)
     r = requests.get(f"{run.url}/kvcmas/workflows/{run.workflow}", timeout=60)
     ledger = r.json() if r.ok else {"error": r.status_code}
     turns = sorted(run.turns, key=lambda t: t["t1"])
@@ -269,6 +339,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arg(p)
     p.add_argument("--runs", type=int, default=60, help="runs in the plan (kinds in turn)")
+    p.add_argument("--kinds", choices=("plain", "pal"), default="plain",
+                   help=f"plain: {', '.join(KINDS)}; pal (a code model): "
+                        f"{', '.join(PAL_KINDS)}")
     p.add_argument("--minutes", type=float, default=25.0,
                    help="start no new run after this long (minutes)")
     p.add_argument("--concurrency", type=int, default=8, help="runs at once")
@@ -283,7 +356,8 @@ def main() -> int:
     model = model_from_args(p, args)
     out = RESULTS / f"record_runs_{args.variant}.jsonl"
     done = done_keys(out)
-    todo = [kq for kq in plan_runs(args.runs) if f"{kq[0]}/{kq[1]}" not in done]
+    kinds = PAL_KINDS if args.kinds == "pal" else KINDS
+    todo = [kq for kq in plan_runs(args.runs, kinds) if f"{kq[0]}/{kq[1]}" not in done]
     print(f"record_runs: {len(done)} done, {len(todo)} to run -> {out}", file=sys.stderr)
     if not todo:
         return 0
@@ -299,7 +373,7 @@ def main() -> int:
             return
         run = Run(kind, qid, items[qid].question, url, args.max_new_tokens, args.temperature)
         try:
-            rec = record_one(run, model.name)
+            rec = record_one(run, model.name, items[qid].final)
         except Exception as e:  # one failed run is skipped, the others go on
             counts["failed"] += 1
             print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)
