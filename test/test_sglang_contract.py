@@ -76,7 +76,21 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.parser.conversation", "chat_templates"): None,
     ("sglang.srt.parser.conversation", "chat_template_exists"): ("template_name",),
     ("sglang.srt.parser.conversation", "get_conv_template_by_model_path"): ("model_path",),
+    # the frontend endpoint that names a workflow (frontend.py): it overrides these three
+    ("sglang.lang.backend.runtime_endpoint", "RuntimeEndpoint"): (
+        "base_url", "api_key", "verify", "chat_template_name"),
 }
+
+
+@pytest.mark.parametrize(("method", "params"), [
+    ("generate", ["s", "sampling_params"]), ("generate_stream", ["s", "sampling_params"]),
+    ("_generate_http_request", ["s", "data"])])
+def test_the_frontend_endpoint_methods_we_override(method, params):
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+    from sglang.lang.ir import SglSamplingParams
+
+    assert _params(getattr(RuntimeEndpoint, method)) == params
+    assert "custom_params" not in SglSamplingParams().to_srt_kwargs()  # ours adds it
 
 
 def _resolve(module: str, name: str):

@@ -31,3 +31,16 @@ def test_rows_and_summary():
     assert "prefill_tokens radix=500 kvcmas=330" in line
     assert "(2.00x)" in line and "kv_held radix=1000 kvcmas=500 (0.50x)" in line
     assert line.endswith("same_answers=3/4")
+
+
+def test_the_workflow_line_reads_the_servers_ledger():
+    from sglang_kvcmas.examples.side_by_side import workflow_line
+
+    ledger = {"workflow": "side-by-side-1", "requests": 9, "prompt_tokens": 4000,
+              "reused_exact": 1000, "reused_corrected": 0, "reused_repositioned": 2500,
+              "recomputed": 500, "completion_tokens": 576, "computed": 1076,
+              "kv_bytes_written": 3 * 2**20, "forecast": {"total": 1076}}
+    line = workflow_line(ledger)
+    assert line.startswith("WORKFLOW side-by-side-1 requests=9 prompt=4000 exact=1000")
+    assert "computed=1076 kv_written_mib=3.0 forecast_total=1076" in line
+    assert workflow_line({**ledger, "forecast": None}).endswith("forecast_total=None")

@@ -11,6 +11,12 @@ then prints one row per turn and a summary::
     ...
     SUMMARY prefill_tokens radix=.. kvcmas=.. (saved ..%) ttft_ratio=..x kv_held radix=..
             kvcmas=.. same_answers=k/n
+    WORKFLOW side-by-side-.. requests=.. prompt=.. exact=.. corrected=.. repositioned=..
+            recomputed=.. completion=.. computed=.. kv_written_mib=.. forecast_total=..
+
+The ``WORKFLOW`` line is the kvcmas server's own ledger of the run (its frontend backend,
+:class:`sglang_kvcmas.frontend.KvcmasEndpoint`, names the run's workflow on every request):
+``GET /kvcmas/workflows/{id}``.
 
 ``exact``: prompt tokens read from KV computed in the agent's own context; ``corr``: read from
 another agent's KV with a correction (none is served yet); ``repos``: read from another agent's
@@ -29,10 +35,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sglang_kvcmas.examples.debate import CHAT_TEMPLATE, DebateRun, Turn, run_debate
+from sglang_kvcmas.frontend import KvcmasEndpoint
 
 ARMS = (("radix", ["--kvcmas-stock-cache"]), ("kvcmas", ["--kvcmas-share-context"]))
 """(name, launcher flags): SGLang's own tree cache, then ours with sharing on."""
@@ -44,12 +52,35 @@ def say(text: str) -> None:
 
 @dataclass(frozen=True)
 class ArmResult:
-    """One arm's run: its turns, the KV pool slots it held afterwards, its wall time."""
+    """One arm's run: its turns, the KV pool slots it held afterwards, its wall time, and the
+    server's ledger of the run's workflow (kvcmas arm)."""
 
     arm: str
     turns: list[Turn]
     kv_held: int | None
     wall_s: float
+    ledger: dict | None = None
+
+
+def workflow_ledger(url: str, workflow: str) -> dict | None:
+    """The server's ledger of ``workflow`` (``GET /kvcmas/workflows/{workflow}``), or None."""
+    try:
+        with urllib.request.urlopen(f"{url}/kvcmas/workflows/{workflow}", timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def workflow_line(ledger: dict) -> str:
+    """One line of a workflow's ledger: its token counts, KV bytes written, forecast."""
+    forecast = (ledger.get("forecast") or {}).get("total")
+    return (f"WORKFLOW {ledger['workflow']} requests={ledger['requests']} "
+            f"prompt={ledger['prompt_tokens']} exact={ledger['reused_exact']} "
+            f"corrected={ledger['reused_corrected']} "
+            f"repositioned={ledger['reused_repositioned']} recomputed={ledger['recomputed']} "
+            f"completion={ledger['completion_tokens']} computed={ledger['computed']} "
+            f"kv_written_mib={ledger.get('kv_bytes_written', 0) / 2**20:.1f} "
+            f"forecast_total={forecast}")
 
 
 def kv_held(url: str) -> int | None:
@@ -81,9 +112,12 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
         on_wait=lambda s, line: say(f"{arm}: waiting for the server ({s:.0f} s): {line}"))
     say(f"{arm}: starting the server ({' '.join(flags)}; log {log})")
     t0 = time.perf_counter()
+    workflow = f"side-by-side-{uuid.uuid4().hex[:8]}" if arm == "kvcmas" else None
     with server:
         say(f"{arm}: healthy after {time.perf_counter() - t0:.0f} s; running the debate")
-        backend = sgl.RuntimeEndpoint(server.url, chat_template_name=CHAT_TEMPLATE)
+        backend = (KvcmasEndpoint(server.url, chat_template_name=CHAT_TEMPLATE,
+                                  workflow=workflow) if workflow else
+                   sgl.RuntimeEndpoint(server.url, chat_template_name=CHAT_TEMPLATE))
         start = time.perf_counter()
 
         def progress(turn: Turn) -> None:
@@ -95,7 +129,8 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
                                     parallel=not args.sequential)
         wall = time.perf_counter() - start
         held = kv_held(server.url)
-    return ArmResult(arm, run.turns, held, wall)
+        ledger = workflow_ledger(server.url, workflow) if workflow else None
+    return ArmResult(arm, run.turns, held, wall, ledger)
 
 
 def prefilled(turn: Turn) -> int:
@@ -158,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     radix, ours = results["radix"], results["kvcmas"]
     print("\n".join(table(radix, ours)))
     print(summary(radix, ours), flush=True)
+    if ours.ledger:
+        print(workflow_line(ours.ledger), flush=True)
     if args.json:
         args.json.write_text(json.dumps({a: [asdict(t) for t in r.turns]
                                          for a, r in results.items()}, indent=1))
