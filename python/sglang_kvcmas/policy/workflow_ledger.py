@@ -50,6 +50,7 @@ class Turn:
         agent: its agent id, or None.
         prompt_tokens ... completion_tokens: its counts (see the module docstring).
         in_flight: the workflow's requests still running when it finished (set by the ledger).
+        kv_bytes_per_token: the server's KV bytes per pool slot (0: unknown).
     """
 
     t: float
