@@ -260,3 +260,25 @@ def test_server_flags_our_launcher_sets():
         assert options.get(flag.tokens[0]) == flag.dest, flag
     assert options["--model-path"] == options["--model"] == "model_path"
     assert "--radix-cache-backend" in options
+
+
+def test_output_streamer_hook_target():
+    """``reuse_accounting.request_level_streamer`` subclasses the class SGLang's scheduler asks
+    for, and SGLang emits a request-level key once, unsliced."""
+    from sglang.srt.managers.scheduler_components import output_streamer
+    from sglang.srt.managers.scheduler_components.output_streamer import (
+        SchedulerOutputStreamer,
+    )
+
+    from sglang_kvcmas.integration import reuse_accounting as ra
+
+    assert _params(pkgutil.resolve_name(ra.STREAMER_TARGET)) == []
+    ours = ra.request_level_streamer(SchedulerOutputStreamer)
+    assert issubclass(ours, SchedulerOutputStreamer)
+    assert ra.request_level_streamer(SchedulerOutputStreamer) is ours  # one subclass per base
+    probe = object.__new__(ours)
+    assert probe.is_request_level_customized_info_key(ra.META_KEY)
+    assert not probe.is_request_level_customized_info_key("other_key")
+    source = inspect.getsource(output_streamer)
+    assert "values = req_values" in source and "is_request_level_customized_info_key(key)" in \
+        source

@@ -31,3 +31,23 @@ def test_fork_and_select(any_server):
     assert len(reasons) == 2
     # Both branches ran greedy from the same state with different prompts ("Reason 1/2:").
     assert all(isinstance(r, str) for r in reasons)
+
+
+def test_a_program_run_is_one_workflow_in_the_servers_ledger(sharing_server):
+    import json
+    import urllib.request
+    import uuid
+
+    from sglang_kvcmas.frontend import KvcmasEndpoint
+
+    workflow = f"frontend-{uuid.uuid4().hex[:8]}"
+    backend = KvcmasEndpoint(sharing_server.url, workflow=workflow)
+    state = judge_then_explain.run(question="Is ice cold?", backend=backend)
+    assert state.error() is None
+    with urllib.request.urlopen(f"{sharing_server.url}/kvcmas/workflows/{workflow}",
+                                timeout=60) as r:
+        flow = json.loads(r.read())
+    # select's scoring request(s) and both forked gens, every one under the run's workflow
+    assert flow["requests"] >= 3 and flow["in_flight"] == 0
+    assert flow["prompt_tokens"] > 0 and flow["kv_bytes_read"] > 0
+    assert len(flow["turns"]) == flow["requests"]

@@ -140,9 +140,18 @@ def test_workflow_ledger_adds_up_each_workflows_requests(server):
     for system in (SA, SB):  # two agents of one workflow, over one transcript
         usages.append(chat(server, system, T1,
                            custom_params={"kvcmas_workflow": "wf-ledger"})["usage"])
+    scored = post(server.url + "/generate", {  # a prompt scored, nothing generated
+        "text": "Question: how many legs has a spider?",
+        "sampling_params": {"max_new_tokens": 0, "custom_params": {"kvcmas_workflow": "wf-ledger"}}})
+    record = scored["meta_info"]["kvcmas_reuse"][0]
+    assert record["workflow"] == "wf-ledger" and record["prompt_tokens"] > 0
+    usages.append({"prompt_tokens": record["prompt_tokens"], "completion_tokens": 0,
+                   "prompt_tokens_details": {f"kvcmas_{k}": record[k] for k in
+                                             ("reused_exact", "reused_repositioned",
+                                              "recomputed")}})
     with urllib.request.urlopen(server.url + "/kvcmas/workflows/wf-ledger", timeout=60) as r:
         flow = json.loads(r.read())
-    assert flow["requests"] == 2 and flow["agents"] == 2 and len(flow["turns"]) == 2
+    assert flow["requests"] == 3 and flow["agents"] == 2 and len(flow["turns"]) == 3
     assert flow["prompt_tokens"] == sum(u["prompt_tokens"] for u in usages)
     assert flow["completion_tokens"] == sum(u["completion_tokens"] for u in usages)
     for field in ("reused_exact", "reused_repositioned", "recomputed"):
@@ -152,7 +161,7 @@ def test_workflow_ledger_adds_up_each_workflows_requests(server):
     assert per_token > 0 and flow["kv_bytes_read"] == flow["prompt_tokens"] * per_token
     assert flow["kv_bytes_written"] == flow["computed"] * per_token
     assert sum(t["kv_bytes_written"] for t in flow["turns"]) == flow["kv_bytes_written"]
-    assert flow["in_flight"] == 0 and [t["in_flight"] for t in flow["turns"]] == [0, 0]
+    assert flow["in_flight"] == 0 and [t["in_flight"] for t in flow["turns"]] == [0, 0, 0]
     with urllib.request.urlopen(server.url + "/kvcmas/workflows?limit=5", timeout=60) as r:
         listing = json.loads(r.read())
     assert listing["workflows"][0]["workflow"] == "wf-ledger"

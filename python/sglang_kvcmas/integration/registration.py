@@ -107,5 +107,7 @@ def register_all() -> None:
     _register_hook(usage_stream.CHAT_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(usage_stream.COMPLETION_TARGET, usage_stream.stream_around, HookType.AROUND)
     _register_hook(USAGE_TARGET, reuse_accounting.usage_hook, HookType.AFTER)
+    _register_hook(reuse_accounting.STREAMER_TARGET, reuse_accounting.request_level_streamer,
+                   HookType.AFTER)
     _register_hook(reuse_accounting.JSON_RESPONSE_TARGET, reuse_accounting.json_response_around,
                    HookType.AROUND)

@@ -104,6 +104,30 @@ def attach(req: Any, record: ReuseRecord) -> None:
             counter.labels(kind=kind).inc(getattr(record, name))
 
 
+STREAMER_TARGET = (
+    "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class")
+_STREAMERS: dict[type, type] = {}
+
+
+def request_level_streamer(result: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook for ``Scheduler.get_output_streamer_class``: the scheduler's output streamer
+    class, with our record (``meta_info.kvcmas_reuse``) emitted once per request rather than
+    sliced per output token, so that a request that generates no token (``max_new_tokens=0``:
+    scoring, a frontend ``select``) still reports how its prompt was served."""
+    if not isinstance(result, type):
+        return result
+    if result not in _STREAMERS:
+        base_check = result.is_request_level_customized_info_key
+
+        def is_request_level_customized_info_key(self: Any, key: str) -> bool:
+            return key == META_KEY or base_check(self, key)
+
+        _STREAMERS[result] = type(f"Kvcmas{result.__name__}", (result,), {
+            "__slots__": (),
+            "is_request_level_customized_info_key": is_request_level_customized_info_key})
+    return _STREAMERS[result]
+
+
 def records_of(responses: list[dict]) -> list[dict] | None:
     """The reuse records of a list of ``/generate``-style outputs, or None if any lacks one."""
     out = []
