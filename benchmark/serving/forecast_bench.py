@@ -34,7 +34,8 @@ server's ledger saw them, in finish order). Spend is *computed* tokens (prefill 
   against GSM8K's), its answer is right; variants without grades (the embedded model, which
   cannot do the tasks) are judged on completion only, labelled so.
 
-Writes ``results/forecast_bench_<variants joined by +>.txt`` and ends with
+Writes ``results/forecast_bench_<name>.txt`` (``--name``, default the variants joined by ``+``)
+and ends with
 ``HEADLINE mape_at_50pct=<x> naive_mape_at_50pct=<x> forecast_ms=<x> budget_tokens_saved=<x>``
 (MAPE over every held-out run; ``naive`` = ``naive_rate``; tokens saved on the first graded
 variant, else the first variant).
@@ -207,6 +208,8 @@ def main() -> int:
                         "server loads for that model (spend_forecast.json for the embedded "
                         "model, else spend_forecast_<model>.json beside it)")
     p.add_argument("--out", default=None, help="with --fit: write the artifact here instead")
+    p.add_argument("--name", default=None,
+                   help="results/forecast_bench_<name>.txt (default: the variants joined by +)")
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -288,7 +291,8 @@ def main() -> int:
     n_runs = len(ape["forecast"][0.5])
     ms = statistics.median(timings)
     lines = [f"# command: python benchmark/serving/forecast_bench.py --variant {args.variant} "
-             f"--folds {args.folds} --seed {args.seed}",
+             f"--folds {args.folds} --seed {args.seed}" + (f" --name {args.name}"
+                                                            if args.name else ""),
              f"runs: {len(runs)}; {args.folds}-fold cross-validation split by run (seed "
              f"{args.seed}): every run forecast by a model fitted on the other folds' runs of "
              "its own model (a model's forecaster is fitted on that model's runs, as shipped)"]
@@ -328,7 +332,7 @@ def main() -> int:
               f"budget_tokens_saved={headline.saved}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    (RESULTS / f"forecast_bench_{'+'.join(variants)}.txt").write_text(text)
+    (RESULTS / f"forecast_bench_{args.name or '+'.join(variants)}.txt").write_text(text)
     return 0
 
 
