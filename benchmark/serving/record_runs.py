@@ -15,6 +15,14 @@ run's ``X-KVCMAS-Workflow`` header (answers of free length: ``--max-new-tokens``
   many, 1 to ``MAX_WORKERS``), the workers solve one each concurrently, an aggregator writes
   the answer.
 
+With ``--kinds pal`` (a code model, which answers math tersely and wrongly in prose) the debate
+and the review are program-aided instead: ``pal_debate`` (each debater writes a program that
+prints the answer, run in the sandbox of ``benchmark/quality``; programs and printed numbers join
+the transcript; until the printed numbers agree) and ``pal_review`` (the writer's program is run,
+the reviewer sees it and its output). Every run's final answer (debates and panels: the majority)
+is graded against GSM8K's reference number (``outcome.correct``), so a budget replay can be
+judged by task success.
+
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
 ``results/record_runs_<variant>.jsonl``: kind, question id, the ledger's totals and turns, and
@@ -49,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.quality.sandbox import run_python  # noqa: E402
 from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     printed_number)
+                                     printed_number, same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
@@ -123,16 +131,6 @@ def majority(answers: list[str | None]) -> str | None:
     """The most common answer among those given (first seen wins a tie), else None."""
     given = [a for a in answers if a is not None]
     return Counter(given).most_common(1)[0][0] if given else None
-
-
-def is_correct(answer: str | None, gold: str) -> bool:
-    """Whether a final number equals the GSM8K reference number (compared as numbers)."""
-    if answer is None:
-        return False
-    try:
-        return abs(float(answer) - float(gold)) < 1e-6
-    except ValueError:
-        return answer.strip() == gold.strip()
 
 
 @dataclass
@@ -320,7 +318,7 @@ def record_one(run: Run, model_name: str, gold: str) -> dict:
     t0 = time.time()
     outcome = RUNNERS[run.kind](run)
     outcome["gold"] = gold
-    outcome["correct"] = is_correct(outcome.get("answer"), gold)
+    outcome["correct"] = same_number(outcome.get("answer"), gold)
     r = requests.get(f"{run.url}/kvcmas/workflows/{run.workflow}", timeout=60)
     ledger = r.json() if r.ok else {"error": r.status_code}
     turns = sorted(run.turns, key=lambda t: t["t1"])
