@@ -425,9 +425,9 @@ class SharedTree:
     def trim_leaves(self, max_tokens: int) -> int:
         """Free delta leaves until they hold at most ``max_tokens`` pool slots: least recently
         used first, whole leaves, only on nodes no request holds (a locked node's leaves are
-        being read and stay, so the bound may be exceeded while they are). Approximate state
-        goes before anything exact: a reader that loses its leaf recomputes or re-positions
-        those tokens on its next turn. Returns slots freed."""
+        being read and stay, so the bound may be exceeded while they are). Only leaves go, never
+        the shared nodes: a reader that loses its leaf recomputes or re-positions those tokens
+        on its next turn. Returns slots freed."""
         excess = self.leaf_size - max(0, max_tokens)
         if excess <= 0:
             return 0
