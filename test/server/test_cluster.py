@@ -57,10 +57,13 @@ def test_command_line_gives_every_other_argument_to_every_server():
 
 class StubWorker:
     """An HTTP server that answers what the router asks a worker and records each
-    ``/generate`` it receives (headers, body), answering after ``delay_s``."""
+    ``/generate`` it receives (headers, body), answering after ``delay_s`` once ``gate`` is
+    open (it is unless a test closes it, to hold requests in flight)."""
 
     def __init__(self, port: int, delay_s: float = 0.2):
         self.port, self.received = port, []
+        self.gate = threading.Event()
+        self.gate.set()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,6 +82,7 @@ class StubWorker:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                stub.gate.wait(timeout=60)
                 time.sleep(delay_s)
                 self._answer({"text": "ok", "port": stub.port,
                               "meta_info": {"finish_reason": {"type": "stop"}}})
@@ -124,18 +128,38 @@ def stub_router(tmp_path):
 def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
     url, stubs = stub_router
     keys = [f"wf-{i}" for i in range(8)]
+    # min_group: a new key goes to the worker with the fewest keys in flight (equal counts: at
+    # random). Each key's first request is sent once every earlier one is held in flight at a
+    # worker, so the split is 4/4 whatever the timing of this machine.
+    for s in stubs:
+        s.gate.clear()
+    first: dict[str, int] = {}
 
-    def workflow(i: int) -> set[int]:
-        time.sleep(0.05 * i)  # each new key meets the keys before it in flight (0.6 s each)
-        return {post(url, {"input_ids": [1, 2, 3]}, workflow_headers(keys[i]))["port"]
-                for _ in range(3)}
+    def send_first(key: str) -> None:
+        first[key] = post(url, {"input_ids": [1, 2, 3]}, workflow_headers(key))["port"]
+
+    threads = []
+    for i, key in enumerate(keys):
+        threads.append(threading.Thread(target=send_first, args=(key,), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while sum(len(s.received) for s in stubs) < i + 1:
+            assert time.monotonic() < deadline, f"{key} never reached a worker"
+            time.sleep(0.01)
+    for s in stubs:
+        s.gate.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(first) == sorted(keys), first
+
+    def later(key: str) -> set[int]:  # the key's next requests, with nothing else in flight
+        return {post(url, {"input_ids": [1, 2, 3]}, workflow_headers(key))["port"]
+                for _ in range(2)}
 
     with ThreadPoolExecutor(len(keys)) as pool:
-        ports = dict(zip(keys, pool.map(workflow, range(len(keys)))))
+        ports = {k: p | {first[k]} for k, p in zip(keys, pool.map(later, keys))}
     assert all(len(p) == 1 for p in ports.values()), ports
     per_worker = [sum(p == {s.port} for p in ports.values()) for s in stubs]
-    # min_group: a new key goes to the worker with the fewest keys in flight (with equal
-    # counts, e.g. none in flight for keys sent one after another, it picks at random)
     assert per_worker == [4, 4], per_worker
 
 
