@@ -210,6 +210,11 @@ class ServingConfig:
         0.1, "A reader also recomputes this share of its borrowed tokens: those with the "
         "largest attention mass on their owner's head (recorded in the owner's pass).",
         kind=float, low=0, high=1, per_request=True)
+    recompute_mass_max_tokens: int | None = _knob(
+        None, "Most of a reader's borrowed tokens chosen by owner head mass (recomputed this "
+        "turn or held as its exact leaves), whatever the share gives; bounds the KV each reader "
+        "holds of its own over a long transcript (unset: the share alone).", kind=int, low=0,
+        optional=True, per_request=True)
     recompute_max_fraction: float = _knob(
         0.5, "Cap on the share of a reader's borrowed tokens that it recomputes.", kind=float,
         low=0, high=1)

@@ -60,6 +60,22 @@ def test_mass_offsets_count_what_the_reader_already_holds_exactly():
     assert mass_offsets(cand, mass, {11, 14}, (), 10, cfg) == (13,)
 
 
+def test_mass_max_tokens_bounds_the_share_over_a_long_transcript():
+    """The cap counts exact tokens like the share does: a reader holding the top tokens as
+    leaves recomputes nothing new, so what it holds of its own stays at the cap."""
+    cand = list(range(1000))
+    mass = [(i * 7919 % 1000) / 1000 for i in cand]
+    cfg = RecomputeConfig(boundary_tokens=0, mass_fraction=0.1, mass_max_tokens=8,
+                          max_fraction=1.0)
+    top8 = sorted(sorted(cand, key=lambda i: -mass[i])[:8])
+    assert cfg.mass_tokens(1000) == 8 and cfg.mass_tokens(50) == 5  # the share when smaller
+    assert mass_offsets(cand, mass, (), (), 1000, cfg) == tuple(top8)
+    assert mass_offsets(cand, mass, set(top8), (), 1000, cfg) == ()
+    assert RecomputeConfig(mass_max_tokens=0).mass_tokens(10**6) == 0
+    with pytest.raises(ValueError):
+        RecomputeConfig(mass_max_tokens=-1)
+
+
 def test_borrow_pays_only_from_min_borrowed_foreign_tokens():
     from sglang_kvcmas.policy.recompute import borrow_pays
 

@@ -32,7 +32,7 @@ from sglang_kvcmas.config import ServingConfig
 
 _DEFAULTS = ServingConfig()
 _KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute_mass_fraction",
-            "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
+            "mass_max_tokens": "recompute_mass_max_tokens", "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
             "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction"}
 """``RecomputeConfig`` field -> the ``ServingConfig`` knob it comes from."""
 
@@ -87,6 +87,8 @@ class RecomputeConfig:
         boundary_tokens: tokens recomputed at the start of every foreign span (0: none).
         mass_fraction: share of the borrowed foreign tokens recomputed in addition, largest owner
             head mass first (0: none).
+        mass_max_tokens: most tokens that share may be, whatever the borrowed length (None: no
+            bound); over a long transcript it bounds what each reader holds of its own.
         max_fraction: cap on the recomputed share of the borrowed tokens, so a transcript of
             many short spans never degenerates into a full prefill.
         min_borrowed: fewest foreign tokens worth borrowing (``borrow_pays``).
@@ -102,6 +104,7 @@ class RecomputeConfig:
 
     boundary_tokens: int = _DEFAULTS.recompute_boundary
     mass_fraction: float = _DEFAULTS.recompute_mass_fraction
+    mass_max_tokens: int | None = _DEFAULTS.recompute_mass_max_tokens
     max_fraction: float = _DEFAULTS.recompute_max_fraction
     min_borrowed: int = _DEFAULTS.min_borrowed
     tail_tokens: int = _DEFAULTS.recompute_tail
@@ -109,7 +112,8 @@ class RecomputeConfig:
 
     def __post_init__(self) -> None:
         leaf = self.leaf_mass_fraction
-        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or not (
+        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or (
+            self.mass_max_tokens is not None and self.mass_max_tokens < 0) or not (
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
         ) or (leaf is not None and not 0.0 <= leaf <= 1.0):
             raise ValueError(f"bad recompute config {self}")
@@ -119,6 +123,11 @@ class RecomputeConfig:
         """The deployment's recompute knobs, with a request's overrides (knob names)."""
         values = {**{k: getattr(config, k) for k in _KNOB_OF.values()}, **overrides}
         return cls(**{field: values[k] for field, k in _KNOB_OF.items()})
+
+    def mass_tokens(self, num_borrowed: int) -> int:
+        """How many of ``num_borrowed`` tokens the mass ranking takes (exact ones included)."""
+        top = round(self.mass_fraction * num_borrowed)
+        return top if self.mass_max_tokens is None else min(top, self.mass_max_tokens)
 
     @property
     def keeps_all(self) -> bool:
@@ -190,8 +199,8 @@ def mass_offsets(
     config: RecomputeConfig,
 ) -> tuple[int, ...]:
     """Offsets to recompute: ``chosen`` (the boundary) plus, among the other borrowed tokens, the
-    ``mass_fraction`` (of all borrowed) with the largest owner head mass that are not already
-    exact — within ``max_fraction`` recomputed.
+    ``mass_fraction`` (of all borrowed; at most ``mass_max_tokens``) with the largest owner head
+    mass that are not already exact — within ``max_fraction`` recomputed.
 
     Ranking includes the tokens the reader already holds exactly (its delta leaves), so over a
     growing transcript the exact set stays the top share by mass and each turn recomputes only
@@ -211,7 +220,7 @@ def mass_offsets(
         raise ValueError(f"{len(candidates)} candidates but {len(mass)} masses")
     out = set(chosen)
     room = int(config.max_fraction * num_borrowed) - len(out)
-    top = round(config.mass_fraction * num_borrowed)
+    top = config.mass_tokens(num_borrowed)
     ranked = [i for i in sorted(range(len(candidates)), key=lambda i: -mass[i])
               if candidates[i] not in out]  # the boundary comes on top of the mass share
     for i in ranked[:top]:
@@ -281,7 +290,7 @@ def select_recompute_arrays(
     picked = dict.fromkeys([*boundary_offsets(spans, config), *tail_offsets(spans, config)])
     chosen = sorted([o for o in picked if foreign[o - base]][:budget])
     room = budget - len(chosen)
-    top = round(config.mass_fraction * n)
+    top = config.mass_tokens(n)
     if room <= 0 or top <= 0:
         return tuple(chosen)
     candidates = np.flatnonzero(foreign | from_leaf)
