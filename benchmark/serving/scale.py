@@ -20,6 +20,8 @@ Parts (each one server at a time, same binary, same KV pool):
 
     python benchmark/serving/scale.py --quick      # host + decode at 2k and 8k, < 15 min
     python benchmark/serving/scale.py              # + the 16-agent panel
+    python benchmark/serving/scale.py --parts panel \
+        --panel-variants 'cap64=--kvcmas-recompute-mass-max-tokens 64'  # + a kvcmas variant
 
 Ends with ``HEADLINE host_ms_per_admission_32k=<x> hook_ms_per_iter_16agents=<x>
 decode_ratio_vs_radix=<x> router_sharing_ratio=<x>``; writes ``results/scale[_quick].json``
@@ -145,13 +147,16 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
 
 
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
-              out: Path, model_args: list[str] | None = None) -> dict:
+              out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
+              flags: list[str] | None = None) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
-    one server (``model_args``: as in :func:`decode_arm`)."""
+    one server (``model_args``: as in :func:`decode_arm`). ``arm`` names the run; the server
+    is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant)."""
     heads = [head_of(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
-    with ArmServer(arm, out / f"scale_panel_{arm}.log",
-                   [*(model_args or []), "--max-total-tokens", str(pool)]) as server:
+    with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
+                   [*(model_args or []), "--max-total-tokens", str(pool),
+                    *(flags or [])]) as server:
         stream(server.url, tok.encode("Warm up."), 2)
         sampler = KvSampler(server.url)
         sampler.start()
@@ -185,19 +190,44 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         f"{ideal}), first document round TTFT median "
         f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
     return {"makespan_s": makespan, "peak_kv_tokens": peak, "one_copy_ideal_tokens": ideal,
-            "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens")}
+            "flags": flags or [],
+            "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens", "text")}
                       | {"borrowed": borrowed[(t["round"], t["agent"])]} for t in turns],
             "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
 
 
-def nonowner_ttft(panel: dict[str, dict]) -> dict[str, float]:
-    """Median TTFT per arm over the document-round turns that borrowed in the kvcmas arm (the
-    same turns in radix)."""
-    readers = {(t["round"], t["agent"]) for t in panel["kvcmas"]["turns"]
+def nonowner_ttft(panel: dict[str, dict], ours: str = "kvcmas") -> dict[str, float]:
+    """Median TTFT of ``ours`` and radix over the document-round turns that borrowed in
+    ``ours`` (the same turns in radix)."""
+    readers = {(t["round"], t["agent"]) for t in panel[ours]["turns"]
                if t["borrowed"] and t["round"] > 0}
-    return {arm: statistics.median(t["ttft"] for t in p["turns"]
+    return {arm: statistics.median(t["ttft"] for t in panel[arm]["turns"]
                                    if (t["round"], t["agent"]) in readers)
-            for arm, p in panel.items()} if readers else {}
+            for arm in ("radix", ours)} if readers else {}
+
+
+def same_answers(panel: dict[str, dict], ours: str) -> dict[str, float]:
+    """Share of turns whose greedy answer text is radix's (exact prefill), per document round:
+    round 1 reads the same prompts in both arms; round 2 reads round 1's answers, so a round-1
+    difference also changes its prompts."""
+    radix = {(t["round"], t["agent"]): t["text"] for t in panel["radix"]["turns"]}
+    out = {}
+    for rnd in (1, 2):
+        turns = [t for t in panel[ours]["turns"] if t["round"] == rnd]
+        out[f"round{rnd}"] = sum(t["text"] == radix[(rnd, t["agent"])] for t in turns) / len(turns)
+    return out
+
+
+def parse_variants(text: str) -> dict[str, list[str]]:
+    """``name=flags;name=flags`` (flags split on spaces) -> name -> flags of a kvcmas arm."""
+    out: dict[str, list[str]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, flags = part.partition("=")
+        if not sep or not name.strip() or name.strip() in ("radix", "kvcmas"):
+            raise SystemExit(f"--panel-variants: expected NAME=FLAGS (NAME not radix or "
+                             f"kvcmas), got {part!r}")
+        out[name.strip()] = flags.split()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--panel-agents", type=int, default=16)
     ap.add_argument("--panel-doc", type=int, default=7000, help="document tokens")
     ap.add_argument("--panel-tokens", type=int, default=24, help="answer tokens per turn")
+    ap.add_argument("--panel-variants", default="",
+                    help="more kvcmas panel arms, 'NAME=FLAGS;...', e.g. "
+                         "'cap64=--kvcmas-recompute-mass-max-tokens 64'")
     ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
     ap.add_argument("--router-json", type=Path, default=None,
                     help="router_scale.py's JSON (default: the first of router_scale.json, "
@@ -248,9 +281,15 @@ def main(argv: list[str] | None = None) -> int:
                   for c in args.contexts}
         result["decode"] = {"arms": decode, "ratio_by_context": ratios}
     if "panel" in parts:
-        panel = {arm: panel_arm(arm, tok, args.panel_agents, args.panel_doc, args.panel_tokens,
-                                args.pool, logs, model.server_args)
-                 for arm in ("radix", "kvcmas")}
+        variants = {"kvcmas": [], **parse_variants(args.panel_variants)}
+        if args.panel_variants:
+            result["command"] += f" --parts {args.parts} --panel-variants '{args.panel_variants}'"
+        panel = {"radix": panel_arm("radix", tok, args.panel_agents, args.panel_doc,
+                                    args.panel_tokens, args.pool, logs, model.server_args)}
+        for name, flags in variants.items():
+            panel[name] = panel_arm(name, tok, args.panel_agents, args.panel_doc,
+                                    args.panel_tokens, args.pool, logs, model.server_args,
+                                    server_arm="kvcmas", flags=flags)
         no = nonowner_ttft(panel)
         result["panel"] = {
             "arms": panel, "nonowner_ttft_median_s": no,
@@ -258,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
             "makespan_speedup": panel["radix"]["makespan_s"] / panel["kvcmas"]["makespan_s"],
             "peak_kv_vs_ideal": {a: p["peak_kv_tokens"] / p["one_copy_ideal_tokens"]
                                  for a, p in panel.items()},
+            "by_arm": {},
         }
+        for name in variants:
+            no = nonowner_ttft(panel, name)
+            result["panel"]["by_arm"][name] = {
+                "flags": variants[name],
+                "makespan_speedup": panel["radix"]["makespan_s"] / panel[name]["makespan_s"],
+                "nonowner_ttft_speedup": no["radix"] / no[name] if no else None,
+                "peak_kv_vs_ideal": panel[name]["peak_kv_tokens"]
+                / panel[name]["one_copy_ideal_tokens"],
+                "same_answer_as_radix": same_answers(panel, name),
+            }
     router = None
     if args.router_json is None:
         names = ("router_scale.json", "router_scale_quick.json", "router_scale_quick_busy.json")
@@ -282,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['makespan_speedup']:.2f}x radix, non-owner TTFT {p['nonowner_ttft_speedup']:.2f}x, "
               f"peak KV / one-copy ideal kvcmas {p['peak_kv_vs_ideal']['kvcmas']:.2f} radix "
               f"{p['peak_kv_vs_ideal']['radix']:.2f}")
+        for name, b in p["by_arm"].items():
+            ttft = b["nonowner_ttft_speedup"]
+            print(f"  {name:>10} {' '.join(b['flags']) or '(defaults)'}: makespan "
+                  f"{b['makespan_speedup']:.2f}x radix, non-owner TTFT "
+                  f"{'n/a' if ttft is None else f'{ttft:.2f}x'}, peak KV / ideal "
+                  f"{b['peak_kv_vs_ideal']:.2f}, same answer as radix round 1 "
+                  f"{b['same_answer_as_radix']['round1']:.2f} round 2 "
+                  f"{b['same_answer_as_radix']['round2']:.2f}")
     router_txt = f"{router:.2f}" if isinstance(router, (int, float)) else "n/a"
     def fmt(x: float | None, digits: int) -> str:
         return "n/a" if x is None else f"{x:.{digits}f}"
