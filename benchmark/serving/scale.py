@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving import host_path  # noqa: E402
 from benchmark.serving.head_to_head import KvSampler  # noqa: E402
+from benchmark.serving.recompute_fidelity import compare, forced, generate  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 
@@ -56,6 +58,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PERSONAS = ["historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
             "investor", "philosopher", "journalist", "designer", "statistician", "student",
             "founder", "editor", "critic"]
+
+
+def fmt(x: float | None, digits: int) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def say(text: str) -> None:
@@ -146,12 +152,57 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
     return rows
 
 
+def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: int) -> dict:
+    """Fidelity of the last round's reader turns, measured in the server after the workload:
+    each probed agent's prompt teacher-forced over the greedy answer of an exact computation
+    (its own ``cache_salt``: nothing shared), read as served (the deployment's knobs and the
+    agent's leaves) and by naive re-positioning (nothing recomputed, no leaves).
+
+    Returns:
+        per-agent records and the pooled ``kl_recovered`` (1 − mean KL20 served / naive), top-1.
+    """
+    rows = []
+    for a in agents:
+        salt = f"exact-{a}-{time.monotonic_ns()}"
+        out = generate(url, prompts[a], new, salt)
+        cont = list(out.get("output_ids") or [])[:new]
+        if not cont:
+            continue
+        ref = forced(url, prompts[a], cont, salt=salt)  # the exact prompt KV is cached under salt
+        served = forced(url, prompts[a], cont)
+        naive = forced(url, prompts[a], cont, config=(0, 0.0, 0))
+        rows.append({"agent": a, "served": {k: v for k, v in compare(ref, served, cont).items()
+                                             if k in ("top1", "kl20", "n")},
+                     "naive": {k: v for k, v in compare(ref, naive, cont).items()
+                               if k in ("top1", "kl20", "n")},
+                     "recomputed": served["reuse"].get("recomputed"),
+                     "borrowed": served["reuse"].get("borrowed")})
+    if not rows:
+        return {"agents": [], "kl_recovered": None, "top1": None, "top1_naive": None}
+    kl = statistics.fmean(r["served"]["kl20"] for r in rows)
+    kl_naive = statistics.fmean(r["naive"]["kl20"] for r in rows)
+    return {"agents": rows, "kl20": kl, "kl20_naive": kl_naive,
+            "kl_recovered": 1 - kl / kl_naive if kl_naive else None,
+            "top1": statistics.fmean(r["served"]["top1"] for r in rows),
+            "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
+
+
+def shared_stats(url: str) -> dict:
+    """The kvcmas tree cache's sizes from ``/server_info`` (empty for the stock cache)."""
+    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    states = info.get("internal_states") or [{}]
+    return (states[0].get("kvcmas") or {}).get("shared") or {}
+
+
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
-              flags: list[str] | None = None) -> dict:
+              flags: list[str] | None = None, probe: int = 0) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
     one server (``model_args``: as in :func:`decode_arm`). ``arm`` names the run; the server
-    is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant)."""
+    is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant). ``probe``:
+    after the workload (outside its timings), :func:`probe_readers` on that many of the last
+    round's readers, spread over the panel."""
     heads = [head_of(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
@@ -178,6 +229,11 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
                 answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
         makespan = time.perf_counter() - t0
         peak = sampler.stop()
+        stats = shared_stats(server.url) if (server_arm or arm) == "kvcmas" else {}
+        readers = [t["agent"] for t in turns if t["round"] == 2
+                   and of_meta(t["meta"]).get("borrowed", 0)]
+        picked = readers[:: max(1, len(readers) // probe)][:probe] if probe and readers else []
+        fidelity = probe_readers(server.url, prompts, picked, new) if picked else None
     first_round = [t for t in turns if t["round"] == 1]
     head_lens = [len(chat_ids(tok, h, [])) - len(tok.encode(
         "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
@@ -190,7 +246,9 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         f"{ideal}), first document round TTFT median "
         f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
     return {"makespan_s": makespan, "peak_kv_tokens": peak, "one_copy_ideal_tokens": ideal,
-            "flags": flags or [],
+            "flags": flags or [], "fidelity": fidelity,
+            "delta_tokens": stats.get("delta_tokens"), "delta_bytes": stats.get("delta_bytes"),
+            "leaf_bytes_by_agent": stats.get("leaf_bytes_by_agent"),
             "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens", "text")}
                       | {"borrowed": borrowed[(t["round"], t["agent"])]} for t in turns],
             "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
@@ -244,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--panel-variants", default="",
                     help="more kvcmas panel arms, 'NAME=FLAGS;...', e.g. "
                          "'cap64=--kvcmas-recompute-mass-max-tokens 64'")
+    ap.add_argument("--panel-probe", type=int, default=0,
+                    help="after each sharing arm's workload, measure this many round-2 reader "
+                         "turns against an exact prefill (KL recovered, top-1)")
+    ap.add_argument("--panel-arms", default="radix",
+                    help="stock arms of the panel besides the sharing ones ('' : none; the "
+                         "radix comparisons then read n/a)")
     ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
     ap.add_argument("--router-json", type=Path, default=None,
                     help="router_scale.py's JSON (default: the first of router_scale.json, "
@@ -259,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = model.tokenizer()
     t_start = time.monotonic()
     result: dict = {
-        "command": "python benchmark/serving/scale.py" + (" --quick" if args.quick else ""),
+        "command": shlex.join(["python", "benchmark/serving/scale.py",
+                               *(sys.argv[1:] if argv is None else argv)]),
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip(),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -282,32 +347,40 @@ def main(argv: list[str] | None = None) -> int:
         result["decode"] = {"arms": decode, "ratio_by_context": ratios}
     if "panel" in parts:
         variants = {"kvcmas": [], **parse_variants(args.panel_variants)}
-        if args.panel_variants:
-            result["command"] += f" --parts {args.parts} --panel-variants '{args.panel_variants}'"
-        panel = {"radix": panel_arm("radix", tok, args.panel_agents, args.panel_doc,
-                                    args.panel_tokens, args.pool, logs, model.server_args)}
+        stock = [a for a in args.panel_arms.split(",") if a]
+        panel = {a: panel_arm(a, tok, args.panel_agents, args.panel_doc, args.panel_tokens,
+                              args.pool, logs, model.server_args) for a in stock}
         for name, flags in variants.items():
             panel[name] = panel_arm(name, tok, args.panel_agents, args.panel_doc,
                                     args.panel_tokens, args.pool, logs, model.server_args,
-                                    server_arm="kvcmas", flags=flags)
-        no = nonowner_ttft(panel)
+                                    server_arm="kvcmas", flags=flags, probe=args.panel_probe)
+        has_radix = "radix" in panel
+        no = nonowner_ttft(panel) if has_radix else {}
         result["panel"] = {
             "arms": panel, "nonowner_ttft_median_s": no,
             "nonowner_ttft_speedup": no["radix"] / no["kvcmas"] if no else None,
-            "makespan_speedup": panel["radix"]["makespan_s"] / panel["kvcmas"]["makespan_s"],
+            "makespan_speedup": panel["radix"]["makespan_s"] / panel["kvcmas"]["makespan_s"]
+            if has_radix else None,
             "peak_kv_vs_ideal": {a: p["peak_kv_tokens"] / p["one_copy_ideal_tokens"]
                                  for a, p in panel.items()},
             "by_arm": {},
         }
         for name in variants:
-            no = nonowner_ttft(panel, name)
+            no = nonowner_ttft(panel, name) if has_radix else {}
+            leaf = sorted((panel[name].get("leaf_bytes_by_agent") or {}).values())
+            fid = panel[name].get("fidelity") or {}
             result["panel"]["by_arm"][name] = {
                 "flags": variants[name],
-                "makespan_speedup": panel["radix"]["makespan_s"] / panel[name]["makespan_s"],
+                "makespan_s": panel[name]["makespan_s"],
+                "makespan_speedup": panel["radix"]["makespan_s"] / panel[name]["makespan_s"]
+                if has_radix else None,
                 "nonowner_ttft_speedup": no["radix"] / no[name] if no else None,
                 "peak_kv_vs_ideal": panel[name]["peak_kv_tokens"]
                 / panel[name]["one_copy_ideal_tokens"],
-                "same_answer_as_radix": same_answers(panel, name),
+                "same_answer_as_radix": same_answers(panel, name) if has_radix else None,
+                "leaf_bytes_per_agent_median": statistics.median(leaf) if leaf else None,
+                "kl_recovered": fid.get("kl_recovered"), "top1": fid.get("top1"),
+                "top1_naive": fid.get("top1_naive"), "probed": len(fid.get("agents") or []),
             }
     router = None
     if args.router_json is None:
@@ -328,22 +401,22 @@ def main(argv: list[str] | None = None) -> int:
               f"radix {result['decode']['arms']['radix'][c]['decode_tok_s']:.1f} ({r:.2f}x)")
     if "panel" in result:
         p = result["panel"]
-        print(f"panel ({args.panel_agents} agents, {args.panel_doc}-token document): makespan "
-              f"{p['makespan_speedup']:.2f}x radix, non-owner TTFT {p['nonowner_ttft_speedup']:.2f}x, "
-              f"peak KV / one-copy ideal kvcmas {p['peak_kv_vs_ideal']['kvcmas']:.2f} radix "
-              f"{p['peak_kv_vs_ideal']['radix']:.2f}")
+        print(f"panel ({args.panel_agents} agents, {args.panel_doc}-token document), peak KV / "
+              f"one-copy ideal: " + ", ".join(f"{a} {r:.2f}" for a, r in
+                                               p["peak_kv_vs_ideal"].items()))
         for name, b in p["by_arm"].items():
-            ttft = b["nonowner_ttft_speedup"]
+            same = b["same_answer_as_radix"]
+            leaf = b["leaf_bytes_per_agent_median"]
             print(f"  {name:>10} {' '.join(b['flags']) or '(defaults)'}: makespan "
-                  f"{b['makespan_speedup']:.2f}x radix, non-owner TTFT "
-                  f"{'n/a' if ttft is None else f'{ttft:.2f}x'}, peak KV / ideal "
-                  f"{b['peak_kv_vs_ideal']:.2f}, same answer as radix round 1 "
-                  f"{b['same_answer_as_radix']['round1']:.2f} round 2 "
-                  f"{b['same_answer_as_radix']['round2']:.2f}")
+                  f"{b['makespan_s']:.1f} s ({fmt(b['makespan_speedup'], 2)}x radix), "
+                  f"non-owner TTFT {fmt(b['nonowner_ttft_speedup'], 2)}x radix, peak KV / "
+                  f"ideal {b['peak_kv_vs_ideal']:.3f}, leaf KiB per agent "
+                  f"{'n/a' if leaf is None else f'{leaf / 1024:.0f}'}, same answer as radix "
+                  f"round 1 / 2 {fmt(same and same['round1'], 2)} / "
+                  f"{fmt(same and same['round2'], 2)}, KL recovered "
+                  f"{fmt(b['kl_recovered'], 3)} top-1 {fmt(b['top1'], 4)} (naive "
+                  f"{fmt(b['top1_naive'], 4)}; {b['probed']} readers)")
     router_txt = f"{router:.2f}" if isinstance(router, (int, float)) else "n/a"
-    def fmt(x: float | None, digits: int) -> str:
-        return "n/a" if x is None else f"{x:.{digits}f}"
-
     print(f"HEADLINE host_ms_per_admission_32k={fmt(host and host['host_ms_per_admission'], 2)} "
           f"hook_ms_per_iter_16agents={fmt(host and host['hook_ms_per_iter'], 3)} "
           f"decode_ratio_vs_radix={fmt(min(ratios.values()) if ratios else None, 2)} "

@@ -35,3 +35,28 @@ def test_same_answers_per_round_and_nonowner_ttft_of_a_variant():
     assert nonowner_ttft(panel, "cap") == {"radix": 4.0, "cap": 1.0}
     panel["cap"]["turns"] = turns(ours, 1.0, borrowed=0)
     assert nonowner_ttft(panel, "cap") == {}
+
+
+def test_probe_pools_kl_over_the_probed_readers(monkeypatch):
+    """KL recovered = 1 - mean served KL / mean naive KL, against the salted exact read."""
+    from benchmark.serving import scale
+
+    tops = {"exact": {1: -0.1, 2: -2.5}, "served": {1: -0.2, 2: -2.0},
+            "naive": {1: -0.5, 2: -1.2}}
+
+    def fake_forced(url, ids, cont, salt=None, config=None, custom=None, body=None):
+        kind = "exact" if salt else ("naive" if config else "served")
+        return {"tops": [tops[kind]] * len(cont), "chosen": [-0.1] * len(cont),
+                "reuse": {"recomputed": 7, "borrowed": 70} if kind == "served" else {}}
+
+    monkeypatch.setattr(scale, "generate", lambda url, ids, new, salt=None: {
+        "output_ids": [1, 1, 1][:new]})
+    monkeypatch.setattr(scale, "forced", fake_forced)
+    got = scale.probe_readers("http://x", [[0], [0, 5]], [1], new=3)
+    exact = fake_forced("", [], [1], salt="s")
+    served = scale.compare(exact, fake_forced("", [], [1]), [1])
+    naive = scale.compare(exact, fake_forced("", [], [1], config=(0, 0.0, 0)), [1])
+    assert got["agents"][0]["recomputed"] == 7 and got["top1"] == 1.0
+    assert got["kl_recovered"] == pytest.approx(1 - served["kl20"] / naive["kl20"])
+    assert 0 < got["kl_recovered"] < 1
+    assert scale.probe_readers("http://x", [[0]], [], new=3)["kl_recovered"] is None
