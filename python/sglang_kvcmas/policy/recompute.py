@@ -32,7 +32,8 @@ from sglang_kvcmas.config import ServingConfig
 
 _DEFAULTS = ServingConfig()
 _KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute_mass_fraction",
-            "mass_max_tokens": "recompute_mass_max_tokens", "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
+            "mass_max_tokens": "recompute_mass_max_tokens",
+            "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
             "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction"}
 """``RecomputeConfig`` field -> the ``ServingConfig`` knob it comes from."""
 
