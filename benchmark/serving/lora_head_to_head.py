@@ -76,7 +76,7 @@ from benchmark.serving.head_to_head import (  # noqa: E402
 )
 from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import COMMON_FLAGS  # noqa: E402
+from benchmark.serving.server_arms import COMMON_FLAGS, shared_tree_stats  # noqa: E402
 from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
@@ -299,11 +299,7 @@ def flush(url: str) -> None:
 
 def lowrank_bytes(url: str) -> int:
     """Low-rank leaf bytes the server holds (0 for the stock cache)."""
-    with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
-        info = json.loads(r.read())
-    states = info.get("internal_states") or [{}]
-    shared = (states[0].get("kvcmas") or {}).get("shared") or {}
-    return int(shared.get("lowrank_bytes", 0))
+    return int(shared_tree_stats(url).get("lowrank_bytes", 0))
 
 
 def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, extra_bytes: int,

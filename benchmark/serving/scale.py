@@ -52,7 +52,7 @@ from benchmark.serving import host_path  # noqa: E402
 from benchmark.serving.head_to_head import KvSampler  # noqa: E402
 from benchmark.serving.recompute_fidelity import compare, forced, generate  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.server_arms import ArmServer, shared_tree_stats  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PERSONAS = ["historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
@@ -187,12 +187,10 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
             "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
 
 
-def shared_stats(url: str) -> dict:
-    """The kvcmas tree cache's sizes from ``/server_info`` (empty for the stock cache)."""
-    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
-        info = json.loads(r.read())
-    states = info.get("internal_states") or [{}]
-    return (states[0].get("kvcmas") or {}).get("shared") or {}
+def leaf_bytes_per_agent(by_agent: dict[str, dict[str, int]] | None) -> list[int]:
+    """Each reading agent's leaf bytes, exact and low-rank together, from ``/server_info``'s
+    ``leaf_bytes_by_agent`` (agent -> bytes by leaf type)."""
+    return sorted(sum(types.values()) for types in (by_agent or {}).values())
 
 
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
@@ -229,7 +227,7 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
                 answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
         makespan = time.perf_counter() - t0
         peak = sampler.stop()
-        stats = shared_stats(server.url) if (server_arm or arm) == "kvcmas" else {}
+        stats = shared_tree_stats(server.url) if (server_arm or arm) == "kvcmas" else {}
         readers = [t["agent"] for t in turns if t["round"] == 2
                    and of_meta(t["meta"]).get("borrowed", 0)]
         picked = readers[:: max(1, len(readers) // probe)][:probe] if probe and readers else []
@@ -367,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name in variants:
             no = nonowner_ttft(panel, name) if has_radix else {}
-            leaf = sorted((panel[name].get("leaf_bytes_by_agent") or {}).values())
+            leaf = leaf_bytes_per_agent(panel[name].get("leaf_bytes_by_agent"))
             fid = panel[name].get("fidelity") or {}
             result["panel"]["by_arm"][name] = {
                 "flags": variants[name],

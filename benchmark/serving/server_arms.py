@@ -12,6 +12,8 @@ group, output to a log file) on a port in 31000–31999.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 
 from sglang_kvcmas.server.process import ServerProcess, free_port
@@ -41,3 +43,15 @@ def ArmServer(
         args=[*flags, *COMMON_FLAGS, *(extra_args or [])], log_path=log_path, env=dict(env or {}),
         port=free_port(31000, 32000), boot_timeout_s=boot_timeout_s, module=module,
     )
+
+
+def shared_tree_stats(url: str) -> dict:
+    """The shared tree's sizes a kvcmas server reports in ``/server_info`` (``internal_states``
+    → ``kvcmas`` → ``shared_tree``: shared and delta tokens, leaf bytes by agent, ...); empty for
+    the stock cache or with sharing off."""
+    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    for state in info.get("internal_states") or []:
+        if "kvcmas" in state:
+            return state["kvcmas"].get("shared_tree") or {}
+    return {}

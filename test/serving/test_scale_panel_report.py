@@ -9,7 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.serving.scale import nonowner_ttft, parse_variants, same_answers  # noqa: E402
+from benchmark.serving.scale import (  # noqa: E402
+    leaf_bytes_per_agent, nonowner_ttft, parse_variants, same_answers,
+)
 
 
 def turns(texts: dict[tuple[int, int], str], ttft: float, borrowed: int = 0) -> list[dict]:
@@ -60,3 +62,23 @@ def test_probe_pools_kl_over_the_probed_readers(monkeypatch):
     assert got["kl_recovered"] == pytest.approx(1 - served["kl20"] / naive["kl20"])
     assert 0 < got["kl_recovered"] < 1
     assert scale.probe_readers("http://x", [[0]], [], new=3)["kl_recovered"] is None
+
+
+def test_leaf_bytes_come_from_the_shared_tree_entry_of_server_info(monkeypatch):
+    """``/server_info`` → ``internal_states[i].kvcmas.shared_tree``; leaf types add up."""
+    import io
+    import json
+
+    from benchmark.serving import server_arms
+
+    tree = {"lowrank_bytes": 5, "leaf_bytes_by_agent": {
+        "a": {"exact": 100, "lowrank": 20}, "b": {"exact": 0, "lowrank": 7}}}
+    info = {"internal_states": [{"other": 1}, {"kvcmas": {"shared_tree": tree}}]}
+    monkeypatch.setattr(server_arms.urllib.request, "urlopen",
+                        lambda url, timeout: io.BytesIO(json.dumps(info).encode()))
+    got = server_arms.shared_tree_stats("http://x")
+    assert got == tree
+    assert leaf_bytes_per_agent(got["leaf_bytes_by_agent"]) == [7, 120]
+    assert leaf_bytes_per_agent(None) == []
+    info["internal_states"] = [{"kvcmas": {"tree_cache_class": "stock"}}]
+    assert server_arms.shared_tree_stats("http://x") == {}
