@@ -130,3 +130,57 @@ def test_head_mass_probe_keeps_only_rows_of_the_shared_context():
     probe.add(15, torch.full((8,), 0.5))  # rows 15..22: only 15..19 exist
     probe.add(25, torch.full((48,), 0.9))  # an extend that starts past the shared context
     assert probe.mean(14, 21).tolist() == [0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0]
+
+
+def test_tail_attention_equals_the_padded_square_over_awkward_sizes():
+    """A plain row's extend: its new queries only equal the rows of the padded square."""
+    from sglang_kvcmas.attention.span_reads import padded_tail_attention, tail_attention
+
+    torch.manual_seed(5)
+    for H, Hkv, n_prefix, n_q, causal in [(6, 2, 0, 1, True), (6, 2, 0, 13, True),
+                                          (9, 3, 37, 1, True), (9, 3, 37, 5, True),
+                                          (4, 4, 255, 130, True), (6, 2, 11, 7, False)]:
+        q = torch.randn(H, n_q, 64)
+        k, v = torch.randn(Hkv, n_prefix + n_q, 64), torch.randn(Hkv, n_prefix + n_q, 64)
+        got = tail_attention(q, k, v, n_prefix, causal, 0.125, True)
+        ref = padded_tail_attention(q, k, v, n_prefix, causal, 0.125, True)
+        assert got.shape == (H, n_q, 64)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_rows_in_a_batch_with_spans_attend_as_sglang_does(monkeypatch):
+    """A batch goes through the backend's own loop when any row reads spans; its plain rows
+    (nothing borrowed) read as SGLang's torch backend reads them."""
+    from sglang_kvcmas.attention.span_reads import tail_attention
+
+    torch.manual_seed(6)
+    H, Hkv, d = 6, 2, 64
+    lens, prefixes = [40, 9, 23], [31, 0, 20]
+    k_cache, v_cache = torch.randn(128, Hkv, d), torch.randn(128, Hkv, d)
+    req_to_token = torch.zeros(4, 64, dtype=torch.int64)
+    slots = torch.randperm(128)
+    at = 0
+    for r, n in enumerate(lens):
+        req_to_token[r + 1, :n] = slots[at : at + n]
+        at += n
+    n_q = [n - p for n, p in zip(lens, prefixes)]
+    query = torch.randn(sum(n_q), H, d)
+    args = (k_cache, v_cache, req_to_token, torch.tensor([1, 2, 3]), torch.tensor(lens),
+            torch.tensor(prefixes), torch.tensor(n_q))
+    be = _backend()
+    ref = torch.empty_like(query)
+    super(type(be), be)._run_sdpa_forward_extend(query, ref, *args, scaling=d**-0.5,
+                                                 enable_gqa=True, causal=True)
+    span_row = RowSpans.of_reads("r", (SharedSpan(2, 6, shift=-3),))
+    be._batch_rows = (None, BatchRow(span_row), None)  # row 2 reads a span: the loop runs
+    from sglang_kvcmas.integration import delta_attention_backend as backend
+
+    calls = []
+    monkeypatch.setattr(backend, "tail_attention",
+                        lambda *a: calls.append(a[3]) or tail_attention(*a))
+    out = torch.empty_like(query)
+    be._run_sdpa_forward_extend(query, out, *args, scaling=d**-0.5, enable_gqa=True,
+                                causal=True)
+    assert calls == [31, 0, 20]  # every row without a position mask (its keys re-positioned)
+    plain = torch.cat([torch.arange(0, n_q[0]), torch.arange(n_q[0] + n_q[1], sum(n_q))])
+    torch.testing.assert_close(out[plain], ref[plain], atol=1e-5, rtol=1e-5)

@@ -10,11 +10,14 @@ values from the pool and calls these; they know nothing of SGLang.
   :func:`rotate_keys` and decode's query rotation (``shifted_query.py``) are tested against.
 - :func:`head_mass` is the softmax mass each query puts on the agent head's key rows, which the
   owner's pass records for ``policy/recompute.py``.
+- :func:`tail_attention` is a plain row's extend: its new queries only, over their causal
+  prefix (reference: :func:`padded_tail_attention`, the query padded to the whole sequence).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
@@ -106,3 +109,38 @@ def head_mass(
         head = torch.logsumexp(scores[..., head_from:head_to], dim=-1)
         out.append(torch.exp(head - total).mean(0))
     return torch.cat(out) if out else q.new_zeros(0, dtype=torch.float32)
+
+
+def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,
+                   causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention of the last ``n_q`` of ``n_kv`` positions (a row's extend over a cached prefix
+    of ``n_prefix``), computed for those queries only.
+
+    Args:
+        q: [H, n_q, d]; k, v: [H_kv, n_kv, d], n_kv = n_prefix + n_q.
+        causal: query j attends keys 0 .. n_prefix + j; else every key.
+    Returns:
+        [H, n_q, d]; the rows ``n_prefix:`` of attention with the query padded to ``n_kv``
+        (:func:`padded_tail_attention`, the reference), at ``n_q / n_kv`` of its work.
+    """
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    mask = None
+    if causal and n_prefix:
+        mask = torch.arange(n_kv, device=q.device)[None, :] <= (
+            n_prefix + torch.arange(n_q, device=q.device))[:, None]  # [n_q, n_kv]
+    return scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+        is_causal=causal and not n_prefix, enable_gqa=enable_gqa, scale=scale,
+    ).squeeze(0)
+
+
+def padded_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,
+                          causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Reference for :func:`tail_attention`: the query padded to all ``n_kv`` positions,
+    attention over the whole square, its last ``n_q`` rows kept (SGLang's torch backend)."""
+    q_full = torch.zeros((q.shape[0], k.shape[-2], q.shape[2]), dtype=q.dtype, device=q.device)
+    q_full[:, n_prefix:, :] = q
+    return scaled_dot_product_attention(
+        q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=causal,
+        enable_gqa=enable_gqa, scale=scale,
+    ).squeeze(0)[:, n_prefix:, :]

@@ -57,7 +57,7 @@ from sglang_kvcmas.attention.corrected_reads import (
 )
 from sglang_kvcmas.attention.lowrank import LayerCorrection
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
-from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys
+from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys, tail_attention
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
 from sglang_kvcmas.integration.batch_rows import rows_of_forward
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
@@ -208,14 +208,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 ).squeeze(0).movedim(query.dim() - 2, 0)
                 output[start_q : start_q + n_q] = out
             else:
-                q_full = torch.empty((q.shape[0], n_kv, q.shape[2]), dtype=q.dtype,
-                                     device=q.device)
-                q_full[:, n_prefix:, :] = q
-                out = scaled_dot_product_attention(
-                    q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                    enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
-                ).squeeze(0).movedim(query.dim() - 2, 0)
-                output[start_q : start_q + n_q] = out[n_prefix:]
+                # No position mask (a plain row, or keys only re-positioned): the row's new
+                # queries alone, each over its causal prefix (SGLang's torch backend pads the
+                # query to the whole sequence: n_kv² work for n_q new tokens).
+                out = tail_attention(q, k, v, n_prefix, causal, scaling, enable_gqa)
+                output[start_q : start_q + n_q] = out.movedim(query.dim() - 2, 0)
             start_q += n_q
         return output
 
@@ -300,3 +297,4 @@ def _no_window(rows: list, sliding_window_size: Optional[int]) -> None:
 def create_delta_backend(runner: ModelRunner) -> DeltaAttnBackend:
     """Factory registered as attention backend ``kvcmas_delta``."""
     return DeltaAttnBackend(runner)
+
