@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -158,14 +158,6 @@ def judge_either(cat: Category, reply: Reply, what: str) -> None:
 
 
 # ----- the server's view ----------------------------------------------------------------------
-
-def kvcmas_state(url: str) -> dict:
-    info = call(url, "/server_info", timeout=60).json()
-    for s in info.get("internal_states", []):
-        if "kvcmas" in s:
-            return s["kvcmas"]
-    return {}
-
 
 def settle(url: str, cat: Category, timeout_s: float = 120.0) -> None:
     """Wait until nothing runs, then record leaked slots and tree problems."""
@@ -403,7 +395,7 @@ def aborts(url: str, p: Prompts, cat: Category, quick: bool) -> None:
                 t.start()
                 time.sleep(0.05)  # the first agent arrives first and leads
             time.sleep(1.0)  # the leader is prefilling its first chunks; readers are held
-            tree = kvcmas_state(url).get("shared_tree") or {}
+            tree = shared_tree_stats(url)
             cat.evidence.append(f"{victim} trial {trial}: {tree.get('held_back')} held back, "
                                 f"{tree.get('pending_owners')} leader(s) in flight at the abort")
             doomed = p.agents[1:] if victim == "readers" else p.agents[:1]

@@ -45,13 +45,18 @@ def ArmServer(
     )
 
 
-def shared_tree_stats(url: str) -> dict:
-    """The shared tree's sizes a kvcmas server reports in ``/server_info`` (``internal_states``
-    → ``kvcmas`` → ``shared_tree``: shared and delta tokens, leaf bytes by agent, ...); empty for
-    the stock cache or with sharing off."""
+def kvcmas_state(url: str) -> dict:
+    """The ``kvcmas`` entry of a server's ``/server_info`` (``internal_states``: the tree cache's
+    class, the pool's slots and, with sharing on, ``shared_tree``); empty for a stock server."""
     with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
         info = json.loads(r.read())
     for state in info.get("internal_states") or []:
         if "kvcmas" in state:
-            return state["kvcmas"].get("shared_tree") or {}
+            return state["kvcmas"]
     return {}
+
+
+def shared_tree_stats(url: str) -> dict:
+    """The shared tree's sizes in ``kvcmas_state`` (shared and delta tokens, leaf bytes by
+    agent, ...); empty for the stock cache or with sharing off."""
+    return kvcmas_state(url).get("shared_tree") or {}

@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.reliability import Prompts, call, kvcmas_state, raw_stream  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from benchmark.serving.reliability import Prompts, call, raw_stream  # noqa: E402
+from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
 from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         load.stop.set()
         for t in threads:
             t.join(timeout=600)
-        final = kvcmas_state(server.url).get("shared_tree") or {}
+        final = shared_tree_stats(server.url)
     slope = slope_per_min(samples, args.warmup_min)
     plot(samples, args.out / "soak.png", slope, args.warmup_min)
     ok = not final.get("invariants") and all(not s["invariants"] for s in samples)

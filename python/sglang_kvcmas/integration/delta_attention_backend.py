@@ -297,4 +297,3 @@ def _no_window(rows: list, sliding_window_size: Optional[int]) -> None:
 def create_delta_backend(runner: ModelRunner) -> DeltaAttnBackend:
     """Factory registered as attention backend ``kvcmas_delta``."""
     return DeltaAttnBackend(runner)
-

@@ -26,6 +26,11 @@ transcript matches in microseconds, not one Python step per token.
 NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
 and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
+
+NOTE: just over 500 lines because ``SharedTree`` keeps one set of invariants (node map, lock
+counts, owned and leaf sizes, eviction order) that ``check_invariants`` walks together; the
+borrowed-path walks live in ``tree/borrowed.py``, the leaves in ``pool_overrides.py`` and
+``lowrank_leaves.py``.
 """
 
 from __future__ import annotations
