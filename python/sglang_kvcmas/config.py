@@ -215,6 +215,13 @@ class ServingConfig:
         "turn or held as its exact leaves), whatever the share gives; bounds the KV each reader "
         "holds of its own over a long transcript (unset: the share alone).", kind=int, low=0,
         optional=True, per_request=True)
+    recompute_segment_share: float | None = _knob(
+        0.2, "Most of their borrowed tokens that the readers of one new segment recompute by "
+        "owner head mass together: a reader that waited with N-1 others for the same "
+        "leader recomputes min(mass share, this / N) of its own (N >= 2), so the KV readers "
+        "hold of their own stays bounded as agents are added (unset: each reader the mass "
+        "share).",
+        kind=float, low=0, high=1, optional=True, per_request=True)
     recompute_max_fraction: float = _knob(
         0.5, "Cap on the share of a reader's borrowed tokens that it recomputes.", kind=float,
         low=0, high=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sglang_kvcmas.policy.recompute import (
@@ -74,6 +76,32 @@ def test_mass_max_tokens_bounds_the_share_over_a_long_transcript():
     assert RecomputeConfig(mass_max_tokens=0).mass_tokens(10**6) == 0
     with pytest.raises(ValueError):
         RecomputeConfig(mass_max_tokens=-1)
+
+
+def test_segment_share_is_split_among_the_readers_that_waited_together():
+    """Two readers keep the mass share (0.2 / 2 = 0.1); fifteen take 0.2 / 15 each, so what
+    the readers of one segment hold of their own stays about a fifth of it; unset: the share."""
+    base = RecomputeConfig(boundary_tokens=0, mass_fraction=0.1, segment_share=0.2,
+                           max_fraction=1.0)
+    assert base.readers == 1 and base.with_readers(1) is base
+    wide = replace(base, mass_fraction=0.3)  # one reader alone keeps its mass share
+    assert wide.mass_tokens(1000) == 300 and wide.with_readers(2).mass_tokens(1000) == 100
+    assert base.with_readers(2).mass_tokens(1000) == 100 == base.mass_tokens(1000)
+    assert base.with_readers(15).mass_tokens(1000) == 13
+    assert base.with_readers(15).reader_mass_fraction == pytest.approx(0.2 / 15)
+    assert replace(base, segment_share=None).with_readers(15).mass_tokens(1000) == 100
+    capped = replace(base, mass_max_tokens=8).with_readers(4)  # the cap still bounds it
+    assert capped.mass_tokens(1000) == 8 and capped.with_readers(50).mass_tokens(1000) == 4
+    # the kept leaves follow the same split: a leaf share above the reader's share keeps all
+    leafy = replace(base, leaf_mass_fraction=0.05)
+    assert not leafy.keeps_all and leafy.with_readers(15).keeps_all
+    cand = list(range(1000))
+    mass = [(i * 7919 % 1000) / 1000 for i in cand]
+    top13 = sorted(sorted(cand, key=lambda i: -mass[i])[:13])
+    assert mass_offsets(cand, mass, (), (), 1000, base.with_readers(15)) == tuple(top13)
+    for bad in ({"segment_share": 1.5}, {"segment_share": -0.1}, {"readers": 0}):
+        with pytest.raises(ValueError):
+            RecomputeConfig(**bad)
 
 
 def test_borrow_pays_only_from_min_borrowed_foreign_tokens():

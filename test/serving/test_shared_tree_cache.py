@@ -363,6 +363,42 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     assert_slots_conserved(h)
 
 
+def test_readers_that_waited_together_split_the_segment_share(monkeypatch):
+    """b and c wait for a's new segment in one pass: the hook records 2 readers on each, so
+    each recomputes segment_share / 2 of its borrowed tokens by mass, where a reader that
+    waited alone (d) recomputes the whole mass share."""
+    from sglang_kvcmas.integration import turn_order_hook
+    from sglang_kvcmas.integration.shared_tree_cache import readers_of
+
+    h = Harness()
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=0, mass_fraction=0.2,
+                                               segment_share=0.2, min_borrowed=0,
+                                               max_fraction=0.5)
+    monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    a, b, c, d = head(50, 20), head(60, 8), head(70, 9), head(80, 10)
+    for row, agent in enumerate((a, b, c, d)):
+        h.serve(Req(f"x{row}", agent + T1 + SUFFIX), row)  # every head cached
+    t2_at = len(a) + len(T1)
+    ranked = [7, 20, 25, 11, 14, 29]  # owner head mass, largest first
+    mass = {t2_at + o: 0.9 - 0.1 * r for r, o in enumerate(ranked)}
+    a2, b2, c2 = (Req(f"{n}2", x + T1 + T2 + SUFFIX) for n, x in (("a", a), ("b", b), ("c", c)))
+    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[a2, b2, c2])
+    seen = []
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen == [["a2"]] and (readers_of(a2), readers_of(b2), readers_of(c2)) == (1, 2, 2)
+    h.serve(a2, 4, mass=lambda i: mass.get(i, 0.01))
+    borrowed = len(T2) + END  # 32: 6 by mass at 20%, 3 at 20% / 2
+    at = len(b) + len(T1)
+    spans, _ = h.serve(b2, 5)
+    assert spans.recomputed.positions == tuple(at + o for o in sorted(ranked[:3]))
+    spans, _ = h.serve(Req("d2", d + T1 + T2 + SUFFIX), 6)
+    at = len(d) + len(T1)
+    assert spans.recomputed.positions == tuple(at + o for o in sorted(ranked))
+    assert round(0.2 * borrowed) == 6
+    assert_slots_conserved(h)
+
+
 def test_reader_keeps_only_the_leaf_share_of_what_it_recomputes():
     """With leaf_mass_fraction below mass_fraction, a reader recomputes the boundary and the top
     mass_fraction by owner head mass, keeps the boundary and the top leaf_mass_fraction as delta

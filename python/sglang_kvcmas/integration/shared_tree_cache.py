@@ -110,6 +110,10 @@ class _SharedReceipt:
     anchor_locks: list[TreeLock]
 
 
+READERS_ATTR = "_kvcmas_readers"
+"""Request attribute: the most readers the turn-order hook saw wait with it for one leader."""
+
+
 @dataclass(frozen=True)
 class _RequestState:
     """What the cache keeps per request while it is queued or running (parsed once)."""
@@ -130,6 +134,12 @@ class PendingOwner:
     namespace: tuple
     shared: np.ndarray
     since: float
+
+
+def readers_of(req: Req) -> int:
+    """How many readers waited together for the segment ``req`` borrows (its own count
+    included; ``integration/turn_order_hook.py`` records it on the request), 1 if none."""
+    return getattr(req, READERS_ATTR, 1)
 
 
 class KvcmasSharedTreeCache(KvcmasRadixCache):
@@ -314,8 +324,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
         handle = replace(handle, use_leaves=not own_knobs).walked()
-        config = RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs \
-            else self.recompute_config
+        config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
+                  else self.recompute_config).with_readers(readers_of(req))
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +58,19 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
     return out
 
 
+def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
+    """Record on each held request how many wait for its leader this pass (the most seen
+    over its passes): the readers of one new segment, among whom ``recompute_segment_share``
+    is split (``policy/recompute.py``)."""
+    from sglang_kvcmas.integration.shared_tree_cache import READERS_ATTR
+
+    per_leader = Counter(leader_of.values())
+    for req in held:
+        n = per_leader[leader_of[req.rid]]
+        if n > getattr(req, READERS_ATTR, 1):
+            setattr(req, READERS_ATTR, n)
+
+
 def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook: hold back deferred requests for one prefill-batch decision."""
     from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
@@ -88,6 +102,7 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     for rid in plan.deferred:
         _held_since.setdefault(rid, now)
     held = [r for r in waiting if r.rid in plan.deferred]
+    note_readers(held, plan.leader_of)
     scheduler.waiting_queue = [r for r in waiting if r.rid not in plan.deferred]
     logger.debug("sglang-kvcmas: turn order holds back %s", dict(plan.leader_of))
     try:

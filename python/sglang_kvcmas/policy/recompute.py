@@ -34,7 +34,8 @@ _DEFAULTS = ServingConfig()
 _KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute_mass_fraction",
             "mass_max_tokens": "recompute_mass_max_tokens",
             "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
-            "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction"}
+            "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction",
+            "segment_share": "recompute_segment_share"}
 """``RecomputeConfig`` field -> the ``ServingConfig`` knob it comes from."""
 
 
@@ -101,6 +102,12 @@ class RecomputeConfig:
             next turn. Boundary and tail tokens are always kept. None: keep all (leaf memory
             grows with ``mass_fraction``); below ``mass_fraction`` it bounds leaf memory while
             the recomputed share grows (``kept_offsets``).
+        segment_share: most of the borrowed tokens the readers of one new segment recompute by
+            mass together: with ``readers`` of them (two or more), each takes
+            ``min(mass_fraction, segment_share / readers)`` (None: ``mass_fraction`` whatever
+            the readers; a reader that waited alone takes ``mass_fraction``).
+        readers: how many readers waited together for the segment this reader borrows (the
+            turn-order hook counts them; 1: it waited alone or not at all).
     """
 
     boundary_tokens: int = _DEFAULTS.recompute_boundary
@@ -110,9 +117,13 @@ class RecomputeConfig:
     min_borrowed: int = _DEFAULTS.min_borrowed
     tail_tokens: int = _DEFAULTS.recompute_tail
     leaf_mass_fraction: float | None = _DEFAULTS.leaf_mass_fraction
+    segment_share: float | None = _DEFAULTS.recompute_segment_share
+    readers: int = 1
 
     def __post_init__(self) -> None:
-        leaf = self.leaf_mass_fraction
+        leaf, share = self.leaf_mass_fraction, self.segment_share
+        if self.readers < 1 or (share is not None and not 0.0 <= share <= 1.0):
+            raise ValueError(f"bad recompute config {self}")
         if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or (
             self.mass_max_tokens is not None and self.mass_max_tokens < 0) or not (
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
@@ -125,15 +136,28 @@ class RecomputeConfig:
         values = {**{k: getattr(config, k) for k in _KNOB_OF.values()}, **overrides}
         return cls(**{field: values[k] for field, k in _KNOB_OF.items()})
 
+    def with_readers(self, readers: int) -> RecomputeConfig:
+        """This config for a reader that waited with ``readers - 1`` others."""
+        return self if readers == self.readers else replace(self, readers=max(1, readers))
+
     def mass_tokens(self, num_borrowed: int) -> int:
         """How many of ``num_borrowed`` tokens the mass ranking takes (exact ones included)."""
-        top = round(self.mass_fraction * num_borrowed)
+        top = round(self.reader_mass_fraction * num_borrowed)
         return top if self.mass_max_tokens is None else min(top, self.mass_max_tokens)
+
+    @property
+    def reader_mass_fraction(self) -> float:
+        """This reader's share by mass: ``mass_fraction``, or, among two or more readers, its
+        part of ``segment_share`` when that is less."""
+        if self.segment_share is None or self.readers == 1:
+            return self.mass_fraction
+        return min(self.mass_fraction, self.segment_share / self.readers)
 
     @property
     def keeps_all(self) -> bool:
         """Whether every recomputed token becomes a delta leaf."""
-        return self.leaf_mass_fraction is None or self.leaf_mass_fraction >= self.mass_fraction
+        return (self.leaf_mass_fraction is None
+                or self.leaf_mass_fraction >= self.reader_mass_fraction)
 
     def for_leaves(self) -> RecomputeConfig:
         """The config whose selection a reader keeps as delta leaves (``kept_offsets``)."""
