@@ -187,6 +187,12 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
             "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
 
 
+def computed_tokens(meta: dict) -> int:
+    """Prompt tokens a turn computed (prefill: the prompt less what the cache served it;
+    recomputed borrowed tokens count as computed)."""
+    return int(meta.get("prompt_tokens", 0)) - int(meta.get("cached_tokens", 0))
+
+
 def leaf_bytes_per_agent(by_agent: dict[str, dict[str, int]] | None) -> list[int]:
     """Each reading agent's leaf bytes, exact and low-rank together, from ``/server_info``'s
     ``leaf_bytes_by_agent`` (agent -> bytes by leaf type)."""
@@ -240,6 +246,7 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
     live = max(sum(3 + t["tokens"] for t in turns if t["round"] == r) for r in (1, 2))
     ideal = sum(head_lens) + shared + live
     borrowed = {(t["round"], t["agent"]): of_meta(t["meta"]).get("borrowed", 0) for t in turns}
+    computed = {(t["round"], t["agent"]): computed_tokens(t["meta"]) for t in turns}
     say(f"panel {arm}: makespan {makespan:.1f} s, peak KV {peak} tokens (one-copy ideal "
         f"{ideal}), first document round TTFT median "
         f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
@@ -248,7 +255,10 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
             "delta_tokens": stats.get("delta_tokens"), "delta_bytes": stats.get("delta_bytes"),
             "leaf_bytes_by_agent": stats.get("leaf_bytes_by_agent"),
             "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens", "text")}
-                      | {"borrowed": borrowed[(t["round"], t["agent"])]} for t in turns],
+                      | {"borrowed": borrowed[(t["round"], t["agent"])],
+                         "computed": computed[(t["round"], t["agent"])],
+                         "recomputed": of_meta(t["meta"]).get("recomputed_borrowed", 0)}
+                      for t in turns],
             "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
 
 

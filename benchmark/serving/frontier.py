@@ -1,0 +1,292 @@
+"""The leaf-mode frontier: fidelity against memory and speed at 3, 8 and 16 agents, in the server.
+
+What a reader keeps of the tokens it recomputes (its leaves) trades fidelity for memory. This
+benchmark serves ``scale.py``'s panel (N agents with their own system prompts introduce
+themselves, then review one essay document in two rounds, the second reading every first-round
+answer) once per arm, one server at a time, the same KV pool for every arm:
+
+- ``radix``: SGLang's own prefix cache (each agent computes its own copy: the exact reference
+  of TTFT and answers);
+- ``naive``: sharing, nothing recomputed: every borrowed token read re-positioned only;
+- ``exact``: sharing at the deployment's defaults: the first 16 tokens of every borrowed span and
+  10% by owner head mass recomputed and kept as exact leaves (exact-sparse), the readers that
+  wait together for one segment splitting 20% of it by mass (``--kvcmas-recompute-segment-share``);
+- ``exact_per_reader``: the same with every reader taking its own 10% however many read;
+- ``exact_cap64``: ``exact_per_reader`` with at most 64 tokens chosen by mass per reader;
+- ``lowrank<r>``: the same recomputed tokens fit a rank-``r`` correction of every other borrowed
+  key and value (leaf mode ``lowrank``; the recomputed slots are freed with the request);
+- ``lowrank8+exact``: both;
+- ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation).
+
+Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
+teacher-forced over the greedy answer of an exact prefill on the same server, as
+``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is
+radix's, non-owner median TTFT vs radix, peak KV (pool slots held, plus low-rank factor bytes
+in tokens of KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the
+prompt tokens each arm computed (prefill, recomputed borrowed tokens included: no arm prefills a
+reference). The targets of a 16-agent deployment: KL recovered ≥ 0.6, non-owner TTFT ≥ 2x
+radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than exact-sparse; the report names, per
+agent count, the arm with the highest KL recovered among those meeting the others.
+
+    python benchmark/serving/frontier.py --quick   # 16 agents, 4 arms (< 15 min on 2 cores)
+    python benchmark/serving/frontier.py           # 3, 8 and 16 agents, every arm (~40 min)
+
+The document is 1024 tokens by default (``--doc``): long enough that every reader borrows
+it, short enough that the radix arm of 16 agents takes about two minutes on 2 cores;
+``scale.py``'s panel runs the same workload over a 7000-token document.
+
+Ends with ``HEADLINE agents=16 kl_recovered=<x> ttft_speedup_vs_radix=<x> kv_vs_ideal=<x>
+leaf_bytes_ratio_vs_exact=<x>`` for the default configuration (``exact``); writes
+``results/frontier[_quick][_<model>].{json,txt,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from benchmark.serving.scale import (  # noqa: E402
+    fmt, leaf_bytes_per_agent, nonowner_ttft, panel_arm, same_answers,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_ARM = "exact"
+ARMS: dict[str, list[str]] = {
+    "naive": ["--kvcmas-recompute-boundary", "0", "--kvcmas-recompute-mass-fraction", "0"],
+    "exact": [],
+    "exact_per_reader": ["--kvcmas-recompute-segment-share", ""],
+    "exact_cap64": ["--kvcmas-recompute-segment-share", "", "--kvcmas-recompute-mass-max-tokens",
+                    "64"],
+    "lowrank4": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "4"],
+    "lowrank8": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "8"],
+    "lowrank16": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "16"],
+    "lowrank8+exact": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank", "8"],
+    "exact_fifo": ["--kvcmas-turn-order", "fifo"],
+}
+"""Sharing arm -> the flags its kvcmas server adds to the defaults."""
+QUICK_ARMS = ("naive", "exact", "exact_per_reader", "lowrank8")
+
+
+TARGETS = {"kl_recovered": 0.6, "ttft_speedup_vs_radix": 2.0, "kv_vs_ideal": 1.25,
+           "leaf_bytes_ratio_vs_exact": 4.0}
+"""The 16-agent targets (a minimum for each, but ``kv_vs_ideal``: a maximum)."""
+
+
+def say(text: str) -> None:
+    print(f"[frontier] {text}", file=sys.stderr, flush=True)
+
+
+def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
+    """One sharing arm's columns from ``scale.panel_arm`` records (``panel`` holds radix)."""
+    p = panel[name]
+    fid = p.get("fidelity") or {}
+    by_agent = p.get("leaf_bytes_by_agent") or {}
+    leaf = leaf_bytes_per_agent(by_agent)
+    lowrank = sum(t.get("lowrank", 0) for t in by_agent.values())
+    peak = p["peak_kv_tokens"] + lowrank / kv_bytes_per_token
+    no = nonowner_ttft(panel, name) if "radix" in panel else {}
+    same = same_answers(panel, name) if "radix" in panel else None
+    doc_turns = [t for t in p["turns"] if t["round"] > 0]
+    return {
+        "flags": p.get("flags", []),
+        "kl_recovered": fid.get("kl_recovered"), "kl20": fid.get("kl20"),
+        "kl20_naive": fid.get("kl20_naive"), "top1": fid.get("top1"),
+        "top1_naive": fid.get("top1_naive"), "probed": len(fid.get("agents") or []),
+        "same_answer_as_radix": None if same is None else statistics.fmean(same.values()),
+        "ttft_speedup_vs_radix": no["radix"] / no[name] if no else None,
+        "kv_vs_ideal": peak / p["one_copy_ideal_tokens"],
+        "peak_kv_tokens": p["peak_kv_tokens"], "lowrank_bytes": lowrank,
+        "leaf_bytes_per_agent": statistics.median(leaf) if leaf else 0,
+        "computed_tokens": sum(t.get("computed", 0) for t in p["turns"]),
+        "recomputed_tokens": sum(t.get("recomputed", 0) for t in doc_turns),
+        "makespan_s": p["makespan_s"],
+        "makespan_speedup": panel["radix"]["makespan_s"] / p["makespan_s"]
+        if "radix" in panel else None,
+    }
+
+
+def with_leaf_ratios(rows: dict[str, dict]) -> dict[str, dict]:
+    """Adds ``leaf_bytes_ratio_vs_exact`` (exact-sparse leaf bytes / the arm's; inf for an arm
+    that keeps none) where the ``exact`` arm ran."""
+    exact = rows.get(DEFAULT_ARM, {}).get("leaf_bytes_per_agent")
+    for row in rows.values():
+        mine = row["leaf_bytes_per_agent"]
+        row["leaf_bytes_ratio_vs_exact"] = (None if exact is None else
+                                            exact / mine if mine else float("inf"))
+    return rows
+
+
+def meets(row: dict, targets: dict[str, float], skip: str = "") -> bool:
+    """Whether ``row`` meets every target but ``skip`` (a missing figure fails)."""
+    for key, bound in targets.items():
+        if key == skip:
+            continue
+        x = row.get(key)
+        if x is None or (x > bound if key == "kv_vs_ideal" else x < bound):
+            return False
+    return True
+
+
+def pick(rows: dict[str, dict], targets: dict[str, float] = TARGETS) -> str | None:
+    """The arm with the highest KL recovered among those meeting the other targets."""
+    ok = [n for n, r in rows.items() if r.get("kl_recovered") is not None
+          and meets(r, targets, skip="kl_recovered")]
+    return max(ok, key=lambda n: rows[n]["kl_recovered"]) if ok else None
+
+
+def table(agents: int, rows: dict[str, dict], doc: int) -> list[str]:
+    lines = [f"{agents} agents, {doc}-token document:",
+             f"{'arm':>15} {'KL_rec':>7} {'top1':>6} {'same':>5} {'TTFTx':>6} {'KV/ideal':>8} "
+             f"{'leaf_KiB':>8} {'leaf_x':>7} {'computed':>8} {'recomp':>7} {'makespan':>8}"]
+    for name, r in rows.items():
+        ratio = r.get("leaf_bytes_ratio_vs_exact")
+        lines.append(
+            f"{name:>15} {fmt(r['kl_recovered'], 3):>7} {fmt(r['top1'], 4):>6} "
+            f"{fmt(r['same_answer_as_radix'], 2):>5} {fmt(r['ttft_speedup_vs_radix'], 2):>6} "
+            f"{r['kv_vs_ideal']:>8.3f} {r['leaf_bytes_per_agent'] / 1024:>8.0f} "
+            f"{'inf' if ratio == float('inf') else fmt(ratio, 2):>7} {r['computed_tokens']:>8} "
+            f"{r['recomputed_tokens']:>7} {r['makespan_s']:>7.1f}s")
+    best = pick(rows)
+    lines.append(f"  best meeting the targets (KV <= {TARGETS['kv_vs_ideal']}x, TTFT >= "
+                 f"{TARGETS['ttft_speedup_vs_radix']}x, leaves >= "
+                 f"{TARGETS['leaf_bytes_ratio_vs_exact']}x smaller), by KL recovered: "
+                 f"{best or 'none'}" + (f" ({fmt(rows[best]['kl_recovered'], 3)}; the KL "
+                                        f"target {TARGETS['kl_recovered']} "
+                                        f"{'met' if meets(rows[best], TARGETS) else 'not met'})"
+                                        if best else ""))
+    return lines
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["by_agents"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for n, run in runs.items():
+        rows = run["arms"]
+        names = [a for a in rows if rows[a]["kl_recovered"] is not None]
+        x = [max(rows[a]["leaf_bytes_per_agent"], 1) / 1024 for a in names]
+        y = [rows[a]["kl_recovered"] for a in names]
+        axes[0].scatter(x, y, label=f"{n} agents")
+        for a, xi, yi in zip(names, x, y):
+            axes[0].annotate(a, (xi, yi), fontsize=7)
+        kv = [rows[a]["kv_vs_ideal"] for a in rows]
+        tt = [rows[a]["ttft_speedup_vs_radix"] or 0 for a in rows]
+        axes[1].scatter(kv, tt, label=f"{n} agents")
+        for a, xi, yi in zip(rows, kv, tt):
+            axes[1].annotate(a, (xi, yi), fontsize=7)
+    axes[0].set(xscale="log", xlabel="leaf KiB per reader agent (log; naive at 1/1024)",
+                ylabel="KL recovered vs naive", title="fidelity vs leaf memory")
+    axes[0].axhline(TARGETS["kl_recovered"], ls=":", c="grey")
+    axes[1].set(xlabel="peak KV / one-copy ideal", ylabel="non-owner TTFT speedup vs radix",
+                title="memory vs first-token speed")
+    axes[1].axvline(TARGETS["kv_vs_ideal"], ls=":", c="grey")
+    axes[1].axhline(TARGETS["ttft_speedup_vs_radix"], ls=":", c="grey")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"leaf-mode frontier ({result['model']}, {result['commit']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"16 agents, arms {', '.join(QUICK_ARMS)}")
+    ap.add_argument("--agents", default="3,8,16", help="agent counts, comma-separated")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"sharing arms, comma-separated, of: {', '.join(ARMS)}")
+    ap.add_argument("--doc", type=int, default=1024, help="document tokens")
+    ap.add_argument("--answer-tokens", type=int, default=24)
+    ap.add_argument("--probe", type=int, default=4, help="round-2 readers probed per arm")
+    ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results stem (default: results/frontier[_quick][_<model>])")
+    add_model_arg(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.agents, args.arms = "16", ",".join(QUICK_ARMS)
+    model = model_from_args(ap, args)
+    agent_counts = [int(a) for a in args.agents.split(",") if a]
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms or any(not 2 <= n <= 16 for n in agent_counts) or not agent_counts:
+        ap.error(f"--arms of {', '.join(ARMS)} and --agents in 2..16 "
+                 f"(got arms {args.arms!r}, agents {args.agents!r})")
+    out = args.out or model.named(RESULTS / ("frontier_quick" if args.quick else "frontier"))
+    logs = model.named(RESULTS / "frontier")
+    logs.mkdir(parents=True, exist_ok=True)
+    tok = model.tokenizer()
+    t_start = time.monotonic()
+    result: dict = {
+        "command": shlex.join(["python", "benchmark/serving/frontier.py",
+                               *(sys.argv[1:] if argv is None else argv)]),
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
+        "pool_tokens": args.pool, "doc_tokens": args.doc, "answer_tokens": args.answer_tokens,
+        "targets": TARGETS, "by_agents": {},
+    }
+    lines: list[str] = []
+    for n in agent_counts:
+        panel: dict[str, dict] = {}
+        for i, name in enumerate(["radix", *arms]):
+            say(f"{n} agents: arm {name} ({i + 1}/{len(arms) + 1}), "
+                f"{time.monotonic() - t_start:.0f} s in")
+            if name == "radix":
+                panel[name] = panel_arm("radix", tok, n, args.doc, args.answer_tokens, args.pool,
+                                        logs, model.server_args)
+            else:
+                panel[name] = panel_arm(f"{name}_{n}", tok, n, args.doc, args.answer_tokens,
+                                        args.pool, logs, model.server_args,
+                                        server_arm="kvcmas", flags=ARMS[name], probe=args.probe)
+        rows = with_leaf_ratios({a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms})
+        result["by_agents"][n] = {"arms": rows, "best": pick(rows),
+                                  "radix_makespan_s": panel["radix"]["makespan_s"],
+                                  "one_copy_ideal_tokens": panel["radix"]["one_copy_ideal_tokens"],
+                                  "radix_computed_tokens": sum(t.get("computed", 0) for t in
+                                                               panel["radix"]["turns"])}
+        lines += table(n, rows, args.doc)
+        lines.append(f"  radix: makespan {panel['radix']['makespan_s']:.1f} s, computed "
+                     f"{result['by_agents'][n]['radix_computed_tokens']} tokens, peak KV / "
+                     f"ideal {panel['radix']['peak_kv_tokens'] / panel['radix']['one_copy_ideal_tokens']:.3f}")
+        print("\n".join(lines[-(len(rows) + 4):]), flush=True)
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    head_n = 16 if 16 in agent_counts else max(agent_counts)
+    d = result["by_agents"][head_n]["arms"].get(DEFAULT_ARM)
+    headline = (f"HEADLINE agents={head_n} kl_recovered={fmt(d and d['kl_recovered'], 3)} "
+                f"ttft_speedup_vs_radix={fmt(d and d['ttft_speedup_vs_radix'], 2)} "
+                f"kv_vs_ideal={fmt(d and d['kv_vs_ideal'], 3)} "
+                f"leaf_bytes_ratio_vs_exact={fmt(d and d['leaf_bytes_ratio_vs_exact'], 2)}")
+    lines = [f"# {result['command']}",
+             f"# {result['model']}, commit {result['commit']}, {result['machine']}, pool "
+             f"{args.pool} tokens, {args.answer_tokens}-token answers, {args.probe} readers "
+             f"probed per arm, {result['seconds']:.0f} s", *lines,
+             f"default arm: {DEFAULT_ARM}", headline]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(headline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

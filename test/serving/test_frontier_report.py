@@ -1,0 +1,71 @@
+"""The leaf-mode frontier's report (``benchmark/serving/frontier.py``) over made-up arms."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmark.serving.frontier import (  # noqa: E402
+    ARMS, TARGETS, arm_row, main, meets, pick, with_leaf_ratios,
+)
+
+
+def panel_run(ttft: float, peak: int, leaves: dict | None = None, kl=None,
+              texts: str = "a") -> dict:
+    turns = [{"round": r, "agent": a, "text": texts if r else "hi", "ttft": ttft,
+              "borrowed": 100 if r and a else 0, "computed": 50, "recomputed": 5 if a else 0}
+             for r in range(3) for a in range(3)]
+    fid = None if kl is None else {"kl_recovered": kl, "kl20": 0.1, "kl20_naive": 0.2,
+                                   "top1": 0.99, "top1_naive": 0.98, "agents": [{}, {}]}
+    return {"turns": turns, "peak_kv_tokens": peak, "one_copy_ideal_tokens": 1000,
+            "leaf_bytes_by_agent": leaves, "fidelity": fid, "makespan_s": 10.0, "flags": []}
+
+
+def test_arm_row_counts_lowrank_factors_in_kv_and_compares_with_radix():
+    panel = {"radix": panel_run(4.0, 3000),
+             "lowrank8": panel_run(1.0, 1100, {"b": {"exact": 0, "lowrank": 64_000},
+                                               "c": {"exact": 0, "lowrank": 64_000}}, 0.4)}
+    row = arm_row(panel, "lowrank8", kv_bytes_per_token=640)
+    assert row["kv_vs_ideal"] == pytest.approx((1100 + 128_000 / 640) / 1000)
+    assert row["ttft_speedup_vs_radix"] == 4.0
+    assert row["same_answer_as_radix"] == 1.0
+    assert row["leaf_bytes_per_agent"] == 64_000
+    assert row["computed_tokens"] == 9 * 50 and row["recomputed_tokens"] == 4 * 5
+    assert row["probed"] == 2 and row["kl_recovered"] == 0.4
+
+
+def test_leaf_ratio_against_exact_and_the_pick_among_arms_meeting_the_targets():
+    rows = {
+        "naive": {"kl_recovered": 0.0, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.05,
+                  "leaf_bytes_per_agent": 0},
+        "exact": {"kl_recovered": 0.7, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 2.3,
+                  "leaf_bytes_per_agent": 40_000},
+        "lowrank8": {"kl_recovered": 0.3, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.1,
+                     "leaf_bytes_per_agent": 5_000},
+        "lowrank16": {"kl_recovered": 0.35, "ttft_speedup_vs_radix": 1.5, "kv_vs_ideal": 1.1,
+                      "leaf_bytes_per_agent": 9_000},
+    }
+    with_leaf_ratios(rows)
+    assert rows["naive"]["leaf_bytes_ratio_vs_exact"] == float("inf")
+    assert rows["exact"]["leaf_bytes_ratio_vs_exact"] == 1.0
+    assert rows["lowrank8"]["leaf_bytes_ratio_vs_exact"] == 8.0
+    # exact fails KV and leaves, lowrank16 fails TTFT: lowrank8 beats naive on KL
+    assert pick(rows) == "lowrank8"
+    assert not meets(rows["lowrank8"], TARGETS)  # its KL misses the 0.6 target
+    assert meets(rows["lowrank8"], TARGETS, skip="kl_recovered")
+    rows["lowrank8"]["kv_vs_ideal"] = None  # a missing figure fails
+    assert pick(rows) == "naive"
+
+
+def test_bad_arms_and_agent_counts_are_refused(capsys):
+    for argv in (["--arms", "exact,bogus"], ["--agents", "1"], ["--agents", "17"],
+                 ["--arms", ""]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "--arms of" in capsys.readouterr().err
+    assert "exact" in ARMS and ARMS["exact"] == []
