@@ -14,7 +14,14 @@ deviation: a stand-in for the owner head mass the server ranks by, which selects
 of tokens), variants of the estimator on them, the same number of random (unbiased) pairs, and
 the in-sample oracle on all the other tokens (what any rank-``r`` affine map could reach).
 
-    python benchmark/lab/lowrank_estimator_study.py [--rank 8] [--layer-step 3]
+The served pairs are chosen *because* they deviate most, and no map of ``x`` knows which tokens
+those are; a model whose regressor is the selection signal itself is not biased by that
+selection. So the study also fits the deviation as the owner's head mass ``m`` (the attention
+mass each transcript token puts on the owner's head, mean over layers and query heads: what the
+server ranks by) times one vector per layer and KV head, ``x + m·u``, on the served pairs and,
+as its oracle, on every other token.
+
+    python benchmark/lab/lowrank_estimator_study.py [--rank 8] [--layer-step 3] [--select mass]
 """
 
 from __future__ import annotations
@@ -44,14 +51,55 @@ def bias_only(x: torch.Tensor, y: torch.Tensor):
                    norm[:, None])
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def head_mass(model, ids: list[int], head_end: int, length: int, head_from: int) -> torch.Tensor:
+    """[length] attention mass of the owner's transcript tokens on its head rows ``[head_from,
+    head_end)``, mean over layers and query heads (the serving probe's signal, every layer)."""
+    from sglang_kvcmas_lab.models.reference_llama import rotate
+
+    spec = model.spec
+    out = model.forward(torch.tensor(ids), return_hidden=True)
+    pos = torch.arange(len(ids))
+    group = spec.num_heads // spec.num_kv_heads
+    total = torch.zeros(length)
+    for layer in range(spec.num_layers):
+        q, k, _ = model.qkv(layer, out.hidden[layer])
+        qr = rotate(q, pos, spec.rope_theta).transpose(0, 1)  # [H, T, d]
+        kr = rotate(k, pos, spec.rope_theta).transpose(0, 1).repeat_interleave(group, 0)
+        p = (qr @ kr.transpose(1, 2) / spec.head_dim ** 0.5).masked_fill(
+            pos[None, :] > pos[:, None], float("-inf")).softmax(-1)
+        total += p[:, head_end:head_end + length, head_from:head_end].sum(-1).mean(0)
+    return total / spec.num_layers
+
+
+def mass_offset(x: torch.Tensor, y: torch.Tensor, mass: torch.Tensor, fit_on: torch.Tensor):
+    """``x ↦ x + m·u`` with ``u`` [H, d] the least-squares vector on ``fit_on`` (a map taking
+    ``(x, m)``)."""
+    w = mass[fit_on][:, None, None]
+    u = (w * (y - x)[fit_on]).sum(0) / (w * w).sum(0).clamp_min(1e-12)
+    return lambda xr, mr: xr + mr[:, None, None] * u
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--boundary", type=int, default=16)
     ap.add_argument("--mass", type=float, default=0.1)
     ap.add_argument("--layer-step", type=int, default=3, help="every n-th layer (from layer 1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "lowrank_estimator_study.txt")
+    ap.add_argument("--select", choices=("deviation", "mass"), default="deviation",
+                    help="the recomputed pairs beyond the boundary: largest true deviation (a "
+                         "stand-in) or largest owner head mass (what the server ranks by)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: results/lowrank_estimator_study[_mass].txt")
     args = ap.parse_args()
+    args.out = args.out or RESULTS / ("lowrank_estimator_study"
+                                      + ("_mass" if args.select == "mass" else "") + ".txt")
     torch.set_grad_enabled(False)
 
     from sglang_kvcmas.attention.lowrank import fit_factors
@@ -84,6 +132,7 @@ def main() -> int:
     owner, reader = model.forward(torch.tensor(a)).kv, model.forward(torch.tensor(b)).kv
     rope = ShiftRope.full(rope_inv_freq(spec.head_dim, spec.rope_theta))
     pos = torch.arange(h_b, h_b + length)  # the reader's positions: the reader's frame
+    mass = head_mass(model, a, h_a, length, common_prefix(a, b))
 
     def pairs(layer: int):
         return (apply_rope(owner.k[layer][h_a:h_a + length], pos, rope),
@@ -91,7 +140,7 @@ def main() -> int:
                 owner.v[layer][h_a:h_a + length].float(), reader.v[layer][h_b:h_b + length].float())
 
     _, _, x2, y2 = pairs(2)
-    score = (y2 - x2).flatten(1).norm(dim=1)
+    score = (y2 - x2).flatten(1).norm(dim=1) if args.select == "deviation" else mass.clone()
     score[: args.boundary] = -1
     extra = torch.topk(score, round(args.mass * length)).indices
     sel = torch.cat([torch.arange(args.boundary), extra]).unique()
@@ -111,7 +160,8 @@ def main() -> int:
             for name, x, y in (("k", xk, yk), ("v", xv, yv)):
                 f = fit(x, y)
                 xr, yr = x[rest], y[rest]
-                pred = f.apply(xr) if f is not None else xr
+                pred = (f(xr, mass[rest]) if callable(f) else f.apply(xr) if f is not None
+                        else xr)
                 num[name] += float(((yr - pred) ** 2).sum())
                 den[name] += float(((yr - xr) ** 2).sum())
         return num["k"] / den["k"], num["v"] / den["v"]
@@ -128,11 +178,14 @@ def main() -> int:
         "random pairs, mean deviation only": lambda x, y: bias_only(x[rnd], y[rnd]),
         f"oracle: rank {r} fitted on every other token (in-sample)": lambda x, y: fit_factors(
             x[rest], y[rest], r, shrink=False),
+        "served pairs, head mass x one vector": lambda x, y: mass_offset(x, y, mass, sel),
+        "oracle: head mass x one vector, every other token": lambda x, y: mass_offset(
+            x, y, mass, rest),
     }
     lines = [f"# python benchmark/lab/lowrank_estimator_study.py {' '.join(sys.argv[1:])}",
              f"embedded model; transcript {length} tokens; heads {h_a} / {h_b} tokens; "
              f"{sel.numel()} recomputed pairs ({args.boundary} boundary + top {args.mass:g} by "
-             f"deviation); residual over the other {int(rest.sum())} tokens, layers {layers}",
+             f"{'owner head mass' if args.select == 'mass' else 'deviation'}); residual over the other {int(rest.sum())} tokens, layers {layers}",
              f"{'estimator':>58} {'K residual':>10} {'V residual':>10}"]
     for name, fit in variants.items():
         k, v = residual(fit)
