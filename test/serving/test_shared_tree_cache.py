@@ -363,6 +363,28 @@ def test_reader_recomputes_the_tokens_with_the_largest_owner_head_mass():
     assert_slots_conserved(h)
 
 
+def test_a_reader_recomputes_the_first_tokens_of_each_new_segment_of_one_owner():
+    """a computes T1, then T2 after it; b borrowed T1 (its boundary now b's leaves), and over
+    T1 + T2 recomputes T2's first tokens: one owner, one shift, but two segments, two spans."""
+    from sglang_kvcmas.tree.borrowed import borrowed_spans
+
+    h = Harness(boundary=4)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a0", a + [1, 7, NL, 900, 901] + SUFFIX), 0)  # both heads cached, nothing shared
+    h.serve(Req("b0", b + [1, 7, NL, 910, 911] + SUFFIX), 1)
+    h.serve(Req("a1", a + T1 + SUFFIX), 2)
+    spans, _ = h.serve(Req("b1", b + T1 + SUFFIX), 3)
+    at = len(b)
+    assert spans.recomputed.positions == tuple(range(at + 3, at + 7))  # b0 computed T1[:3]
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 4)
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    h.match(b2)
+    got = borrowed_spans(b2.last_node)
+    assert [(s.begin, s.end) for s in got] == [(3, len(T1)), (len(T1), len(T1) + len(T2) + END)]
+    assert len({(s.owner, s.shift) for s in got}) == 1  # one owner, one shift: split by segment
+    assert b2.last_node.recompute == tuple(range(len(T1), len(T1) + 4))
+
+
 def test_readers_that_waited_together_split_the_segment_share(monkeypatch):
     """b and c wait for a's new segment in one pass: the hook records 2 readers on each, so
     each recomputes segment_share / 2 of its borrowed tokens by mass, where a reader that

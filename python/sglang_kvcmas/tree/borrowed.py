@@ -184,7 +184,11 @@ class SlotToken:
 
 
 def borrowed_spans(handle: SharedPrefixHandle) -> list[BorrowedSpan]:
-    """The borrowed part of a handle's shared path as runs of one owner and one shift."""
+    """The borrowed part of a handle's shared path as runs of one owner and one shift, a new
+    run at every segment start (a node where an insert began): a transcript that one owner grew
+    over several turns is several spans, so the first tokens of each new segment are a span's
+    first tokens (``policy/recompute.boundary_offsets``), not only those of the first segment,
+    which a reader of earlier turns already holds as its leaves."""
     out: list[BorrowedSpan] = []
     head = handle.split.head_len
     for piece in SharedTree.path(handle.shared_node):
@@ -194,7 +198,9 @@ def borrowed_spans(handle: SharedPrefixHandle) -> list[BorrowedSpan]:
             continue
         shift = head + piece.offset - piece.node.owner_start
         owner = piece.node.owner
-        if out and out[-1].end == lo and (out[-1].shift, out[-1].owner) == (shift, owner):
+        starts_segment = piece.node.segment_start and lo == piece.offset
+        if out and out[-1].end == lo and (out[-1].shift, out[-1].owner) == (shift, owner) \
+                and not starts_segment:
             out[-1] = replace(out[-1], end=hi)
         else:
             foreign = owner != handle.split.agent or shift != 0

@@ -77,6 +77,9 @@ class SharedNode:
     deltas: dict[str, PoolOverrides] = field(default_factory=dict)
     alive: bool = True
     head_mass: torch.Tensor | None = None
+    segment_start: bool = True
+    """Whether ``key[0]`` is where an insert began (False for the tail half of a split): a
+    segment's first token, where ``tree/borrowed.borrowed_spans`` starts a new span."""
 
     def mass(self) -> torch.Tensor:
         """[len] float32 ``head_mass``, zeros when none was recorded."""
@@ -256,6 +259,7 @@ class SharedTree:
         head = SharedNode(
             node.key[:n].copy(), node.slots[:n].clone(), node.owner, node.owner_start, node.anchor,
             parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
+            segment_start=node.segment_start,
         )
         parts = {a: d.split(n) for a, d in node.deltas.items()}
         head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
@@ -265,6 +269,7 @@ class SharedTree:
         head.parent.children[head.first] = head
         node.key, node.slots = node.key[n:].copy(), node.slots[n:].clone()
         node.owner_start += n
+        node.segment_start = False
         node.parent = head
         head.children = {node.first: node}
         if node.anchor is not None:
