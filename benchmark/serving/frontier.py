@@ -24,9 +24,13 @@ teacher-forced over the greedy answer of an exact prefill on the same server, as
 radix's, non-owner median TTFT vs radix, peak KV (pool slots held, plus low-rank factor bytes
 in tokens of KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the
 prompt tokens each arm computed (prefill, recomputed borrowed tokens included: no arm prefills a
-reference). The targets of a 16-agent deployment: KL recovered ≥ 0.6, non-owner TTFT ≥ 2x
-radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than exact-sparse; the report names, per
-agent count, the arm with the highest KL recovered among those meeting the others.
+reference). The probe reads each reader alone after the workload, so a reader whose turn
+split the segment share with others (``exact`` and the low-rank arms at 8 and 16 agents) is
+probed with the whole 10% mass share over its leaves: its KL recovered likely overstates the
+turns it served, which its same-answer rate measures. The targets of a 16-agent deployment: KL
+recovered ≥ 0.6, non-owner TTFT ≥ 2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than
+exact-sparse; the report names, per agent count, the arm with the highest KL recovered among
+those meeting the others.
 
     python benchmark/serving/frontier.py --quick   # 16 agents, 4 arms (< 15 min on 2 cores)
     python benchmark/serving/frontier.py           # 3, 8 and 16 agents, every arm (~40 min)
