@@ -185,7 +185,8 @@ def main() -> int:
     lines = [f"# python benchmark/lab/lowrank_estimator_study.py {' '.join(sys.argv[1:])}",
              f"embedded model; transcript {length} tokens; heads {h_a} / {h_b} tokens; "
              f"{sel.numel()} recomputed pairs ({args.boundary} boundary + top {args.mass:g} by "
-             f"{'owner head mass' if args.select == 'mass' else 'deviation'}); residual over the other {int(rest.sum())} tokens, layers {layers}",
+             f"{'owner head mass' if args.select == 'mass' else 'deviation'}); residual over "
+             f"the other {int(rest.sum())} tokens, layers {layers}",
              f"{'estimator':>58} {'K residual':>10} {'V residual':>10}"]
     for name, fit in variants.items():
         k, v = residual(fit)

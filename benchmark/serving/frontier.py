@@ -274,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "radix_computed_tokens": sum(t.get("computed", 0) for t in
                                                                panel["radix"]["turns"])}
         lines += table(n, rows, args.doc)
-        lines.append(f"  radix: makespan {panel['radix']['makespan_s']:.1f} s, computed "
+        radix = panel["radix"]
+        lines.append(f"  radix: makespan {radix['makespan_s']:.1f} s, computed "
                      f"{result['by_agents'][n]['radix_computed_tokens']} tokens, peak KV / "
-                     f"ideal {panel['radix']['peak_kv_tokens'] / panel['radix']['one_copy_ideal_tokens']:.3f}")
+                     f"ideal {radix['peak_kv_tokens'] / radix['one_copy_ideal_tokens']:.3f}")
         print("\n".join(lines[-(len(rows) + 4):]), flush=True)
     result["seconds"] = round(time.monotonic() - t_start, 1)
     head_n = 16 if 16 in agent_counts else max(agent_counts)
