@@ -136,6 +136,16 @@ class PendingOwner:
     since: float
 
 
+REGISTERED_ATTR = "_kvcmas_registered_to"
+"""Request attribute: the shared offset its last registration (chunk) ended at."""
+
+
+def continues_at(req: Req) -> int | None:
+    """Shared offset where the request's previous chunk's registration ended (its next chunk
+    continues that segment rather than starting one), or None."""
+    return getattr(req, REGISTERED_ATTR, None)
+
+
 def readers_of(req: Req) -> int:
     """How many readers waited together for the segment ``req`` borrows (its own count
     included; ``integration/turn_order_hook.py`` records it on the request), 1 if none."""
@@ -527,7 +537,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.shared.insert(
             ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor,
             head_mass=self._recorded_mass(req, split.head_len + known, end),
+            segment_start=continues_at(req) != known,
         )
+        setattr(req, REGISTERED_ATTR, len(tokens))
 
     def _keep_correction(self, req: Req, handle: SharedPrefixHandle) -> None:
         """Keep the low-rank factors a reader's extend fitted as its agent's low-rank leaf
@@ -593,9 +605,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         _, node = self.shared.insert(
             handle.namespace, tokens, handle.shared_end, slots, split.agent, start, anchor=None,
             head_mass=self._recorded_mass(req, start, end),
+            segment_start=continues_at(req) != handle.shared_end,
         )
         if node is None:
             return  # another request registered these tokens first: ours are freed at release
+        setattr(req, REGISTERED_ATTR, end - split.head_len)
         new_handle = replace(handle, shared_node=node, shared_end=end - split.head_len,
                              recompute=(), path=None)
         new_lock = self.lock(new_handle)

@@ -220,6 +220,7 @@ class SharedTree:
         owner_start: int,
         anchor: object | None,
         head_mass: torch.Tensor | None = None,
+        segment_start: bool = True,
     ) -> tuple[int, SharedNode | None]:
         """Add ``tokens[start:]`` after the existing path ``tokens[:start]``.
 
@@ -229,6 +230,8 @@ class SharedTree:
             slots: [len(tokens) - start] int64 slots of the new tokens.
             owner_start: owner position of ``tokens[start]``.
             head_mass: optional [len(tokens) - start] float32 owner head mass of the new tokens.
+            segment_start: whether the new tokens begin a segment (False: a later chunk of the
+                same request's prefill, continuing the segment its earlier chunk began).
         Returns:
             (matched length before inserting, new node or None). When the tree already holds more
             than ``start`` tokens (another owner was faster) nothing is inserted and the caller
@@ -245,6 +248,7 @@ class SharedTree:
             as_token_array(tokens)[start:].copy(), slots.to(torch.int64).clone(), owner,
             owner_start, anchor, parent=parent,
             head_mass=None if head_mass is None else head_mass.float().clone(),
+            segment_start=segment_start,
         )
         parent.children[node.first] = node
         self.version += 1
