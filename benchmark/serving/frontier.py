@@ -48,11 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +60,7 @@ from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.scale import (  # noqa: E402
     fmt, leaf_bytes_per_agent, nonowner_ttft, panel_arm, same_answers,
 )
+from benchmark.serving.server_arms import run_header  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARM = "exact"
@@ -245,12 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = model.tokenizer()
     t_start = time.monotonic()
     result: dict = {
-        "command": shlex.join(["python", "benchmark/serving/frontier.py",
-                               *(sys.argv[1:] if argv is None else argv)]),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
+        **run_header("benchmark/serving/frontier.py", argv, model),
         "pool_tokens": args.pool, "doc_tokens": args.doc, "answer_tokens": args.answer_tokens,
         "targets": TARGETS, "by_agents": {},
     }

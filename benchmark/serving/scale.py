@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -52,7 +48,9 @@ from benchmark.serving import host_path  # noqa: E402
 from benchmark.serving.head_to_head import KvSampler  # noqa: E402
 from benchmark.serving.recompute_fidelity import compare, forced, generate  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, shared_tree_stats  # noqa: E402
+from benchmark.serving.server_arms import (  # noqa: E402
+    ArmServer, run_header, shared_tree_stats,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PERSONAS = ["historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
@@ -187,6 +185,15 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
             "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
 
 
+def turn_record(turn: dict) -> dict:
+    """What a panel result keeps of one streamed turn: its timings and text, and the tokens it
+    borrowed, computed and recomputed."""
+    reuse = of_meta(turn["meta"])
+    return {k: turn[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens", "text")} | {
+        "borrowed": reuse.get("borrowed", 0), "computed": computed_tokens(turn["meta"]),
+        "recomputed": reuse.get("recomputed_borrowed", 0)}
+
+
 def computed_tokens(meta: dict) -> int:
     """Prompt tokens a turn computed (prefill: the prompt less what the cache served it;
     recomputed borrowed tokens count as computed)."""
@@ -245,8 +252,6 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
     shared = max(t["prompt_len"] for t in turns) - min(head_lens) - 3
     live = max(sum(3 + t["tokens"] for t in turns if t["round"] == r) for r in (1, 2))
     ideal = sum(head_lens) + shared + live
-    borrowed = {(t["round"], t["agent"]): of_meta(t["meta"]).get("borrowed", 0) for t in turns}
-    computed = {(t["round"], t["agent"]): computed_tokens(t["meta"]) for t in turns}
     say(f"panel {arm}: makespan {makespan:.1f} s, peak KV {peak} tokens (one-copy ideal "
         f"{ideal}), first document round TTFT median "
         f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
@@ -254,11 +259,7 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
             "flags": flags or [], "fidelity": fidelity,
             "delta_tokens": stats.get("delta_tokens"), "delta_bytes": stats.get("delta_bytes"),
             "leaf_bytes_by_agent": stats.get("leaf_bytes_by_agent"),
-            "turns": [{k: t[k] for k in ("round", "agent", "prompt_len", "ttft", "tokens", "text")}
-                      | {"borrowed": borrowed[(t["round"], t["agent"])],
-                         "computed": computed[(t["round"], t["agent"])],
-                         "recomputed": of_meta(t["meta"]).get("recomputed_borrowed", 0)}
-                      for t in turns],
+            "turns": [turn_record(t) for t in turns],
             "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
 
 
@@ -331,12 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = model.tokenizer()
     t_start = time.monotonic()
     result: dict = {
-        "command": shlex.join(["python", "benchmark/serving/scale.py",
-                               *(sys.argv[1:] if argv is None else argv)]),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
+        **run_header("benchmark/serving/scale.py", argv, model),
         "pool_tokens": args.pool,
     }
     parts = {"host", "decode"} if args.quick else set(args.parts.split(","))

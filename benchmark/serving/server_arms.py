@@ -13,6 +13,11 @@ group, output to a log file) on a port in 31000–31999.
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -60,3 +65,16 @@ def shared_tree_stats(url: str) -> dict:
     """The shared tree's sizes in ``kvcmas_state`` (shared and delta tokens, leaf bytes by
     agent, ...); empty for the stock cache or with sharing off."""
     return kvcmas_state(url).get("shared_tree") or {}
+
+
+def run_header(script: str, argv: list[str] | None, model) -> dict:
+    """A benchmark result's first fields: its command (``argv``, or this process's when None),
+    the repository's commit, the machine and the model (a ``benchmark.model_arg`` model)."""
+    root = Path(__file__).resolve().parents[2]
+    return {
+        "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+        "commit": subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
+    }

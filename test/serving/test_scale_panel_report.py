@@ -82,3 +82,16 @@ def test_leaf_bytes_come_from_the_shared_tree_entry_of_server_info(monkeypatch):
     assert leaf_bytes_per_agent(None) == []
     info["internal_states"] = [{"kvcmas": {"tree_cache_class": "stock"}}]
     assert server_arms.shared_tree_stats("http://x") == {}
+
+
+def test_a_turn_record_keeps_what_it_borrowed_computed_and_recomputed():
+    from benchmark.serving.scale import turn_record
+
+    meta = {"prompt_tokens": 10, "cached_tokens": 7, "kvcmas_reuse": [
+        {"reused_exact": 2, "reused_repositioned": 5, "recomputed": 3,
+         "recomputed_borrowed": 1}]}
+    turn = {"round": 1, "agent": 2, "prompt_len": 10, "ttft": 0.5, "tokens": 3, "text": "a",
+            "start": 0.0, "meta": meta}
+    assert turn_record(turn) == {"round": 1, "agent": 2, "prompt_len": 10, "ttft": 0.5,
+                                 "tokens": 3, "text": "a", "borrowed": 5, "computed": 3,
+                                 "recomputed": 1}
