@@ -41,6 +41,9 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     # shared-context serving path (shared_*.py, delta_attention_backend.py, reuse_accounting.py)
     ("sglang.srt.entrypoints.openai.protocol", "PromptTokensDetails"): ("cached_tokens",),
     ("sglang.srt.layers.attention.attention_registry", "ATTENTION_BACKENDS"): None,
+    # sharing over SGLang's own backends: the resolved attention backends (tree_cache_factory.py)
+    ("sglang.srt.arg_groups.model_override_base", "resolved_view"): ("server_args",),
+    ("sglang.srt.arg_groups.model_override_base", "attention_backends_of"): ("cfg",),
     ("sglang.srt.layers.attention.attention_registry", "register_attention_backend"): ("name",),
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
         "model_runner",),

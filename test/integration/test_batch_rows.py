@@ -6,8 +6,16 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
-from sglang_kvcmas.integration.batch_rows import attach_rows, rows_of_forward
+import torch
+
+from sglang_kvcmas.attention.spans import (
+    BatchRow,
+    HeadMassProbe,
+    KeyShifts,
+    RowSpans,
+    SharedSpan,
+)
+from sglang_kvcmas.integration.batch_rows import attach_rows, reads_delta, rows_of_forward
 
 
 @dataclasses.dataclass
@@ -41,3 +49,15 @@ def test_rows_survive_the_runner_copy_and_never_leak_into_a_later_batch():
     second = attach_rows(FakeForwardBatch(1, ["a"]), FakeForwardBatch, SimpleNamespace(reqs=[a]),
                          "runner")
     assert rows_of_forward(second) is None and rows_of_forward(copied) is not None
+
+
+def test_which_batches_take_the_delta_read_path():
+    shifted = BatchRow(RowSpans.of_reads("b", (SharedSpan(2, 3, 1),)))
+    masked = BatchRow(RowSpans("c", KeyShifts.none(), positions=torch.arange(4)))
+    probed = BatchRow(probe=HeadMassProbe.for_row(0, 2, 8))
+    for decode in (False, True):
+        assert not reads_delta(None, decode) and not reads_delta((None, None), decode)
+        assert reads_delta((None, shifted), decode)
+    # A position mask or a head-mass probe matters in extend only.
+    assert reads_delta((masked,), False) and not reads_delta((masked,), True)
+    assert reads_delta((probed, None), False) and not reads_delta((probed, None), True)

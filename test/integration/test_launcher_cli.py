@@ -181,3 +181,25 @@ def test_the_forecast_artifact_follows_the_served_model(tmp_path):
     mine = tmp_path / "mine.json"
     mine.write_text(sf.ARTIFACT.read_text())
     assert forecast_artifact(options(None, str(mine))) == mine.resolve()
+
+
+def test_sharing_on_a_gpu_takes_sglangs_own_backend(monkeypatch):
+    """On GPU the default is SGLang's FlashInfer backend (Triton without it), which serves
+    sharing as a dispatcher; a backend that cannot read borrowed KV fails before boot."""
+    import importlib.util
+
+    from sglang_kvcmas.server import options
+
+    gpu = parse_launcher_args(["--kvcmas-share-context", "--device", "cuda"])
+    real = importlib.util.find_spec
+    for installed, expected in ((True, "flashinfer"), (False, "triton")):
+        monkeypatch.setattr(options.importlib.util, "find_spec", lambda name, *a: (
+            (object() if installed else None) if name == "flashinfer" else real(name, *a)))
+        assert _value(build_sglang_argv(gpu, "/models/m", set()), "--attention-backend") == (
+            expected)
+    for ok in ("triton", "flashinfer", "torch_native", "kvcmas_delta"):
+        parse_launcher_args(["--kvcmas-share-context", "--attention-backend", ok])
+    for flag in ("--attention-backend", "--decode-attention-backend"):
+        with pytest.raises(SystemExit, match=f"got {flag} fa3"):
+            parse_launcher_args(["--kvcmas-share-context", flag, "fa3"])
+    parse_launcher_args(["--attention-backend", "fa3"])  # sharing off: SGLang's business

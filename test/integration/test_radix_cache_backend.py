@@ -122,14 +122,20 @@ def test_factory_rejects_unsupported_features_clearly(feature):
         build_shared_tree_cache(_ctx(**{feature: True}))
 
 
-def test_sharing_needs_the_delta_attention_backend(monkeypatch):
+def test_sharing_needs_an_attention_backend_that_reads_borrowed_kv(monkeypatch):
     monkeypatch.setenv("KVCMAS_SHARE_CONTEXT", "1")
-    args = SimpleNamespace(attention_backend="torch_native", prefill_attention_backend=None,
+    args = SimpleNamespace(attention_backend="fa3", prefill_attention_backend=None,
                            decode_attention_backend=None, tokenizer_path=None, model_path=None)
-    with pytest.raises(ValueError, match="only the 'kvcmas_delta' attention backend"):
+    with pytest.raises(ValueError, match=r"attention backends \['flashinfer', 'kvcmas_delta', "
+                                         r"'torch_native', 'triton'\] do; got \['fa3'\]"):
         build_shared_tree_cache(_ctx(server_args=args))
-    args.attention_backend = "kvcmas_delta"
-    assert build_shared_tree_cache(_ctx(server_args=args)).share_context
+    args.attention_backend, args.decode_attention_backend = "triton", "fa3"  # split: both count
+    with pytest.raises(ValueError, match="got \\['fa3', 'triton'\\]"):
+        build_shared_tree_cache(_ctx(server_args=args))
+    args.decode_attention_backend = None
+    for name in ("kvcmas_delta", "torch_native", "triton", "flashinfer"):
+        args.attention_backend = name
+        assert build_shared_tree_cache(_ctx(server_args=args)).share_context
     paged = CacheInitParams(disable=False, req_to_token_pool=None,
                             token_to_kv_pool_allocator=None, page_size=16)
     with pytest.raises(ValueError, match="--page-size 1"):

@@ -337,3 +337,35 @@ def test_readers_released_together_each_recompute_whole(chunked_server):
     assert "Scheduler hit an exception" not in text
     assert "waits for a batch that holds its extend whole" in text, "no reader was cut: untested"
     assert chat(server, SB, T1 + " Be brief.")["usage"]["prompt_tokens"] > 0  # still serving
+
+
+def test_sglangs_own_backend_as_dispatcher_reads_borrowed_kv_the_same(server, tmp_path):
+    """With sharing on, SGLang's ``torch_native`` backend becomes a dispatcher (what ``triton``
+    and ``flashinfer`` become on GPU): batches that read borrowed KV take the delta read path,
+    the others its own. A reader's extend and decode then give the same tokens and logprobs as
+    under ``kvcmas_delta``."""
+    from benchmark.serving.server_arms import ArmServer
+
+    tok = tokenizer()
+
+    def run(url):
+        def gen(system, user, n=8):
+            return post(url + "/generate", {
+                "input_ids": chat_ids(tok, system, user), "cache_salt": "dispatch",
+                "return_logprob": True, "top_logprobs_num": 4,  # output side: keeps the match
+                "sampling_params": {"temperature": 0, "max_new_tokens": n}})["meta_info"]
+
+        gen(SA, T1, 1)
+        gen(SB, T1, 1)
+        gen(SA, T2, 1)
+        reader = gen(SB, T2)
+        reuse = reader["kvcmas_reuse"][0]
+        assert reuse["reused_repositioned"] > 40 and reuse["recomputed_borrowed"] > 0, reuse
+        return reader["output_token_logprobs"], reader["output_top_logprobs"], reuse
+
+    delta = run(server.url)
+    with ArmServer("kvcmas", tmp_path / "dispatch.log",
+                   extra_args=["--attention-backend", "torch_native"]) as dispatch:
+        assert run(dispatch.url) == delta
+        log = (tmp_path / "dispatch.log").read_text(errors="replace")
+    assert "attention backend 'torch_native' (TorchNativeAttnBackend) with sharing" in log

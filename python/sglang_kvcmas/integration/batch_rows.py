@@ -54,3 +54,29 @@ def rows_of_forward(forward_batch: Any) -> tuple[BatchRow | None, ...] | None:
     """The rows a forward batch carries, or None (no row needs anything)."""
     rids = getattr(forward_batch, "rids", None)
     return rids.rows if isinstance(rids, TaggedRids) else None
+
+
+def reads_delta(rows: tuple[BatchRow | None, ...] | None, decode: bool) -> bool:
+    """Whether a forward batch with these rows must take the delta read path.
+
+    Extend: any row with borrowed spans (re-positioned keys, recomputed tokens at their true
+    positions, a correction) or a head-mass probe. Decode: any row whose keys are read
+    re-positioned or corrected (a probe or a position mask changes nothing in decode).
+    """
+    for entry in rows or ():
+        if entry is None:
+            continue
+        spans = entry.spans
+        if decode:
+            if spans is not None and (spans.reads_transformed or spans.correction is not None):
+                return True
+        elif spans is not None or entry.probe is not None:
+            return True
+    return False
+
+
+def forward_reads_delta(forward_batch: Any) -> bool:
+    """:func:`reads_delta` for a forward batch (decode by its forward mode)."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    decode = bool(mode is not None and mode.is_decode())
+    return reads_delta(rows_of_forward(forward_batch), decode)

@@ -37,8 +37,9 @@ its recomputed tokens give (their exact K/V just written, the owner's K/V re-pos
 (shift, corrected) (``corrected_reads.corrected_grouped_decode``). A row or layer without
 factors (none, or rank 0) takes the path above unchanged, bit for bit.
 
-GPU: not served yet (CPU serving only); the lab's kernels (``sglang_kvcmas_lab.attention``) read the
-same span layout.
+GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
+batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
+the lab's kernels (``sglang_kvcmas_lab.attention``) read the same span layout.
 """
 
 from __future__ import annotations

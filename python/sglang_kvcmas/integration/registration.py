@@ -7,7 +7,9 @@ registers — no model load, no device initialisation, no environment changes:
 - radix cache backend ``kvcmas`` -> :class:`KvcmasSharedTreeCache` (with cross-agent sharing off,
   the default, it behaves exactly like SGLang's ``RadixCache``);
 - attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning and recomputed
-  tokens), also added to ``--attention-backend``'s choices;
+  tokens), also added to ``--attention-backend``'s choices; SGLang's ``triton``, ``flashinfer``
+  and ``torch_native`` factories wrapped so that, with sharing on, batches that read borrowed KV
+  take the delta read path (``shared_backends``), and the graph runners run such batches eagerly;
 - scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``), whole
   reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``), each
   row's span metadata carried with its forward batch (AFTER ``ForwardBatch.init_new``) and the
@@ -52,6 +54,11 @@ from sglang_kvcmas.integration.server_state import (
     INTERNAL_STATE_TARGET,
     add_tree_cache_to_internal_state,
 )
+from sglang_kvcmas.integration.shared_backends import (
+    GRAPH_GATE_TARGETS,
+    graph_gate,
+    wrap_registry,
+)
 from sglang_kvcmas.integration.tree_cache_factory import build_shared_tree_cache
 
 USAGE_TARGET = (
@@ -84,11 +91,13 @@ def register_cache_backend() -> None:
 
 
 def register_attention_backend_once() -> None:
-    """Register attention backend ``kvcmas_delta`` and make it a valid ``--attention-backend``."""
+    """Register attention backend ``kvcmas_delta`` and make it a valid ``--attention-backend``;
+    wrap SGLang's factories that serve sharing (``shared_backends.SHARED_BACKENDS``)."""
     if ATTENTION_BACKENDS.get(ATTN_NAME) is not create_delta_backend:
         register_attention_backend(ATTN_NAME)(create_delta_backend)
     if ATTN_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([ATTN_NAME])
+    wrap_registry(ATTENTION_BACKENDS)
 
 
 def register_all() -> None:
@@ -100,6 +109,8 @@ def register_all() -> None:
     _register_hook(turn_order_hook.TARGET, turn_order_hook.turn_order_around, HookType.AROUND)
     _register_hook(admission_hook.TARGET, admission_hook.admission_around, HookType.AROUND)
     _register_hook(batch_rows.TARGET, batch_rows.attach_rows, HookType.AFTER)
+    for target in GRAPH_GATE_TARGETS:
+        _register_hook(target, graph_gate, HookType.AFTER)
     _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
     _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
     _register_hook(lora_hooks.TARGET, lora_hooks.load_around, HookType.AROUND)

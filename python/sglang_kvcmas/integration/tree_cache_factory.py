@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang.srt.arg_groups.model_override_base import attention_backends_of, resolved_view
+
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration.chat_template_markers import markers_for_server
 from sglang_kvcmas.integration.delta_attention_backend import BACKEND_NAME as DELTA_BACKEND_NAME
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
+from sglang_kvcmas.integration.shared_backends import SHARED_BACKENDS
 from sglang_kvcmas.integration.shared_tree_cache import KvcmasSharedTreeCache
 
 if TYPE_CHECKING:
@@ -53,14 +56,16 @@ def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache
     args = getattr(ctx, "server_args", None)
     if share:
         if ctx.params.page_size != 1:
-            raise ValueError("--kvcmas-share-context needs --page-size 1")
-        backends = {getattr(args, f, None) for f in ("attention_backend",
-                                                     "prefill_attention_backend",
-                                                     "decode_attention_backend")} - {None}
-        if args is not None and backends != {DELTA_BACKEND_NAME}:
             raise ValueError(
-                f"--kvcmas-share-context reads other agents' KV re-positioned, which only the "
-                f"{DELTA_BACKEND_NAME!r} attention backend does; got {sorted(backends)}"
+                f"--kvcmas-share-context needs --page-size 1 (got {ctx.params.page_size}): the "
+                "shared tree and the delta read path address borrowed KV token by token"
+            )
+        backends = set(attention_backends_of(resolved_view(args))) if args is not None else set()
+        served = {DELTA_BACKEND_NAME, *SHARED_BACKENDS}
+        if args is not None and not backends <= served:
+            raise ValueError(
+                f"--kvcmas-share-context reads other agents' KV re-positioned, which the "
+                f"attention backends {sorted(served)} do; got {sorted(map(str, backends))}"
             )
     markers = markers_for_server(args)
     chunk = getattr(args, "chunked_prefill_size", None)

@@ -24,7 +24,35 @@ from sglang_kvcmas.server.memory import (
 
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
 SHARED_ATTENTION_BACKEND = "kvcmas_delta"
-"""The attention backend that reads borrowed KV re-positioned (needed with sharing on)."""
+"""The attention backend that reads borrowed KV re-positioned on CPU (sharing on)."""
+SHARED_GPU_BACKENDS = ("flashinfer", "triton")
+"""SGLang's GPU attention backends that serve sharing (``integration/shared_backends.py``),
+preferred first; ``torch_native`` and ours serve it too (on CPU)."""
+
+
+def shared_attention_backend(on_cpu: bool) -> str:
+    """Our default ``--attention-backend`` with sharing on: ours on CPU; on GPU FlashInfer when
+    it is installed, else Triton."""
+    if on_cpu:
+        return SHARED_ATTENTION_BACKEND
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+
+
+def check_shared_attention_backend(argv: list[str] | tuple[str, ...]) -> None:
+    """With sharing on, every attention backend the user named must read borrowed KV.
+
+    Raises:
+        SystemExit: naming the flag, its value and the backends that serve sharing.
+    """
+    served = (SHARED_ATTENTION_BACKEND, "torch_native", *SHARED_GPU_BACKENDS)
+    for flag in ("--attention-backend", "--prefill-attention-backend",
+                 "--decode-attention-backend"):
+        value = _peek(argv, flag)
+        if value is not None and value not in served:
+            raise SystemExit(
+                f"{PROG}: error: --kvcmas-share-context reads other agents' KV re-positioned, "
+                f"which the attention backends {', '.join(served)} do; got {flag} {value}"
+            )
 PROG = "sglang-kvcmas-server"
 CPU_MAX_TOTAL_TOKENS = 16384
 """Our CPU default KV pool (tokens): without a bound SGLang sizes it from host RAM."""
@@ -151,6 +179,8 @@ def parse_launcher_args(argv: list[str]) -> LauncherOptions:
     if config.share_context and config.stock_cache:
         raise SystemExit(f"{PROG}: error: --kvcmas-share-context needs our tree cache; drop "
                          "--kvcmas-stock-cache")
+    if config.share_context:
+        check_shared_attention_backend(rest)
     return LauncherOptions(model=model, config=config, sglang_argv=tuple(rest),
                            device=_device_of(rest))
 
@@ -168,8 +198,10 @@ def default_flags(
         DefaultFlag("device", ("--device", "cpu"), cpu_only=True),
         # fp16 (SGLang's CPU default cast) decodes far slower than fp32 on CPUs.
         DefaultFlag("dtype", ("--dtype", "float32"), cpu_only=True),
-        # Sharing needs the backend that re-positions borrowed KV (it wraps torch_native).
-        DefaultFlag("attention_backend", ("--attention-backend", SHARED_ATTENTION_BACKEND))
+        # Sharing needs a backend that re-positions borrowed KV: ours over torch_native on CPU,
+        # SGLang's own GPU backends (made dispatchers with sharing on) elsewhere.
+        DefaultFlag("attention_backend", ("--attention-backend", shared_attention_backend(
+            options.on_cpu)))
         if options.share_context
         else DefaultFlag("attention_backend", ("--attention-backend", "torch_native"),
                          cpu_only=True),
