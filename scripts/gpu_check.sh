@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the delta-attention kernels. On a machine with a CUDA GPU:
-#   1. installs the GPU extras if missing (KVCMAS_GPU=1 scripts/install.sh),
-#   2. runs every kernel test on CUDA (test/lab/kernels: Triton kernels vs. the torch reference in fp32
-#      and bf16, the extended grid, the FlashInfer variant, which JIT-compiles on first use),
-#   3. runs the GPU micro-benchmark (delta attention vs. plain FlashInfer over base KV vs.
-#      materializing per-agent KV first),
-# and writes everything as JSONL (+ logs, a PNG) into the folder given as $1, else $OUT, else
+# One-shot GPU check of the delta read path. On a machine with a CUDA GPU:
+#   1. runs every kernel test on CUDA (test/lab/kernels: Triton kernels vs. the torch reference in
+#      fp32 and bf16, the extended grid, the FlashInfer variant where FlashInfer is installed) and
+#      the sharing dispatch tests (SGLang's Triton backend as dispatcher, where SGLang is installed),
+#   2. runs the GPU micro-benchmark (delta attention vs. plain attention vs. materializing, over
+#      context 1k-32k, ranks 4/8/16, head_dim 64/128, GQA 4:1 and 1:1),
+# and writes everything as JSONL (+ logs, a PNG) into the folder given, else $OUT, else
 # results/gpu_check. Each step has its own time limit so a hang loses only that step.
 #
-#   scripts/gpu_check.sh [OUT_DIR]          # about 6-8 minutes on an H200 with a warm pip cache
+#   scripts/gpu_check.sh [OUT_DIR]            # the kernel check (about 6 minutes on an H200)
+#   scripts/gpu_check.sh --dry-run [OUT_DIR]  # print what it would run (any machine)
+#   scripts/gpu_check.sh --server [OUT_DIR]   # a user's CUDA machine with network: install the
+#                                             # GPU extras, then the quick head-to-head on GPU
 #
-# Env: VENV (default .venv), KVCMAS_GPU_CHECK_QUICK=0 for the full benchmark grid,
-# FLASHINFER_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS (default: nproc) for FlashInfer's JIT.
+# Python: $VENV (default .venv) when its torch sees CUDA, else the python3 on PATH (a machine with
+# PyTorch and Triton preinstalled and no network: nothing is installed; the packages are read from
+# python/ via PYTHONPATH; pytest from $KVCMAS_WHEELS if it is missing). Never installs on a CPU
+# machine. Env: KVCMAS_GPU_CHECK_QUICK=0 for the full benchmark grid, FLASHINFER_CUDA_ARCH_LIST
+# (default: this GPU's), MAX_JOBS (default: nproc) for FlashInfer's JIT.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODE=check
+case "${1:-}" in
+  --dry-run) MODE=dry; shift ;;
+  --server) MODE=server; shift ;;
+  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+esac
 OUT_DIR="$(mkdir -p "${1:-${OUT:-$ROOT/results/gpu_check}}" && cd "${1:-${OUT:-$ROOT/results/gpu_check}}" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-PY="$VENV/bin/python"
 SUMMARY="$OUT_DIR/gpu_check_summary.jsonl"
-: > "$SUMMARY"
+[[ $MODE == dry ]] || : > "$SUMMARY"
 cd "$ROOT"
 log() { printf '[gpu_check] %s\n' "$*" | tee -a "$OUT_DIR/gpu_check.log" >&2; }
 
 # step NAME LIMIT_S CMD...: run, log to OUT_DIR/NAME.log, append {"step", "rc", "seconds"}.
 step() {
   local name="$1" limit="$2"; shift 2
+  if [[ $MODE == dry ]]; then
+    printf 'would run %s (limit %ss): %s\n' "$name" "$limit" "$*"; return 0
+  fi
   local t0=$SECONDS rc
   log "$name (limit ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
@@ -35,27 +49,63 @@ step() {
   return $rc
 }
 
-# No GPU, no install: never touch the venv on a CPU machine.
-if ! nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1; then
-  log "nvidia-smi failed: no GPU here"; exit 2
+cuda_python() { "$1" -c "import torch, triton; assert torch.cuda.is_available()" 2>/dev/null; }
+
+if [[ $MODE == server ]]; then
+  # A user's CUDA machine with network: the GPU extras, then our server against radix on GPU.
+  nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || { log "nvidia-smi failed: no GPU here"; exit 2; }
+  step install 1200 env KVCMAS_GPU=1 VENV="$VENV" bash scripts/install.sh || exit 1
+  export KVCMAS_BENCH_SERVER_ARGS="${KVCMAS_BENCH_SERVER_ARGS:---device cuda --dtype bfloat16 --mem-fraction-static 0.8}"
+  step head_to_head 3600 "$VENV/bin/python" benchmark/serving/head_to_head.py --quick --sequential \
+    --arms radix,kvcmas --out "$OUT_DIR"
+  exit $?
 fi
-if ! "$PY" -c "import torch, flashinfer, triton; assert torch.cuda.is_available()" 2>/dev/null; then
-  step install 900 env KVCMAS_GPU=1 VENV="$VENV" bash scripts/install.sh || exit 1
+
+# The python that runs the check: the venv's if it sees CUDA, else the machine's own.
+PY="$VENV/bin/python"
+if [[ $MODE == dry ]]; then
+  cuda_python "$PY" || PY="$(command -v python3 || echo python3)"
+  printf 'python: %s (CUDA: %s)\n' "$PY" "$(cuda_python "$PY" && echo yes || echo no)"
+else
+  if ! nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1; then
+    log "nvidia-smi failed: no GPU here"; exit 2
+  fi
+  cuda_python "$PY" || PY="$(command -v python3)"
+  cuda_python "$PY" || { log "no python here imports torch and triton with CUDA"; exit 1; }
 fi
-if ! "$PY" -c "import torch; assert torch.cuda.is_available()"; then
-  log "no CUDA device visible to torch"; exit 1
+export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  # No network on a lent GPU machine: pytest from wheels carried with the tree, if any.
+  deps="$OUT_DIR/.pydeps"
+  if [[ -d "${KVCMAS_WHEELS:-$ROOT/.gpu_wheels}" && $MODE != dry ]]; then
+    "$PY" -m pip install -q --no-index --find-links "${KVCMAS_WHEELS:-$ROOT/.gpu_wheels}" \
+      --target "$deps" pytest && export PYTHONPATH="$PYTHONPATH:$deps"
+  fi
+  [[ $MODE == dry ]] && echo "pytest: missing (would install from ${KVCMAS_WHEELS:-$ROOT/.gpu_wheels})"
+elif [[ $MODE == dry ]]; then
+  echo "pytest: present"
 fi
+HAVE_FI=0; "$PY" -c "import flashinfer" 2>/dev/null && HAVE_FI=1
+HAVE_SGLANG=0; "$PY" -c "import sglang.srt" 2>/dev/null && HAVE_SGLANG=1
 
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-${TMPDIR:-/tmp}/kvcmas-flashinfer}"
-export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-$("$PY" -c \
-  'import torch; a, b = torch.cuda.get_device_capability(); print(f"{a}.{b}" + ("a" if a >= 9 else ""))')}"
+if [[ $MODE != dry ]]; then
+  export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-$("$PY" -c \
+    'import torch; a, b = torch.cuda.get_device_capability(); print(f"{a}.{b}" + ("a" if a >= 9 else ""))')}"
+  log "GPU: $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'), arch $FLASHINFER_CUDA_ARCH_LIST, flashinfer=$HAVE_FI sglang=$HAVE_SGLANG"
+else
+  echo "flashinfer: $HAVE_FI, sglang: $HAVE_SGLANG"
+fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export KVCMAS_KERNEL_TESTS_FULL=1
-log "GPU: $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'), arch $FLASHINFER_CUDA_ARCH_LIST"
 
 # Kernel tests on CUDA (no interpreter: conftest only sets TRITON_INTERPRET without a GPU).
-step kernel_tests 420 "$PY" -m pytest test/lab/kernels -q -rA -p no:cacheprovider \
+tests=(test/lab/kernels)
+[[ $HAVE_SGLANG == 1 ]] && tests+=(test/integration/test_shared_triton_backend.py
+                                  test/integration/test_shared_backends.py)
+step kernel_tests 420 "$PY" -m pytest "${tests[@]}" -q -rA -p no:cacheprovider \
   --junitxml="$OUT_DIR/kernel_tests.xml"
+[[ $MODE == dry ]] || 
 "$PY" - "$OUT_DIR/kernel_tests.xml" "$OUT_DIR/kernel_tests.jsonl" <<'PY' || log "no junit xml"
 import json, sys, xml.etree.ElementTree as ET
 cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
@@ -72,5 +122,6 @@ quick=(); [[ "${KVCMAS_GPU_CHECK_QUICK:-1}" == 1 ]] && quick=(--quick)
 step benchmark 420 "$PY" benchmark/kernels/delta_attention_gpu_bench.py --out "$OUT_DIR" \
   --with-variant "${quick[@]}"
 
+[[ $MODE == dry ]] && exit 0
 log "results in $OUT_DIR:"; ls -la "$OUT_DIR" >&2
 ! grep -q '"rc": [1-9]' "$SUMMARY"

@@ -4,9 +4,12 @@ Methods, timed side by side on the same batch (several reader agents sharing one
 
   flashinfer_plain       FlashInfer FA2 paged attention over the base KV as stored (no deltas):
                          the denominator of the target "rank-8 deltas cost <= 1.3x plain".
-  triton_plain           our Triton kernel with the spans removed (same kernel, no delta work).
+  triton_plain           our Triton kernel with the spans removed (same kernel, no delta work);
+                         the denominator where FlashInfer is not installed (a GPU machine
+                         without network gets no FlashInfer wheel).
   triton_delta           our Triton kernel reading base KV + rank-r K/V deltas + RoPE shift.
-  materialize_flashinfer per-agent K/V written out first (torch), then FlashInfer plain over it.
+  materialize_flashinfer per-agent K/V written out first (torch), then FlashInfer plain over it
+                         (``materialize_triton``: then our plain kernel, without FlashInfer).
   flashinfer_delta_key   our FlashInfer variant (key deltas only; see flashinfer_delta.py), decode
                          only, if --with-variant (first use JIT-compiles it: minutes).
 
@@ -19,6 +22,7 @@ medians of ``triton.testing.do_bench`` (CUDA events, warmed up, L2 flushed betwe
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -32,8 +36,9 @@ from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas_lab.attention.triton_delta import delta_decode_triton, delta_extend_triton
 
-H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention
+H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention (the grid varies H_KV and D)
 DTYPE = torch.bfloat16
+HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
 def build(num_agents: int, seq_len: int, num_queries: int, rank: int, seed: int = 0):
@@ -96,6 +101,7 @@ def bench(fn) -> float:
 
 
 def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> dict:
+    """Times of every method on one configuration (``H_KV`` and ``D`` as set by ``main``)."""
     q, kb, vb, reqs, facs = build(num_agents, seq_len, num_queries, rank)
     inv = rope_inv_freq(D, 5e5).cuda()
     plan = plan_delta_batch(reqs, 64, "cuda")
@@ -104,27 +110,37 @@ def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> 
     plain_plan = plan_delta_batch(plain_reqs, 64, "cuda")
     plain_packed = pack_delta_factors(plain_plan, None, H_KV, D, torch.float32, "cuda")
     kernel = delta_decode_triton if num_queries == 1 else delta_extend_triton
-    fi_plain = flashinfer_plain(workspace, reqs, num_queries)
     # Materialized readers: each agent's K/V written to its own slots, then plain attention.
     mat_reqs, off = [], 0
     for r in reqs:
         mat_reqs.append(DeltaRequest(torch.arange(off, off + r.seq_len), r.num_queries))
         off += r.seq_len
-    fi_mat = flashinfer_plain(workspace, mat_reqs, num_queries)
+    if HAVE_FLASHINFER:
+        fi_plain = flashinfer_plain(workspace, reqs, num_queries)
+        fi_mat = flashinfer_plain(workspace, mat_reqs, num_queries)
+    else:
+        mat_plan = plan_delta_batch(mat_reqs, 64, "cuda")
+        mat_packed = pack_delta_factors(mat_plan, None, H_KV, D, torch.float32, "cuda")
+
+        def fi_mat(q, k, v):
+            return kernel(q, k, v, mat_plan, mat_packed, inv)
 
     def materialize_then_attend():
         ks, vs = zip(*(reader_kv(kb, vb, r, f, inv) for r, f in zip(reqs, facs)))
         return fi_mat(q, torch.cat(ks).to(DTYPE), torch.cat(vs).to(DTYPE))
 
     times = {
-        "flashinfer_plain": bench(lambda: fi_plain(q, kb, vb)),
         "triton_plain": bench(lambda: kernel(q, kb, vb, plain_plan, plain_packed, inv)),
         "triton_delta": bench(lambda: kernel(q, kb, vb, plan, packed, inv)),
-        "materialize_flashinfer": bench(materialize_then_attend),
     }
+    if HAVE_FLASHINFER:
+        times["flashinfer_plain"] = bench(lambda: fi_plain(q, kb, vb))
+        times["materialize_flashinfer"] = bench(materialize_then_attend)
+    else:
+        times["materialize_triton"] = bench(materialize_then_attend)
     # NOTE: the variant does O(head_dim·r) CUDA-core work per (query head, key) pair; extend
     # shapes here would take seconds per call, so it is timed on decode only.
-    if with_variant and num_queries == 1:
+    if with_variant and num_queries == 1 and HAVE_FLASHINFER:
         from sglang_kvcmas_lab.attention.flashinfer_delta import DeltaFlashInferWrapper
 
         w = DeltaFlashInferWrapper(workspace, DTYPE, D)
@@ -132,10 +148,11 @@ def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> 
         times["flashinfer_delta_key"] = bench(lambda: w.run(q, kb, vb, packed.k_u, packed.k_c, inv))
     # The same read two ways must agree (bf16 output): a cheap guard on the numbers above.
     diff = (kernel(q, kb, vb, plan, packed, inv).float() - materialize_then_attend().float()).abs()
-    base = times["flashinfer_plain"]
+    baseline = "flashinfer_plain" if HAVE_FLASHINFER else "triton_plain"
     return {
         "ms": times,
-        "ratio_vs_flashinfer_plain": {k: v / base for k, v in times.items()},
+        "baseline": baseline,
+        "ratio_vs_plain": {k: v / times[baseline] for k, v in times.items()},
         "delta_over_triton_plain": times["triton_delta"] / times["triton_plain"],
         "max_abs_diff_triton_vs_materialized": float(diff.max()),
     }
@@ -161,13 +178,16 @@ def main() -> None:
         "torch": torch.version.cuda,
         "triton": triton.__version__,
     }
-    lengths = (2048, 8192) if args.quick else (2048, 8192, 32768)
-    grid = [("decode", 8, L, 1, r) for L in lengths for r in (4, 8, 16)]
-    grid += [("extend", 4, L, 256, r) for L in lengths[:2] for r in (4, 8, 16)]
+    global H_KV, D
+    lengths = (1024, 4096, 8192) if args.quick else (1024, 4096, 8192, 32768)
+    shapes = ((8, 128), (8, 64), (32, 128))  # (KV heads of 32 query heads, head_dim)
+    grid = [("decode", 8, L, 1, r, s) for L in lengths for r in (4, 8, 16)
+            for s in (shapes if r == 8 else shapes[:1])]
+    grid += [("extend", 4, L, 256, r, shapes[0]) for L in lengths[:3] for r in (4, 8, 16)]
     records = []
     jsonl = args.out / "delta_attention_gpu.jsonl"
     with jsonl.open("w") as f:
-        for mode, agents, seq_len, nq, rank in grid:
+        for mode, agents, seq_len, nq, rank, (H_KV, D) in grid:
             try:
                 m = measure(agents, seq_len, nq, rank, args.with_variant, workspace)
             except Exception as exc:  # one failing method must not lose the other records
@@ -193,9 +213,9 @@ def main() -> None:
             records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()
-            r = m.get("ratio_vs_flashinfer_plain", {})
+            r = m.get("ratio_vs_plain", {})
             print(
-                f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} "
+                f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} kv={H_KV} d={D} "
                 + " ".join(f"{k}={v:.2f}x" for k, v in r.items())
                 + (m.get("error", "")),
                 flush=True,
@@ -206,7 +226,11 @@ def main() -> None:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU machine: the JSONL is the result
+        print("matplotlib missing: no plot")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,19 +241,20 @@ def plot(records: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        rs = [r for r in ok if r["config"]["mode"] == mode and r["config"]["rank"] == 8]
+        rs = [r for r in ok if r["config"]["mode"] == mode and r["config"]["rank"] == 8
+              and (r["config"]["num_kv_heads"], r["config"]["head_dim"]) == (8, 128)]
         xs = [r["config"]["seq_len"] for r in rs]
-        for method in rs[0]["metrics"]["ratio_vs_flashinfer_plain"] if rs else []:
+        for method in rs[0]["metrics"]["ratio_vs_plain"] if rs else []:
             ax.plot(
                 xs,
-                [r["metrics"]["ratio_vs_flashinfer_plain"][method] for r in rs],
+                [r["metrics"]["ratio_vs_plain"][method] for r in rs],
                 marker="o",
                 label=method,
             )
         ax.axhline(1.3, color="red", lw=0.8, ls="--", label="target 1.3x")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length per agent")
-        ax.set_ylabel("time / FlashInfer plain over base KV")
+        ax.set_ylabel(f"time / {rs[0]['metrics']['baseline'] if rs else 'plain'} over base KV")
         ax.set_title(f"{mode}, rank 8, bf16")
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -21,6 +21,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
 from sglang_kvcmas.server.process import ServerProcess, free_port
 
 COMMON_FLAGS = ["--mem-fraction-static", "0.3"]
@@ -42,10 +43,13 @@ def ArmServer(
     env: dict[str, str] | None = None,
     boot_timeout_s: float = 400.0,
 ) -> ServerProcess:
-    """The server process for one arm; use it as a context manager."""
+    """The server process for one arm; use it as a context manager. ``KVCMAS_BENCH_SERVER_ARGS``
+    (e.g. ``--device cuda``) is appended to every arm's flags."""
     module, flags = ARMS[arm]
+    user = shlex.split(KVCMAS_BENCH_SERVER_ARGS.get())  # last: the user's flags win
     return ServerProcess(
-        args=[*flags, *COMMON_FLAGS, *(extra_args or [])], log_path=log_path, env=dict(env or {}),
+        args=[*flags, *COMMON_FLAGS, *(extra_args or []), *user], log_path=log_path,
+        env=dict(env or {}),
         port=free_port(31000, 32000), boot_timeout_s=boot_timeout_s, module=module,
     )
 

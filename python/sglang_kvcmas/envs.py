@@ -62,4 +62,12 @@ KVCMAS_GPU_CHECK_QUICK = EnvVar(
     "scripts/gpu_check.sh: the quick benchmark grid (0 for the full one).",
 )
 
-ALL = ALL + (KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK)
+KVCMAS_BENCH_SERVER_ARGS = EnvVar(
+    "KVCMAS_BENCH_SERVER_ARGS",
+    "",
+    "Benchmarks: launcher flags every arm's server gets after the benchmark's own (a GPU run: "
+    "'--device cuda --dtype bfloat16 --mem-fraction-static 0.8'; scripts/gpu_check.sh --server).",
+)
+
+ALL = ALL + (KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK,
+             KVCMAS_BENCH_SERVER_ARGS)
