@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas_lab.attention.batch import (  # noqa: E402
+from sglang_kvcmas.attention.delta_batch import (  # noqa: E402
     DeltaRequest,
     LowRankDelta,
     SharedSpan,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest
+from sglang_kvcmas.attention.delta_batch import DeltaRequest
 from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
 from sglang_kvcmas.attention.span_reads import transform_spans

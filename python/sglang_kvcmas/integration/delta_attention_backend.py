@@ -17,7 +17,10 @@ first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model app
 true positions, and the pool keeps their keys so rotated), and extend attention masks by true
 position instead of row order. Decode needs no mask: every cached token precedes the query, and
 it gathers the row's keys grouped by shift and rotates the query once per shift instead of every
-borrowed key (``attention/shifted_query.py``).
+borrowed key (``attention/shifted_query.py``); on GPU, for a model whose rotary the kernel tiles,
+one launch of the delta kernel per layer reads the whole batch, each KV tile rotated by its run's
+shift in registers (``attention/triton_decode.py``; rows with a low-rank correction keep the
+torch path).
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
@@ -39,7 +42,7 @@ factors (none, or rank 0) takes the path above unchanged, bit for bit.
 
 GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
 batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
-the lab's kernels (``sglang_kvcmas_lab.attention``) read the same span layout.
+decode there takes the delta kernel (above), extend the torch path.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ from sglang_kvcmas.attention.lowrank import LayerCorrection
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys, tail_attention
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
+from sglang_kvcmas.attention.triton_decode import (
+    ShiftedDecodePlan,
+    kernel_serves,
+    plan_shifted_decode,
+    shifted_decode,
+)
 from sglang_kvcmas.integration.batch_rows import rows_of_forward
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
 
@@ -74,10 +83,17 @@ PROBE_EVERY, PROBE_PHASE = 4, 2
 class DeltaAttnBackend(TorchNativeAttnBackend):
     """torch_native + shared-span re-positioning and deltas (see module docstring)."""
 
+    decode_kernel = False
+    """Decode re-positioned rows with the delta kernel (set per model and device at start)."""
+
     def __init__(self, model_runner: ModelRunner):
         super().__init__(model_runner)
         # The model's rotary as SGLang built it, or a refusal (UnsupportedRope) before serving.
         self.shift_rope = shift_rope_for_runner(model_runner)
+        # Decode over re-positioned keys: the delta kernel on GPU where it reads the model's
+        # keys exactly, else (CPU, or a layout it does not tile) the query-rotation path.
+        self.decode_kernel = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
+                              and kernel_serves(self.shift_rope))
         self._layer_id = 0
         self._groups: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
         self._batch_rows: tuple[BatchRow | None, ...] | None = None
@@ -231,6 +247,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                 encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
             )
+        if self.decode_kernel and not any(self._layer_correction(r) for r in rows):
+            # One launch for the whole batch: tiles rotated by their run's shift in registers.
+            planned = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
+                                        k_cache.shape[1])
+            output[:] = shifted_decode(query, k_cache, v_cache, planned,
+                                       scaling if scaling is not None else query.shape[-1] ** -0.5)
+            return output
         q_all = query.movedim(0, query.dim() - 2)
         for i in range(seq_lens.shape[0]):
             n_kv = int(seq_lens[i])
@@ -263,6 +286,18 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 ).squeeze(0)
             output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
+
+    def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows,
+                     num_kv_heads: int) -> ShiftedDecodePlan:
+        """The decode kernel's plan of this batch, once per forward (every layer reads it)."""
+        key = ("kernel", num_kv_heads)
+        if key not in self._groups:
+            kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])]
+                  for i in range(req_pool_indices.shape[0])]
+            self._groups[key] = plan_shifted_decode(
+                kv, [r.key_shifts if r is not None else None for r in rows], num_kv_heads,
+                self.shift_rope, req_to_token.device)
+        return self._groups[key]
 
     def _grouped_tokens(self, i: int, n_kv: int, row: RowSpans, req_to_token,
                         req_pool_idx, marked: bool = False) -> tuple[torch.Tensor, tuple]:

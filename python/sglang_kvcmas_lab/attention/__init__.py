@@ -1,20 +1,20 @@
-"""Attention that reads shared-segment KV through per-agent low-rank deltas (lab; not served yet).
+"""Attention that reads shared-segment KV through per-agent low-rank deltas (lab).
 
 Modules (one noun each):
-  ``batch``            frozen descriptions of a batch: requests, delta factors (the span type is
-                       the server's ``sglang_kvcmas.attention.spans.SharedSpan``)
   ``reference``        the torch reference (the oracle); the algebra is its docstring
   ``torch_delta``      the same read planned once per batch (CPU)
-  ``plan``             host-side tiling and factor packing for the kernels
-  ``triton_delta``     Triton extend/decode kernels (imports triton)
   ``flashinfer_delta`` FlashInfer variant wrapper (imports flashinfer lazily, GPU only)
+
+The kernels' batch types (``sglang_kvcmas.attention.delta_batch``), their planning
+(``delta_plan``) and the Triton kernels (``triton_delta``) live in the server package, whose GPU
+decode runs them; they are re-exported here for the lab.
 
 Importing this package needs only torch; the kernel modules are imported by name. RoPE comes from
 the server's one helper, ``sglang_kvcmas.attention.rope``.
 """
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
-from sglang_kvcmas_lab.attention.plan import (
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas.attention.delta_plan import (
     DeltaPlan,
     PackedFactors,
     pack_delta_factors,

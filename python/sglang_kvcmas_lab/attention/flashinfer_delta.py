@@ -8,7 +8,7 @@ low-rank pre-RoPE deviation). Values are read as stored.
 # NOTE: FlashInfer 0.7.2's FA2 kernels expose per-key work only through ``LogitsTransform`` (the
 # declared ``KeyTransform`` hook is never called), so the variant recomputes a span token's logit in
 # CUDA cores at O(head_dim·r) per (query head, key) pair, and no hook can add the value delta
-# ``(P·U_v)·C_vᵀ``. The Triton kernels (:mod:`~sglang_kvcmas_lab.attention.triton_delta`) are the
+# ``(P·U_v)·C_vᵀ``. The Triton kernels (:mod:`~sglang_kvcmas.attention.triton_delta`) are the
 # complete and fast path; this wrapper is the FlashInfer comparison point.
 
 ``flashinfer`` is imported lazily: importing this module needs neither flashinfer nor a GPU.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest
-from sglang_kvcmas_lab.attention.plan import DeltaPlan
+from sglang_kvcmas.attention.delta_batch import DeltaRequest
+from sglang_kvcmas.attention.delta_plan import DeltaPlan
 
 VARIANT_NAME = "KvcmasDeltaKeyAttention"
 VARIANT_SOURCE = (

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, SpanFactors, check_factors
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, SpanFactors, check_factors
 from sglang_kvcmas.attention.rope import apply_rope
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, SpanFactors, check_factors
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, SpanFactors, check_factors
 from sglang_kvcmas.attention.rope import rope_cos_sin, rotate_halves
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 
 
 @dataclass(frozen=True)

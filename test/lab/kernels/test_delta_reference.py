@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from delta_cases import ReqSpec, make_case
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas_lab.attention.reference import (
     delta_attention,
     lora_value_read,

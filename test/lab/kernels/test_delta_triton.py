@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import FULL_GRID
 from delta_cases import ReqSpec, make_case
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, LowRankDelta, SpanFactors
-from sglang_kvcmas_lab.attention.plan import pack_delta_factors, plan_delta_batch
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SpanFactors
+from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch
 from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention
 from sglang_kvcmas.attention.rope import rope_inv_freq
-from sglang_kvcmas_lab.attention.triton_delta import delta_decode_triton, delta_extend_triton
+from sglang_kvcmas.attention.triton_delta import delta_decode_triton, delta_extend_triton
 
 
 def tol(dtype: torch.dtype, device: str) -> dict:

@@ -12,9 +12,9 @@ import importlib.util
 import pytest
 import torch
 from delta_cases import ReqSpec, make_case
-from sglang_kvcmas_lab.attention.batch import SpanFactors
+from sglang_kvcmas.attention.delta_batch import SpanFactors
 from sglang_kvcmas_lab.attention.flashinfer_delta import token_metadata, variant_decl
-from sglang_kvcmas_lab.attention.plan import pack_delta_factors, plan_delta_batch
+from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch
 from sglang_kvcmas_lab.attention.reference import delta_attention
 from sglang_kvcmas.attention.rope import rope_inv_freq
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvcmas_lab.attention.batch import DeltaRequest, SpanFactors, check_factors
+from sglang_kvcmas.attention.delta_batch import DeltaRequest, SpanFactors, check_factors
 
 NO_SPAN = -1
 

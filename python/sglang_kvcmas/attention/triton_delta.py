@@ -1,6 +1,7 @@
 """Triton extend and decode attention that read shared KV through per-agent low-rank deltas.
 
-The math is :mod:`sglang_kvcmas_lab.attention.reference` (the oracle these kernels are tested against).
+The math is the lab's torch reference (``sglang_kvcmas_lab.attention.reference``, the oracle these
+kernels are tested against; the served decode is also tested against ``span_reads.rotate_keys``).
 No per-agent K or V is ever written: each KV tile is read from SGLang's pool and corrected in
 registers before it meets the queries,
 
@@ -13,7 +14,7 @@ the U rows (r values per token instead of d) plus one C per span (cached across 
 One program serves one KV head and all of its GQA query heads, so a corrected tile is reused by
 every query head of the group. Heads are split into halves (neox RoPE pairs dimension i with
 i + d/2), so ``head_dim`` must be a power of two ≥ 32. Tiles come from
-:func:`~sglang_kvcmas_lab.attention.plan.plan_delta_batch`; a tile never crosses a span boundary.
+:func:`~sglang_kvcmas.attention.delta_plan.plan_delta_batch`; a tile never crosses a span boundary.
 
 The ``@triton.jit`` code is in :mod:`.triton_delta_kernels`; this module plans launches.
 Decode splits each request's tiles across ``num_splits`` programs (flash-decoding) and merges their
@@ -30,8 +31,8 @@ import math
 import torch
 import triton
 
-from sglang_kvcmas_lab.attention.plan import DeltaPlan, PackedFactors
-from sglang_kvcmas_lab.attention.triton_delta_kernels import (
+from sglang_kvcmas.attention.delta_plan import DeltaPlan, PackedFactors
+from sglang_kvcmas.attention.triton_delta_kernels import (
     LOG2E,
     _delta_decode_kernel,
     _delta_extend_kernel,
