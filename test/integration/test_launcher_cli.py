@@ -117,6 +117,8 @@ def test_explicit_dests_follow_sglang_aliases():
     assert explicit_dests(["--model", "x", "--dtype=half", "--enable-metrics"]) == {
         "model_path", "dtype", "enable_metrics"}
     assert explicit_dests([]) == set()
+    # A plugin's choice (ours) is SGLang's to check after plugins load, not a parse error here.
+    assert explicit_dests(["--attention-backend", "kvcmas_delta"]) == {"attention_backend"}
 
 
 def test_unknown_model_path_fails_fast_without_booting(tmp_path):

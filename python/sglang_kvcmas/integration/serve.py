@@ -25,6 +25,7 @@ def explicit_dests(argv: list[str]) -> set[str]:
     for action in parser._actions:
         action.default = _UNSET
         action.required = False
+        action.choices = None  # values are SGLang's to check, after plugins add theirs
     known, _ = parser.parse_known_args(argv)
     return {dest for dest, value in vars(known).items() if value is not _UNSET}
 
