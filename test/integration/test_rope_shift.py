@@ -246,3 +246,33 @@ def test_print_max_errors():
     """Runs last in this file: the measured maxima (``pytest -s``)."""
     for name, err in sorted(MAX_ERR.items()):
         print(f"{name:32s} max |ours - SGLang| = {err:.2e}")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_kernel_decode_equals_sglang_keys_at_the_new_positions(name):
+    """The GPU decode path (our delta kernel; Triton's interpreter on CPU) for every variant it
+    serves: neox, full rotary. The others keep the torch path, said by ``kernel_serves``."""
+    from sglang_kvcmas.attention.triton_decode import (
+        kernel_serves,
+        plan_shifted_decode,
+        shifted_decode,
+    )
+
+    module, rope, x, p, d = _case(name, n=29, h=2)
+    if not kernel_serves(rope):
+        assert not rope.neox or rope.rotary_dim < rope.head_dim
+        return
+    d[-1] = 0  # the row's last key is its own new token
+    stored = _sglang_rotate(module, x, p)
+    g = torch.Generator().manual_seed(7)
+    q = _sglang_rotate(module, torch.randn(1, 6, x.shape[-1], generator=g), torch.tensor([4000]))
+    v = torch.randn(x.shape[0], 2, x.shape[-1], generator=g)
+    want = scaled_dot_product_attention(
+        q.movedim(0, 1)[None], _sglang_rotate(module, x, p + d).movedim(0, 1)[None],
+        v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
+    planned = plan_shifted_decode([torch.arange(x.shape[0])], [KeyShifts.of_row(0, d)], 2, rope,
+                                  "cpu")
+    got = shifted_decode(q, stored, v, planned, x.shape[-1] ** -0.5)[0]
+    err = float((got - want).abs().max())
+    MAX_ERR[name + " (kernel decode)"] = err
+    assert err < 2e-3, (name, err)
