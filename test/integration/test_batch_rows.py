@@ -61,3 +61,19 @@ def test_which_batches_take_the_delta_read_path():
     # A position mask or a head-mass probe matters in extend only.
     assert reads_delta((masked,), False) and not reads_delta((masked,), True)
     assert reads_delta((probed, None), False) and not reads_delta((probed, None), True)
+
+
+def test_each_batch_keeps_its_own_cache_through_the_runner_copy():
+    """The backend's per-batch work (slot orders, a kernel plan) lives on the batch, so a batch
+    prepared while another runs (the overlap scheduler) never finds the other's."""
+    from sglang_kvcmas.integration.batch_rows import cache_of_forward
+
+    row = BatchRow(RowSpans.of_reads("a", (SharedSpan(0, 4, 2),)))
+    first, second = (attach_rows(FakeForwardBatch(1, ["a"]), FakeForwardBatch,
+                                 SimpleNamespace(reqs=[_req("a", row)]), "runner")
+                     for _ in range(2))
+    cache_of_forward(first)[(0, 9)] = "first's slots"
+    assert cache_of_forward(dataclasses.replace(first, batch_size=1)) == {(0, 9): "first's slots"}
+    assert cache_of_forward(second) == {}
+    plain = FakeForwardBatch(1, ["a"])
+    assert cache_of_forward(plain) is not cache_of_forward(plain)  # nothing kept without rows

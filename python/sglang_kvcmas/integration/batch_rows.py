@@ -25,9 +25,17 @@ TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
 
 class TaggedRids(list):
-    """``forward_batch.rids`` with the batch's rows attached (``rows[i]`` for ``self[i]``)."""
+    """``forward_batch.rids`` with the batch's rows attached (``rows[i]`` for ``self[i]``), and
+    the attention backend's per-batch cache (slot orders, a kernel plan: what every layer of
+    this batch reads), so nothing computed for one batch is ever found by another."""
 
     rows: tuple[BatchRow | None, ...] = ()
+
+    @property
+    def cache(self) -> dict:
+        if "_cache" not in self.__dict__:
+            self.__dict__["_cache"] = {}
+        return self.__dict__["_cache"]
 
 
 def rows_of(reqs: Any) -> tuple[BatchRow | None, ...] | None:
@@ -54,6 +62,13 @@ def rows_of_forward(forward_batch: Any) -> tuple[BatchRow | None, ...] | None:
     """The rows a forward batch carries, or None (no row needs anything)."""
     rids = getattr(forward_batch, "rids", None)
     return rids.rows if isinstance(rids, TaggedRids) else None
+
+
+def cache_of_forward(forward_batch: Any) -> dict:
+    """The per-batch cache of a forward batch that carries rows (a new empty dict otherwise:
+    such a batch reads nothing cached)."""
+    rids = getattr(forward_batch, "rids", None)
+    return rids.cache if isinstance(rids, TaggedRids) else {}
 
 
 def reads_delta(rows: tuple[BatchRow | None, ...] | None, decode: bool) -> bool:

@@ -69,7 +69,7 @@ from sglang_kvcmas.attention.triton_decode import (
     plan_shifted_decode,
     shifted_decode,
 )
-from sglang_kvcmas.integration.batch_rows import rows_of_forward
+from sglang_kvcmas.integration.batch_rows import cache_of_forward, rows_of_forward
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
 
 if TYPE_CHECKING:
@@ -95,11 +95,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         self.decode_kernel = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
                               and kernel_serves(self.shift_rope))
         self._layer_id = 0
-        self._groups: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
+        self._groups: dict = {}  # the current batch's cache (batch_rows.cache_of_forward)
         self._batch_rows: tuple[BatchRow | None, ...] | None = None
 
     def init_forward_metadata(self, forward_batch):
-        self._groups.clear()  # per forward: rows and lengths change between forwards
+        self._groups = cache_of_forward(forward_batch)  # per batch, kept on the batch itself
         self._batch_rows = rows_of_forward(forward_batch)
         if self._batch_rows is not None and len(self._batch_rows) != len(forward_batch.rids):
             raise RuntimeError("sglang-kvcmas: a forward batch's rows do not match its requests")
@@ -142,11 +142,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self._layer_id = layer.layer_id
         self._batch_rows = rows_of_forward(forward_batch)
+        self._groups = cache_of_forward(forward_batch)
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self._layer_id = layer.layer_id
         self._batch_rows = rows_of_forward(forward_batch)
+        self._groups = cache_of_forward(forward_batch)
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _probes(self, req_pool_indices: torch.Tensor) -> list[HeadMassProbe | None]:
