@@ -24,10 +24,11 @@ teacher-forced over the greedy answer of an exact prefill on the same server, as
 radix's, non-owner median TTFT vs radix, peak KV (pool slots held, plus low-rank factor bytes
 in tokens of KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the
 prompt tokens each arm computed (prefill, recomputed borrowed tokens included: no arm prefills a
-reference). The probe reads each reader alone after the workload, so a reader whose turn
-split the segment share with others (``exact`` and the low-rank arms at 8 and 16 agents) is
-probed with the whole 10% mass share over its leaves: its KL recovered likely overstates the
-turns it served, which its same-answer rate measures. The targets of a 16-agent deployment: KL
+reference). The probe runs after the workload and reads each probed reader twice: as in its
+turn (``KL_rec``: from the owner's KV, recomputing what the arm's policy gave it there, its
+split of the segment share among the round's waiting readers included; no leaves of its earlier
+turns, which the turn had) and alone as served after the workload (``alone``: its leaves plus
+the whole 10% share: the bound above). The pick and the headline use the first. The targets of a 16-agent deployment: KL
 recovered ≥ 0.6, non-owner TTFT ≥ 2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than
 exact-sparse; the report names, per agent count, the arm with the highest KL recovered among
 those meeting the others.
@@ -61,6 +62,8 @@ from benchmark.serving.scale import (  # noqa: E402
     fmt, leaf_bytes_per_agent, nonowner_ttft, panel_arm, same_answers,
 )
 from benchmark.serving.server_arms import run_header  # noqa: E402
+from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
+from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARM = "exact"
@@ -89,6 +92,16 @@ KL_FLOOR = -1.5
 """The plot draws KL recovered below this on it, its value in the label."""
 
 
+def turn_selection(flags: list[str], agents: int) -> tuple[int, float, int]:
+    """(boundary, mass fraction, tail) a round-2 reader of an arm recomputed in its turn: the
+    arm's knobs, with the mass share the policy gives each of the ``agents - 1`` readers that
+    wait together for the round's leader (one reader alone under ``fifo`` turns)."""
+    config = parse_launcher_args(flags).config
+    readers = 1 if config.turn_order == "fifo" else max(1, agents - 1)
+    policy = RecomputeConfig.from_serving(config).with_readers(readers)
+    return policy.boundary_tokens, policy.reader_mass_fraction, policy.tail_tokens
+
+
 def say(text: str) -> None:
     print(f"[frontier] {text}", file=sys.stderr, flush=True)
 
@@ -104,10 +117,16 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     no = nonowner_ttft(panel, name) if "radix" in panel else {}
     same = same_answers(panel, name) if "radix" in panel else None
     doc_turns = [t for t in p["turns"] if t["round"] > 0]
+    turn = "kl_recovered_turn" in fid
     return {
         "flags": p.get("flags", []),
-        "kl_recovered": fid.get("kl_recovered"), "kl20": fid.get("kl20"),
-        "kl20_naive": fid.get("kl20_naive"), "top1": fid.get("top1"),
+        # The reader as in its turn (its split of the segment share) where probed so; the
+        # reader alone at the full share over its leaves beside it.
+        "kl_recovered": fid.get("kl_recovered_turn" if turn else "kl_recovered"),
+        "kl_recovered_alone": fid.get("kl_recovered"),
+        "top1": fid.get("top1_turn" if turn else "top1"), "top1_alone": fid.get("top1"),
+        "turn_selection": fid.get("turn_config"), "kl20": fid.get("kl20"),
+        "kl20_turn": fid.get("kl20_turn"), "kl20_naive": fid.get("kl20_naive"),
         "top1_naive": fid.get("top1_naive"), "probed": len(fid.get("agents") or []),
         "same_answer_as_radix": None if same is None else statistics.fmean(same.values()),
         "ttft_speedup_vs_radix": no["radix"] / no[name] if no else None,
@@ -153,12 +172,14 @@ def pick(rows: dict[str, dict], targets: dict[str, float] = TARGETS) -> str | No
 
 def table(agents: int, rows: dict[str, dict], doc: int) -> list[str]:
     lines = [f"{agents} agents, {doc}-token document:",
-             f"{'arm':>15} {'KL_rec':>7} {'top1':>6} {'same':>5} {'TTFTx':>6} {'KV/ideal':>8} "
-             f"{'leaf_KiB':>8} {'leaf_x':>7} {'computed':>8} {'recomp':>7} {'makespan':>8}"]
+             f"{'arm':>15} {'KL_rec':>7} {'alone':>6} {'top1':>6} {'same':>5} {'TTFTx':>6} "
+             f"{'KV/ideal':>8} {'leaf_KiB':>8} {'leaf_x':>7} {'computed':>8} {'recomp':>7} "
+             f"{'makespan':>8}"]
     for name, r in rows.items():
         ratio = r.get("leaf_bytes_ratio_vs_exact")
         lines.append(
-            f"{name:>15} {fmt(r['kl_recovered'], 3):>7} {fmt(r['top1'], 4):>6} "
+            f"{name:>15} {fmt(r['kl_recovered'], 3):>7} {fmt(r.get('kl_recovered_alone'), 2):>6} "
+            f"{fmt(r['top1'], 4):>6} "
             f"{fmt(r['same_answer_as_radix'], 2):>5} {fmt(r['ttft_speedup_vs_radix'], 2):>6} "
             f"{r['kv_vs_ideal']:>8.3f} {r['leaf_bytes_per_agent'] / 1024:>8.0f} "
             f"{'inf' if ratio == float('inf') else fmt(ratio, 2):>7} {r['computed_tokens']:>8} "
@@ -258,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 panel[name] = panel_arm(f"{name}_{n}", tok, n, args.doc, args.answer_tokens,
                                         args.pool, logs, model.server_args,
-                                        server_arm="kvcmas", flags=ARMS[name], probe=args.probe)
+                                        server_arm="kvcmas", flags=ARMS[name], probe=args.probe,
+                                        probe_turn=turn_selection(ARMS[name], n))
         rows = with_leaf_ratios({a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms})
         result["by_agents"][n] = {"arms": rows, "best": pick(rows),
                                   "radix_makespan_s": panel["radix"]["makespan_s"],

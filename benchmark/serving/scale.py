@@ -150,14 +150,18 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
     return rows
 
 
-def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: int) -> dict:
+def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: int,
+                  turn: tuple[int, float, int] | None = None) -> dict:
     """Fidelity of the last round's reader turns, measured in the server after the workload:
     each probed agent's prompt teacher-forced over the greedy answer of an exact computation
     (its own ``cache_salt``: nothing shared), read as served (the deployment's knobs and the
-    agent's leaves) and by naive re-positioning (nothing recomputed, no leaves).
+    agent's leaves, the reader alone), by naive re-positioning (nothing recomputed, no leaves)
+    and, with ``turn`` (boundary, mass fraction, tail: what the reader recomputed in its turn,
+    e.g. its split of the segment share), read from the owner's KV with that selection.
 
     Returns:
-        per-agent records and the pooled ``kl_recovered`` (1 − mean KL20 served / naive), top-1.
+        per-agent records and the pooled ``kl_recovered`` (1 − mean KL20 served / naive), top-1;
+        with ``turn`` also ``kl_recovered_turn`` and ``top1_turn``.
     """
     rows = []
     for a in agents:
@@ -169,20 +173,31 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
         ref = forced(url, prompts[a], cont, salt=salt)  # the exact prompt KV is cached under salt
         served = forced(url, prompts[a], cont)
         naive = forced(url, prompts[a], cont, config=(0, 0.0, 0))
-        rows.append({"agent": a, "served": {k: v for k, v in compare(ref, served, cont).items()
-                                             if k in ("top1", "kl20", "n")},
-                     "naive": {k: v for k, v in compare(ref, naive, cont).items()
-                               if k in ("top1", "kl20", "n")},
-                     "recomputed": served["reuse"].get("recomputed"),
-                     "borrowed": served["reuse"].get("borrowed")})
+        keep = ("top1", "kl20", "n")
+        row = {"agent": a,
+               "served": {k: v for k, v in compare(ref, served, cont).items() if k in keep},
+               "naive": {k: v for k, v in compare(ref, naive, cont).items() if k in keep},
+               "recomputed": served["reuse"].get("recomputed"),
+               "borrowed": served["reuse"].get("borrowed")}
+        if turn is not None:
+            got = forced(url, prompts[a], cont, config=turn)
+            row["turn"] = {k: v for k, v in compare(ref, got, cont).items() if k in keep}
+            row["turn_recomputed"] = got["reuse"].get("recomputed")
+        rows.append(row)
     if not rows:
         return {"agents": [], "kl_recovered": None, "top1": None, "top1_naive": None}
     kl = statistics.fmean(r["served"]["kl20"] for r in rows)
     kl_naive = statistics.fmean(r["naive"]["kl20"] for r in rows)
-    return {"agents": rows, "kl20": kl, "kl20_naive": kl_naive,
-            "kl_recovered": 1 - kl / kl_naive if kl_naive else None,
-            "top1": statistics.fmean(r["served"]["top1"] for r in rows),
-            "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
+    out = {"agents": rows, "kl20": kl, "kl20_naive": kl_naive,
+           "kl_recovered": 1 - kl / kl_naive if kl_naive else None,
+           "top1": statistics.fmean(r["served"]["top1"] for r in rows),
+           "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
+    if turn is not None:
+        kl_turn = statistics.fmean(r["turn"]["kl20"] for r in rows)
+        out |= {"turn_config": list(turn), "kl20_turn": kl_turn,
+                "kl_recovered_turn": 1 - kl_turn / kl_naive if kl_naive else None,
+                "top1_turn": statistics.fmean(r["turn"]["top1"] for r in rows)}
+    return out
 
 
 def turn_record(turn: dict) -> dict:
@@ -208,12 +223,13 @@ def leaf_bytes_per_agent(by_agent: dict[str, dict[str, int]] | None) -> list[int
 
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
-              flags: list[str] | None = None, probe: int = 0) -> dict:
+              flags: list[str] | None = None, probe: int = 0,
+              probe_turn: tuple[int, float, int] | None = None) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
     one server (``model_args``: as in :func:`decode_arm`). ``arm`` names the run; the server
     is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant). ``probe``:
     after the workload (outside its timings), :func:`probe_readers` on that many of the last
-    round's readers, spread over the panel."""
+    round's readers, spread over the panel (``probe_turn``: its ``turn`` selection)."""
     heads = [head_of(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
@@ -244,7 +260,8 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         readers = [t["agent"] for t in turns if t["round"] == 2
                    and of_meta(t["meta"]).get("borrowed", 0)]
         picked = readers[:: max(1, len(readers) // probe)][:probe] if probe and readers else []
-        fidelity = probe_readers(server.url, prompts, picked, new) if picked else None
+        fidelity = (probe_readers(server.url, prompts, picked, new, probe_turn) if picked
+                    else None)
     first_round = [t for t in turns if t["round"] == 1]
     head_lens = [len(chat_ids(tok, h, [])) - len(tok.encode(
         "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.serving.frontier import (  # noqa: E402
-    ARMS, TARGETS, arm_row, main, meets, pick, with_leaf_ratios,
+    ARMS, TARGETS, arm_row, main, meets, pick, turn_selection, with_leaf_ratios,
 )
 
 
@@ -36,6 +36,24 @@ def test_arm_row_counts_lowrank_factors_in_kv_and_compares_with_radix():
     assert row["leaf_bytes_per_agent"] == 64_000
     assert row["computed_tokens"] == 9 * 50 and row["recomputed_tokens"] == 4 * 5
     assert row["probed"] == 2 and row["kl_recovered"] == 0.4
+    # Probed as in its turn too: that figure leads, the reader-alone one stays beside it.
+    panel["lowrank8"]["fidelity"] |= {"kl_recovered_turn": 0.1, "top1_turn": 0.95,
+                                      "turn_config": [16, 0.0133, 0]}
+    row = arm_row(panel, "lowrank8", kv_bytes_per_token=640)
+    assert (row["kl_recovered"], row["kl_recovered_alone"]) == (0.1, 0.4)
+    assert (row["top1"], row["top1_alone"]) == (0.95, 0.99)
+
+
+def test_turn_selection_is_the_policys_split_among_waiting_readers(monkeypatch):
+    for var in ("KVCMAS_RECOMPUTE_SEGMENT_SHARE", "KVCMAS_RECOMPUTE_MASS_FRACTION",
+                "KVCMAS_TURN_ORDER", "KVCMAS_RECOMPUTE_BOUNDARY"):
+        monkeypatch.delenv(var, raising=False)
+    boundary, mass, tail = turn_selection(ARMS["exact"], 16)  # 15 readers split 20%
+    assert (boundary, tail) == (16, 0) and mass == pytest.approx(0.2 / 15)
+    assert turn_selection(ARMS["exact"], 3)[1] == pytest.approx(0.1)  # 2 readers: 10% each
+    assert turn_selection(ARMS["exact_per_reader"], 16)[1] == pytest.approx(0.1)
+    assert turn_selection(ARMS["exact_fifo"], 16)[1] == pytest.approx(0.1)  # nobody waits
+    assert turn_selection(ARMS["naive"], 16) == (0, 0.0, 0)
 
 
 def test_leaf_ratio_against_exact_and_the_pick_among_arms_meeting_the_targets():
