@@ -28,7 +28,8 @@ reference). The probe runs after the workload and reads each probed reader twice
 turn (``KL_rec``: from the owner's KV, recomputing what the arm's policy gave it there, its
 split of the segment share among the round's waiting readers included; no leaves of its earlier
 turns, which the turn had) and alone as served after the workload (``alone``: its leaves plus
-the whole 10% share: the bound above). The pick and the headline use the first. The targets of a 16-agent deployment: KL
+the whole 10% share, the figure of runs before this column). The pick and the headline use the
+first. The targets of a 16-agent deployment: KL
 recovered ≥ 0.6, non-owner TTFT ≥ 2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than
 exact-sparse; the report names, per agent count, the arm with the highest KL recovered among
 those meeting the others.
