@@ -106,7 +106,7 @@ tests=(test/lab/kernels test/serving/test_triton_decode.py)
                                   test/integration/test_shared_backends.py)
 step kernel_tests 420 "$PY" -m pytest "${tests[@]}" -q -rA -p no:cacheprovider \
   --junitxml="$OUT_DIR/kernel_tests.xml"
-[[ $MODE == dry ]] || 
+if [[ $MODE != dry ]]; then
 "$PY" - "$OUT_DIR/kernel_tests.xml" "$OUT_DIR/kernel_tests.jsonl" <<'PY' || log "no junit xml"
 import json, sys, xml.etree.ElementTree as ET
 cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
@@ -118,6 +118,7 @@ with open(sys.argv[2], "w") as f:
         f.write(json.dumps({"test": f"{c.get('classname')}::{c.get('name')}", "outcome": outcome,
                             "seconds": float(c.get("time", 0)), "detail": detail}) + "\n")
 PY
+fi
 
 quick=(); [[ "${KVCMAS_GPU_CHECK_QUICK:-1}" == 1 ]] && quick=(--quick)
 step benchmark 420 "$PY" benchmark/kernels/delta_attention_gpu_bench.py --out "$OUT_DIR" \
