@@ -252,10 +252,10 @@ def test_print_max_errors():
 def test_kernel_decode_equals_sglang_keys_at_the_new_positions(name):
     """The GPU decode path (our delta kernel; Triton's interpreter on CPU) for every variant it
     serves: neox, full rotary. The others keep the torch path, said by ``kernel_serves``."""
-    from sglang_kvcmas.attention.triton_decode import (
+    from sglang_kvcmas.attention.kernel_reads import (
         kernel_serves,
-        plan_shifted_decode,
-        shifted_decode,
+        plan_shifted,
+        shifted_attention,
     )
 
     module, rope, x, p, d = _case(name, n=29, h=2)
@@ -270,9 +270,9 @@ def test_kernel_decode_equals_sglang_keys_at_the_new_positions(name):
     want = scaled_dot_product_attention(
         q.movedim(0, 1)[None], _sglang_rotate(module, x, p + d).movedim(0, 1)[None],
         v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
-    planned = plan_shifted_decode([torch.arange(x.shape[0])], [KeyShifts.of_row(0, d)], 2, rope,
+    planned = plan_shifted([torch.arange(x.shape[0])], [KeyShifts.of_row(0, d)], 2, rope,
                                   "cpu")
-    got = shifted_decode(q, stored, v, planned, x.shape[-1] ** -0.5)[0]
+    got = shifted_attention(q, stored, v, planned, x.shape[-1] ** -0.5)[0]
     err = float((got - want).abs().max())
     MAX_ERR[name + " (kernel decode)"] = err
     assert err < 2e-3, (name, err)

@@ -1,8 +1,8 @@
 """SGLang's real Triton attention backend as a sharing dispatcher, run on CPU in Triton's
 interpreter: plain batches go through SGLang's Triton kernels and agree with the torch reference
 (``kvcmas_delta``); batches that read borrowed KV take the delta path and equal the reference bit
-for bit (and differ from what the Triton kernels alone would read); the delta kernel's decode of the
-same batch (the GPU path) agrees with the torch path.
+for bit (and differ from what the Triton kernels alone would read); the delta kernels' extend and
+decode of the same batches (the GPU path) agree with the torch path.
 
 SGLang's Triton backend runs on CPU tensors under ``TRITON_INTERPRET=1`` once a server-args
 context is installed (float32 or float16; the interpreter's bf16 ``tl.dot`` is wrong). Installing
@@ -155,18 +155,22 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
             dec_plain = run(plain, batch(decode, dec_lens, dec_loc, None), qd, kd, vd)
             checks["shift_matters"] = (dec_plain - dec_ref)[0].abs().max().item()
             checks["reader_row_1_plain"] = (dec_plain - dec_ref)[1].abs().max().item()
-    # The GPU decode path: the delta kernel for the whole batch (here in the interpreter).
-    shared.kvcmas_delta.decode_kernel = True
+    # The GPU paths: the delta kernels for the whole batch (here in the interpreter).
+    shared.kvcmas_delta.delta_kernel = True
     rows = (reader, None)
-    dec_kernel = run(shared, batch(decode, dec_lens, dec_loc, rows), qd, kd, vd)
-    dec_ref = run(reference, batch(decode, dec_lens, dec_loc, rows), qd, kd, vd)
+    ext_kernel = run(shared, batch(extend, lens, ext_loc, rows, prefix), q, k, v)
     assert any(key[0] == "kernel" for key in shared.kvcmas_delta._groups)
+    ext_ref = run(reference, batch(extend, lens, ext_loc, rows, prefix), q, k, v)
+    dec_kernel = run(shared, batch(decode, dec_lens, dec_loc, rows), qd, kd, vd)
+    assert any(key[0] == "kernel" for key in shared.kvcmas_delta._groups)
+    dec_ref = run(reference, batch(decode, dec_lens, dec_loc, rows), qd, kd, vd)
+    checks["kernel_extend"] = (ext_kernel - ext_ref).abs().max().item()
     checks["kernel_decode"] = (dec_kernel - dec_ref).abs().max().item()
     print(checks)
     assert max(checks["plain"]) < 1e-5, checks  # SGLang's Triton kernels vs torch
     assert checks["reader"] == (0.0, 0.0), checks  # the delta path itself, bit for bit
     assert checks["shift_matters"] > 1e-3 and checks["reader_row_1_plain"] < 1e-5, checks
-    assert checks["kernel_decode"] < 1e-5, checks
+    assert checks["kernel_extend"] < 1e-5 and checks["kernel_decode"] < 1e-5, checks
     print("TRITON-DISPATCH OK")
 
 

@@ -17,10 +17,11 @@ first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model app
 true positions, and the pool keeps their keys so rotated), and extend attention masks by true
 position instead of row order. Decode needs no mask: every cached token precedes the query, and
 it gathers the row's keys grouped by shift and rotates the query once per shift instead of every
-borrowed key (``attention/shifted_query.py``); on GPU, for a model whose rotary the kernel tiles,
-one launch of the delta kernel per layer reads the whole batch, each KV tile rotated by its run's
-shift in registers (``attention/triton_decode.py``; rows with a low-rank correction keep the
-torch path).
+borrowed key (``attention/shifted_query.py``). On GPU, for a model whose rotary the kernels
+tile, one launch of the delta kernel per layer reads the whole batch, each KV tile rotated by its
+run's shift in registers (``attention/kernel_reads.py``): every decode, and every extend's new
+tokens after its recomputed ones (those stay in PyTorch, masked by true position); layers with a
+head-mass probe and rows with a low-rank correction keep the torch path.
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
@@ -42,7 +43,7 @@ factors (none, or rank 0) takes the path above unchanged, bit for bit.
 
 GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
 batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
-decode there takes the delta kernel (above), extend the torch path.
+there the delta kernels read them (above).
 """
 
 from __future__ import annotations
@@ -63,11 +64,11 @@ from sglang_kvcmas.attention.lowrank import LayerCorrection
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys, tail_attention
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
-from sglang_kvcmas.attention.triton_decode import (
-    ShiftedDecodePlan,
+from sglang_kvcmas.attention.kernel_reads import (
+    ShiftedPlan,
     kernel_serves,
-    plan_shifted_decode,
-    shifted_decode,
+    plan_shifted,
+    shifted_attention,
 )
 from sglang_kvcmas.integration.batch_rows import cache_of_forward, rows_of_forward
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
@@ -83,17 +84,17 @@ PROBE_EVERY, PROBE_PHASE = 4, 2
 class DeltaAttnBackend(TorchNativeAttnBackend):
     """torch_native + shared-span re-positioning and deltas (see module docstring)."""
 
-    decode_kernel = False
-    """Decode re-positioned rows with the delta kernel (set per model and device at start)."""
+    delta_kernel = False
+    """Read re-positioned rows with the delta kernels (set per model and device at start)."""
 
     def __init__(self, model_runner: ModelRunner):
         super().__init__(model_runner)
         # The model's rotary as SGLang built it, or a refusal (UnsupportedRope) before serving.
         self.shift_rope = shift_rope_for_runner(model_runner)
-        # Decode over re-positioned keys: the delta kernel on GPU where it reads the model's
-        # keys exactly, else (CPU, or a layout it does not tile) the query-rotation path.
-        self.decode_kernel = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
-                              and kernel_serves(self.shift_rope))
+        # Re-positioned keys through the delta kernels on GPU where they read the model's keys
+        # exactly; else (CPU, or a layout they do not tile) the torch paths.
+        self.delta_kernel = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
+                             and kernel_serves(self.shift_rope))
         self._layer_id = 0
         self._groups: dict = {}  # the current batch's cache (batch_rows.cache_of_forward)
         self._batch_rows: tuple[BatchRow | None, ...] | None = None
@@ -204,6 +205,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                 is_cross_attn, sliding_window_size,
             )
+        if (self.delta_kernel and causal and not any(probes)
+                and not any(self._layer_correction(r) for r in rows)):
+            return self._kernel_extend(query, output, k_cache, v_cache, req_to_token,
+                                       req_pool_indices, seq_lens, extend_prefix_lens,
+                                       extend_seq_lens, scaling, enable_gqa, rows)
         q_all = query.movedim(0, query.dim() - 2)  # [H, tokens, d]
         start_q = 0
         for i in range(seq_lens.shape[0]):
@@ -249,12 +255,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                 encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
             )
-        if self.decode_kernel and not any(self._layer_correction(r) for r in rows):
+        if self.delta_kernel and not any(self._layer_correction(r) for r in rows):
             # One launch for the whole batch: tiles rotated by their run's shift in registers.
-            planned = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
-                                        k_cache.shape[1])
-            output[:] = shifted_decode(query, k_cache, v_cache, planned,
-                                       scaling if scaling is not None else query.shape[-1] ** -0.5)
+            planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
+                                           k_cache.shape[1])
+            output[:] = shifted_attention(query, k_cache, v_cache, planned,
+                                          scaling if scaling is not None else
+                                          query.shape[-1] ** -0.5)
             return output
         q_all = query.movedim(0, query.dim() - 2)
         for i in range(seq_lens.shape[0]):
@@ -289,17 +296,54 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
 
-    def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows,
-                     num_kv_heads: int) -> ShiftedDecodePlan:
-        """The decode kernel's plan of this batch, once per forward (every layer reads it)."""
-        key = ("kernel", num_kv_heads)
+    def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
+                     extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:
+        """The kernels' plan of this batch, once per forward (every layer reads it); for an
+        extend (``extend_seq_lens``), also the query rows the kernel reads: each row's new
+        tokens after its recomputed ones."""
+        key = ("kernel", num_kv_heads, extend_seq_lens is None)
         if key not in self._groups:
-            kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])]
-                  for i in range(req_pool_indices.shape[0])]
-            self._groups[key] = plan_shifted_decode(
-                kv, [r.key_shifts if r is not None else None for r in rows], num_kv_heads,
-                self.shift_rope, req_to_token.device)
+            n = req_pool_indices.shape[0]
+            kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] for i in range(n)]
+            shifts = [r.key_shifts if r is not None else None for r in rows]
+            counts, q_rows = None, None
+            if extend_seq_lens is not None:
+                n_q = [int(x) for x in extend_seq_lens]
+                n_rec = [_recomputed(r) for r in rows]
+                starts = [sum(n_q[:i]) for i in range(n)]
+                counts = [q - m for q, m in zip(n_q, n_rec)]
+                q_rows = torch.cat([torch.arange(s + m, s + q) for s, q, m in
+                                    zip(starts, n_q, n_rec)]).to(req_to_token.device)
+            self._groups[key] = (plan_shifted(kv, shifts, num_kv_heads, self.shift_rope,
+                                              req_to_token.device, counts), q_rows)
         return self._groups[key]
+
+    def _kernel_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                       seq_lens, extend_prefix_lens, extend_seq_lens, scaling, enable_gqa,
+                       rows):
+        """Extend through the delta kernel: every row's new tokens after its recomputed ones in
+        one launch (row-causal: every borrowed and recomputed token precedes them); a row's
+        recomputed tokens (before some of its borrowed keys in position, after them in row
+        order) in PyTorch, masked by true position."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        planned, q_rows = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
+                                            k_cache.shape[1], extend_seq_lens)
+        output[q_rows] = shifted_attention(query[q_rows], k_cache, v_cache, planned, scale)
+        start_q = 0
+        for i in range(seq_lens.shape[0]):
+            n_rec, n_prefix = _recomputed(rows[i]), int(extend_prefix_lens[i])
+            if n_rec:
+                n_keys = n_prefix + n_rec  # the row's later tokens all come after these
+                k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_keys,
+                                    rows[i])
+                pos = rows[i].positions_upto(n_keys).to(query.device)
+                q = query[start_q : start_q + n_rec].movedim(0, 1)  # [H, n_rec, d]
+                out = scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=pos[None, :] <= pos[n_prefix:, None],
+                    enable_gqa=enable_gqa, scale=scale)[0]
+                output[start_q : start_q + n_rec] = out.movedim(1, 0)
+            start_q += int(extend_seq_lens[i])
+        return output
 
     def _grouped_tokens(self, i: int, n_kv: int, row: RowSpans, req_to_token,
                         req_pool_idx, marked: bool = False) -> tuple[torch.Tensor, tuple]:
@@ -323,6 +367,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             if lc is not None:
                 k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc)
         return k.movedim(0, 1), v.movedim(0, 1)
+
+
+def _recomputed(row: RowSpans | None) -> int:
+    """How many recomputed tokens lead the row's extend."""
+    return len(row.recomputed.token_ids) if row is not None and row.recomputed else 0
 
 
 def _no_window(rows: list, sliding_window_size: Optional[int]) -> None:

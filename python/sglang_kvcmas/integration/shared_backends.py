@@ -8,9 +8,10 @@ planning, its CUDA graphs), and a batch in which one does (:func:`batch_rows.for
 borrowed spans, recomputed tokens, a correction, or a head-mass probe in extend) runs through
 :class:`~sglang_kvcmas.integration.delta_attention_backend.DeltaAttnBackend`, the read path that
 re-positions borrowed keys, places recomputed tokens at their true positions and applies
-low-rank corrections. On GPU its decode is one launch of the delta kernel per layer (our Triton
-kernel: each KV tile rotated by its run's shift in registers), its extend device-agnostic
-PyTorch (gathers, SDPA). With sharing off the factories return SGLang's backends untouched.
+low-rank corrections. On GPU our Triton delta kernels read such a batch in one launch per layer
+(each KV tile rotated by its run's shift in registers: every decode, every extend's new tokens
+after a reader's recomputed ones), the rest in device-agnostic PyTorch (gathers, SDPA). With
+sharing off the factories return SGLang's backends untouched.
 
 The dispatcher is the user's backend object itself, its class swapped for a direct subclass
 carrying :class:`SharedDispatch`'s methods: every method SGLang calls that this module does not
@@ -33,9 +34,9 @@ path reads per-KV-head keys), and every model the shift cannot serve exactly
 (``rope_shift.shift_rope_for_runner``, as for ``kvcmas_delta``). Page sizes above 1 are refused by
 the tree cache (``tree_cache_factory``).
 
-Not yet here: extend through our Triton extend kernel (it has no position mask for recomputed
-tokens yet), and decode rows with a low-rank correction through the kernel's factor inputs; both
-take the torch path. Measured on a GPU by ``scripts/gpu_check.sh`` (kernels), not yet end to end.
+Not yet here: rows with a low-rank correction through the kernels' factor inputs, and layers
+that record head mass through a kernel (both take the torch path). Measured on a GPU by
+``scripts/gpu_check.sh`` (kernels), not yet end to end.
 """
 
 from __future__ import annotations
