@@ -24,11 +24,13 @@ from benchmark.model_arg import (  # noqa: E402
 TAKE_MODEL_PATH = [
     "benchmark/kernels/delta_attention_bench.py",
     "benchmark/kernels/shifted_decode_bench.py",
+    "benchmark/lab/delta_growth_study.py",
     "benchmark/lab/kvcmas_lab.py",
     "benchmark/lab/kvcmas_selector_study.py",
     "benchmark/lab/owner_mass_study.py",
     "benchmark/lab/precache_drift_study.py",
     "benchmark/lab/precache_lab.py",
+    "benchmark/serving/backend_parity.py",
     "benchmark/serving/behaviour_check.py",
     "benchmark/serving/consistency_frontier.py",
     "benchmark/serving/head_to_head.py",
