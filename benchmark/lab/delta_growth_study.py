@@ -40,6 +40,8 @@ from benchmark.serving.workflows import DEBATERS  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8, 16)
 FORCED = 16
+FLOOR = -1.5
+"""The plot draws KL recovered below this on it, its value beside it."""
 
 
 def rank_needed(d: torch.Tensor, share: float) -> int:
@@ -162,20 +164,25 @@ def plot(rows: list[dict], path: Path) -> None:
 
     xs = [r["length"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for r in RANKS:
-        axes[0].plot(xs, [row[f"kl_recovered_rank{r}"] for row in rows], marker="o",
-                     label=f"oracle rank-{r} delta leaves")
-    axes[0].plot(xs, [row["kl_recovered_served_tokens_exact"] for row in rows], marker="s",
-                 label="served tokens read exactly")
-    axes[0].set(xscale="log", xlabel="shared transcript tokens", ylabel="KL recovered vs naive",
-                title="what a correction recovers")
+    series = {f"oracle rank-{r} delta leaves": f"kl_recovered_rank{r}" for r in RANKS}
+    series["served tokens read exactly"] = "kl_recovered_served_tokens_exact"
+    for label, key in series.items():
+        ys = [row[key] for row in rows]
+        axes[0].plot(xs, [max(y, FLOOR) for y in ys], marker="o", label=label)
+        for x, y in zip(xs, ys):
+            if y < FLOOR:  # off the scale: on the floor, its value beside it
+                axes[0].annotate(f"{y:.1f}", (x, FLOOR), fontsize=7)
+    axes[0].set(xscale="log", xlabel="transcript tokens (L)", ylim=(FLOOR - 0.1, 1.0),
+                ylabel=f"KL recovered vs naive (floor {FLOOR})", title="what a correction recovers")
     for name in ("k", "v"):
         for share in (80, 90):
             axes[1].plot(xs, [row[f"{name}_rank{share}"] for row in rows], marker="o",
                          label=f"{name.upper()}: {share}% of the deviation")
-    axes[1].set(xscale="log", xlabel="shared transcript tokens",
-                ylabel="rank (median over layers, KV heads)", title="leaf rank needed")
+    axes[1].set(xscale="log", xlabel="transcript tokens (L)",
+                ylabel="rank of 64 (median over layers, KV heads)", title="leaf rank needed")
     for ax in axes:
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
