@@ -5,7 +5,8 @@
 #      served kernel paths, test/serving/test_kernel_reads.py) and
 #      the sharing dispatch tests (SGLang's Triton backend as dispatcher, where SGLang is installed),
 #   2. runs the GPU micro-benchmark (delta attention vs. plain attention vs. materializing, over
-#      context 1k-32k, ranks 4/8/16, head_dim 64/128, GQA 4:1 and 1:1),
+#      context 1k-32k, ranks 0/4/8/16, one span or 16 runs of alternating shifts, head_dim
+#      64/128, GQA 4:1 and 1:1),
 # and writes everything as JSONL (+ logs, a PNG) into the folder given, else $OUT, else
 # results/gpu_check. Each step has its own time limit so a hang loses only that step.
 #

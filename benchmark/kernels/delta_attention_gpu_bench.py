@@ -41,29 +41,37 @@ DTYPE = torch.bfloat16
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
-def build(num_agents: int, seq_len: int, num_queries: int, rank: int, seed: int = 0):
-    """Readers share one span of base KV (90% of each sequence) at the same pool slots."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def build(num_agents: int, seq_len: int, num_queries: int, rank: int, seed: int = 0,
+          spans: int = 1, device: str = "cuda"):
+    """Readers share 90% of each sequence, the base KV at the same pool slots, read as ``spans``
+    runs of alternating shifts (one owner, or leaves scattered through it); rank 0: the runs
+    are re-positioned only (no factors)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     head = seq_len // 20
     span_len = int(seq_len * 0.9)
     own = seq_len - span_len
     pool = span_len + num_agents * own
-    kb = torch.randn(pool, H_KV, D, device="cuda", dtype=DTYPE, generator=g)
-    vb = torch.randn(pool, H_KV, D, device="cuda", dtype=DTYPE, generator=g)
+    kb = torch.randn(pool, H_KV, D, device=device, dtype=DTYPE, generator=g)
+    vb = torch.randn(pool, H_KV, D, device=device, dtype=DTYPE, generator=g)
+    cuts = [span_len * j // spans for j in range(spans + 1)]
     reqs, facs = [], []
     for a in range(num_agents):
         own_slots = torch.arange(span_len + a * own, span_len + (a + 1) * own)
         slots = torch.cat([own_slots[:head], torch.arange(span_len), own_slots[head:]])
-        reqs.append(DeltaRequest(slots, num_queries, (SharedSpan(head, span_len, 3 * a - 5),)))
+        runs = tuple(SharedSpan(head + lo, hi - lo, 3 * a - 5 + 7 * (j % 2))
+                     for j, (lo, hi) in enumerate(zip(cuts, cuts[1:])))
+        reqs.append(DeltaRequest(slots, num_queries, runs))
 
-        def delta() -> LowRankDelta:
+        def delta(n: int) -> LowRankDelta | None:
+            if rank == 0:
+                return None
             return LowRankDelta(
-                torch.randn(span_len, H_KV, rank, device="cuda", generator=g),
-                torch.randn(H_KV, D, rank, device="cuda", generator=g) * 0.05,
+                torch.randn(n, H_KV, rank, device=device, generator=g),
+                torch.randn(H_KV, D, rank, device=device, generator=g) * 0.05,
             )
 
-        facs.append([SpanFactors(delta(), delta())])
-    q = torch.randn(num_agents * num_queries, H, D, device="cuda", dtype=DTYPE, generator=g)
+        facs.append([SpanFactors(delta(r.length), delta(r.length)) for r in runs])
+    q = torch.randn(num_agents * num_queries, H, D, device=device, dtype=DTYPE, generator=g)
     return q, kb, vb, reqs, facs
 
 
@@ -100,9 +108,10 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace) -> dict:
+def measure(num_agents, seq_len, num_queries, rank, with_variant, workspace,
+            spans: int = 1) -> dict:
     """Times of every method on one configuration (``H_KV`` and ``D`` as set by ``main``)."""
-    q, kb, vb, reqs, facs = build(num_agents, seq_len, num_queries, rank)
+    q, kb, vb, reqs, facs = build(num_agents, seq_len, num_queries, rank, spans=spans)
     inv = rope_inv_freq(D, 5e5).cuda()
     plan = plan_delta_batch(reqs, 64, "cuda")
     packed = pack_delta_factors(plan, facs, H_KV, D, torch.float32, "cuda")
@@ -181,15 +190,16 @@ def main() -> None:
     global H_KV, D
     lengths = (1024, 4096, 8192) if args.quick else (1024, 4096, 8192, 32768)
     shapes = ((8, 128), (8, 64), (32, 128))  # (KV heads of 32 query heads, head_dim)
-    grid = [("decode", 8, L, 1, r, s) for L in lengths for r in (4, 8, 16)
+    grid = [("decode", 8, L, 1, r, s, 1) for L in lengths for r in (0, 4, 8, 16)
             for s in (shapes if r == 8 else shapes[:1])]
-    grid += [("extend", 4, L, 256, r, shapes[0]) for L in lengths[:3] for r in (4, 8, 16)]
+    grid += [("decode", 8, L, 1, r, shapes[0], 16) for L in lengths for r in (0, 8)]
+    grid += [("extend", 4, L, 256, r, shapes[0], 1) for L in lengths[:3] for r in (0, 8, 16)]
     records = []
     jsonl = args.out / "delta_attention_gpu.jsonl"
     with jsonl.open("w") as f:
-        for mode, agents, seq_len, nq, rank, (H_KV, D) in grid:
+        for mode, agents, seq_len, nq, rank, (H_KV, D), spans in grid:
             try:
-                m = measure(agents, seq_len, nq, rank, args.with_variant, workspace)
+                m = measure(agents, seq_len, nq, rank, args.with_variant, workspace, spans)
             except Exception as exc:  # one failing method must not lose the other records
                 m = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             rec = {
@@ -207,6 +217,7 @@ def main() -> None:
                     "head_dim": D,
                     "dtype": "bfloat16",
                     "span_fraction": 0.9,
+                    "spans": spans,
                 },
                 "metrics": m,
             }
@@ -216,6 +227,7 @@ def main() -> None:
             r = m.get("ratio_vs_plain", {})
             print(
                 f"{mode:>6} agents={agents} len={seq_len:>5} r={rank:>2} kv={H_KV} d={D} "
+                f"spans={spans} "
                 + " ".join(f"{k}={v:.2f}x" for k, v in r.items())
                 + (m.get("error", "")),
                 flush=True,
@@ -242,7 +254,8 @@ def plot(records: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         rs = [r for r in ok if r["config"]["mode"] == mode and r["config"]["rank"] == 8
-              and (r["config"]["num_kv_heads"], r["config"]["head_dim"]) == (8, 128)]
+              and (r["config"]["num_kv_heads"], r["config"]["head_dim"]) == (8, 128)
+              and r["config"].get("spans", 1) == 1]
         xs = [r["config"]["seq_len"] for r in rs]
         for method in rs[0]["metrics"]["ratio_vs_plain"] if rs else []:
             ax.plot(
