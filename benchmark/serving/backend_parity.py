@@ -21,30 +21,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import shlex
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from benchmark.serving.recompute_fidelity import generate  # noqa: E402
 from benchmark.serving.server_arms import ArmServer, run_header  # noqa: E402
 from sglang_kvcmas import datasets  # noqa: E402
 from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
+from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 HEADS = ("You are Ada, a careful mathematician who checks every step and states the final "
          "answer as a number.",
          "You are Ben, a skeptical reviewer who looks for the one most likely mistake before "
          "agreeing.")
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.loads(r.read())
 
 
 def turns(tokenizer) -> list[tuple[str, list[int]]]:
@@ -65,7 +60,7 @@ def turns(tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def run_backend(backend: str, prompts, new_tokens: int, model, log: Path) -> dict:
-    on_cpu = "--device cuda" not in KVCMAS_BENCH_SERVER_ARGS.get()
+    on_cpu = parse_launcher_args(shlex.split(KVCMAS_BENCH_SERVER_ARGS.get())).on_cpu
     env = {"TRITON_INTERPRET": "1"} if backend == "triton" and on_cpu else {}
     out = {}
     with ArmServer("kvcmas", log,
@@ -73,9 +68,8 @@ def run_backend(backend: str, prompts, new_tokens: int, model, log: Path) -> dic
                    env=env, boot_timeout_s=900) as server:
         for name, ids in prompts:
             t0 = time.perf_counter()
-            meta = post(server.url + "/generate", {
-                "input_ids": ids, "return_logprob": True, "top_logprobs_num": 4,
-                "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens}})["meta_info"]
+            meta = generate(server.url, ids, new_tokens, return_logprob=True,
+                            top_logprobs_num=4)["meta_info"]
             reuse = (meta.get("kvcmas_reuse") or [{}])[0]
             out[name] = {"seconds": round(time.perf_counter() - t0, 2),
                          "tokens": [x[1] for x in meta["output_token_logprobs"]],

@@ -91,7 +91,13 @@ def reads_delta(rows: tuple[BatchRow | None, ...] | None, decode: bool) -> bool:
 
 
 def forward_reads_delta(forward_batch: Any) -> bool:
-    """:func:`reads_delta` for a forward batch (decode by its forward mode)."""
-    mode = getattr(forward_batch, "forward_mode", None)
-    decode = bool(mode is not None and mode.is_decode())
-    return reads_delta(rows_of_forward(forward_batch), decode)
+    """:func:`reads_delta` for a forward batch (decode by its forward mode), decided once per
+    batch (every layer asks)."""
+    rids = getattr(forward_batch, "rids", None)
+    if not isinstance(rids, TaggedRids):
+        return False
+    if "reads_delta" not in rids.cache:
+        mode = getattr(forward_batch, "forward_mode", None)
+        rids.cache["reads_delta"] = reads_delta(rids.rows, bool(mode is not None
+                                                                and mode.is_decode()))
+    return rids.cache["reads_delta"]
