@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
@@ -42,6 +43,13 @@ RANKS = (4, 8, 16)
 FORCED = 16
 FLOOR = -1.5
 """The plot draws KL recovered below this on it, its value beside it."""
+
+
+def probe_layers(num_layers: int) -> list[int]:
+    """The layers where the server records head mass (2, 6, 10, ...)."""
+    from sglang_kvcmas.integration import delta_attention_backend as backend
+
+    return [i for i in range(num_layers) if i % backend.PROBE_EVERY == backend.PROBE_PHASE]
 
 
 def rank_needed(d: torch.Tensor, share: float) -> int:
@@ -121,7 +129,7 @@ def study_length(model, tok, text: str, length: int) -> dict:
     common = 0
     while a[common] == b[common]:
         common += 1
-    mass = probe_head_mass(model, a, h_a, shared, common)
+    mass = head_mass(model, a, h_a, shared, common, probe_layers(model.spec.num_layers))
     mass[:16] = float("inf")
     sel = torch.topk(mass, min(shared, 16 + round(0.1 * shared))).indices
     mk = [o.clone() for o in ko]
@@ -130,30 +138,6 @@ def study_length(model, tok, text: str, length: int) -> dict:
         mk[i][sel], mv[i][sel] = kr[i][sel], vr[i][sel]
     row["kl_recovered_served_tokens_exact"] = 1 - kl(ref, logits_with(mk, mv)) / kl_naive
     return row
-
-
-def probe_head_mass(model, ids: list[int], head_end: int, length: int,
-                    head_from: int) -> torch.Tensor:
-    """[length] attention mass of the owner's transcript tokens on its head rows ``[head_from,
-    head_end)``, mean over the server's probe layers (2, 6, 10, ...) and query heads."""
-    from sglang_kvcmas.integration import delta_attention_backend as backend
-    from sglang_kvcmas_lab.models.reference_llama import rotate
-
-    spec = model.spec
-    keep = [i for i in range(spec.num_layers) if i % backend.PROBE_EVERY == backend.PROBE_PHASE]
-    out = model.forward(torch.tensor(ids), return_hidden=True)
-    pos = torch.arange(len(ids))
-    group = spec.num_heads // spec.num_kv_heads
-    total = torch.zeros(length)
-    for layer in keep:
-        q, k, _ = model.qkv(layer, out.hidden[layer])
-        qr = rotate(q, pos, spec.rope_theta)[head_end:head_end + length].transpose(0, 1)
-        kr = rotate(k, pos, spec.rope_theta).transpose(0, 1).repeat_interleave(group, 0)
-        s = qr @ kr.transpose(1, 2) / spec.head_dim ** 0.5  # [H, length, T]
-        rows = pos[head_end:head_end + length]
-        p = s.masked_fill(pos[None, None, :] > rows[None, :, None], float("-inf")).softmax(-1)
-        total += p[..., head_from:head_end].sum(-1).mean(0)
-    return total / len(keep)
 
 
 def plot(rows: list[dict], path: Path) -> None:

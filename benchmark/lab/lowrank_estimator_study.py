@@ -58,24 +58,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def head_mass(model, ids: list[int], head_end: int, length: int, head_from: int) -> torch.Tensor:
+def head_mass(model, ids: list[int], head_end: int, length: int, head_from: int,
+              layers: list[int] | None = None) -> torch.Tensor:
     """[length] attention mass of the owner's transcript tokens on its head rows ``[head_from,
-    head_end)``, mean over layers and query heads (the serving probe's signal, every layer)."""
+    head_end)``, mean over ``layers`` (default: every layer; the serving probe's signal) and
+    query heads."""
     from sglang_kvcmas_lab.models.reference_llama import rotate
 
     spec = model.spec
+    layers = list(range(spec.num_layers)) if layers is None else layers
     out = model.forward(torch.tensor(ids), return_hidden=True)
     pos = torch.arange(len(ids))
+    rows = pos[head_end:head_end + length]
     group = spec.num_heads // spec.num_kv_heads
     total = torch.zeros(length)
-    for layer in range(spec.num_layers):
+    for layer in layers:
         q, k, _ = model.qkv(layer, out.hidden[layer])
-        qr = rotate(q, pos, spec.rope_theta).transpose(0, 1)  # [H, T, d]
+        qr = rotate(q, pos, spec.rope_theta)[head_end:head_end + length].transpose(0, 1)
         kr = rotate(k, pos, spec.rope_theta).transpose(0, 1).repeat_interleave(group, 0)
         p = (qr @ kr.transpose(1, 2) / spec.head_dim ** 0.5).masked_fill(
-            pos[None, :] > pos[:, None], float("-inf")).softmax(-1)
-        total += p[:, head_end:head_end + length, head_from:head_end].sum(-1).mean(0)
-    return total / spec.num_layers
+            pos[None, None, :] > rows[None, :, None], float("-inf")).softmax(-1)
+        total += p[..., head_from:head_end].sum(-1).mean(0)
+    return total / len(layers)
 
 
 def mass_offset(x: torch.Tensor, y: torch.Tensor, mass: torch.Tensor, fit_on: torch.Tensor):
