@@ -24,6 +24,14 @@ Measures:
     Every server runs one CPU thread (``--kvcmas-cpu-threads`` 1, the default), so one server
     computes on one core and two on two; on a 2-core machine the router, the tokenizer
     processes and this client share those cores. ``--pin-cores`` pins worker i to core i.
+    Throughput is a saturated server's: the default 24 workflows keep one server busy (with
+    the embedded model its workflows per second stop rising between 12 and 24), so each of two
+    servers gets 12. With fewer (``--quick``: 6, 3 per server) a server's batches are small,
+    the weights it streams every step are shared by fewer requests, and two servers finish
+    less than twice the work: the ratio then measures latency at low load, not capacity.
+    Each arm records the CPU seconds its schedulers and every other process spent
+    (``cpu_s``; cores busy = seconds / makespan), so a ratio below 2 can be told from cores
+    the servers did not get.
 (c) a kill run on the kvcmas x2 cluster (fresh workflows, every second agent streamed): once a
     third of the kill run's requests have completed, the worker holding most of its workflows is
     SIGKILLed with its process group. Every request is counted once: ``completed`` (a 200 with
@@ -40,6 +48,7 @@ Final line::
     ROUTER router_sharing_ratio=<x> workers_share_min=<x> throughput_2v1=<x> kill_sent=<n>
         kill_completed=<n> kill_clear_errors=<n> kill_lost=<n>
 
+    python benchmark/serving/router_scale.py            # 16 debates + 8 chains, 64 tokens
     python benchmark/serving/router_scale.py --quick    # 4 debates + 2 chains, 48 tokens
 
 Writes ``results/router_scale[_quick][_pinned].json`` (every arm summarized, placement, the kill
@@ -66,6 +75,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -202,6 +213,41 @@ def run_flows(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[list[
     with ThreadPoolExecutor(len(flows)) as pool:
         spans = list(pool.map(one_flow, flows))
     return turns, max(spans)
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """User + system CPU seconds of every process on the machine, by pid (name, seconds)."""
+    out = {}
+    for proc in psutil.process_iter(["name"]):
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = (proc.info["name"], t.user + t.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+             wall_s: float) -> dict[str, float]:
+    """CPU seconds spent between two :func:`cpu_seconds` snapshots: the schedulers (the model's
+    forward passes), every other process together (router, tokenizer and detokenizer
+    processes, this client, the system), and the wall time they ran in."""
+    sched = other = 0.0
+    for pid, (name, t) in after.items():
+        spent = t - before.get(pid, (name, 0.0))[1]
+        if name == "sglang::scheduler":
+            sched += spent
+        else:
+            other += spent
+    return {"schedulers": round(sched, 1), "other": round(other, 1), "wall": round(wall_s, 1)}
+
+
+def run_measured(url: str, flows: list[Workflow], tok, max_new: int
+                 ) -> tuple[list[dict], float, dict[str, float]]:
+    """:func:`run_flows` with the CPU seconds it cost (:func:`cpu_used`)."""
+    before = cpu_seconds()
+    turns, makespan = run_flows(url, flows, tok, max_new)
+    return turns, makespan, cpu_used(before, cpu_seconds(), makespan)
 
 
 def prefill_tokens(turns: list[dict]) -> int:
@@ -364,8 +410,8 @@ def measure_single(arm: str, out: Path, flows_fn, tok, max_new: int,
     with ArmServer(arm, out / f"server_{arm}_x1.log",
                    [*(model_args or []), "--max-total-tokens", str(POOL_TOKENS)]) as server:
         send(server.url, tok.encode("Warm up."), 4, "warm-up")
-        turns, makespan = run_flows(server.url, flows_fn(), tok, max_new)
-    return {"arm": f"{arm}_x1", "turns": len(turns), "makespan_s": makespan,
+        turns, makespan, cpu = run_measured(server.url, flows_fn(), tok, max_new)
+    return {"arm": f"{arm}_x1", "turns": len(turns), "makespan_s": makespan, "cpu_s": cpu,
             "prefill_tokens": prefill_tokens(turns),
             "prompt_tokens": sum(t["prompt_tokens"] for t in turns)}
 
@@ -380,11 +426,11 @@ def measure_cluster(arm: str, out: Path, flows_fn, tok, max_new: int, pin: bool,
         for i, wurl in enumerate(cluster.worker_urls):
             send(wurl, tok.encode("Warm up."), 4, f"warm-up-{i}")
         flows = flows_fn()
-        turns, makespan = run_flows(cluster.url, flows, tok, max_new)
+        turns, makespan, cpu = run_measured(cluster.url, flows, tok, max_new)
         keys = {routing_key(f) for f in flows}
         placement = cluster.placement()
         shares, split = worker_shares(placement, keys)
-        summary = {"arm": f"{arm}_x2", "turns": len(turns), "makespan_s": makespan,
+        summary = {"arm": f"{arm}_x2", "turns": len(turns), "makespan_s": makespan, "cpu_s": cpu,
                    "prefill_tokens": prefill_tokens(turns),
                    "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
                    "worker_shares": shares, "split_workflows": split,
@@ -398,8 +444,8 @@ def measure_cluster(arm: str, out: Path, flows_fn, tok, max_new: int, pin: bool,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 debates + 2 chains, 48 tokens")
-    ap.add_argument("--debates", type=int, default=8)
-    ap.add_argument("--chains", type=int, default=4)
+    ap.add_argument("--debates", type=int, default=16)
+    ap.add_argument("--chains", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--kill-debates", type=int, default=6,
                     help="2-round debates of the kill run")
@@ -470,10 +516,13 @@ def main(argv: list[str] | None = None) -> int:
         "kill": {**asdict(counts), "how": dict(counts.how)},
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1))
-    print(f"{'arm':<10} {'makespan s':>10} {'prefill':>8} {'prompt':>8}  workers' shares")
+    print(f"{'arm':<10} {'makespan s':>10} {'prefill':>8} {'prompt':>8} {'sched cores':>11} "
+          f"{'other cores':>11}  workers' shares")
     for a, s in arms.items():
-        print(f"{a:<10} {s['makespan_s']:>10.1f} {s['prefill_tokens']:>8} "
-              f"{s['prompt_tokens']:>8}  {s.get('worker_shares', '-')}")
+        cpu = s["cpu_s"]
+        print(f"{a:<10} {s['makespan_s']:>10.1f} {s['prefill_tokens']:>8} {s['prompt_tokens']:>8} "
+              f"{cpu['schedulers'] / cpu['wall']:>11.2f} {cpu['other'] / cpu['wall']:>11.2f}  "
+              f"{s.get('worker_shares', '-')}")
     print(f"prefill saved by sharing: one server {saved_x1} "
           f"({record['prefill_saved_share_x1']:.0%} of radix's), two behind the router "
           f"{saved_x2} ({record['prefill_saved_share_x2']:.0%}); split workflows "
