@@ -22,6 +22,7 @@ from benchmark.model_arg import (  # noqa: E402
 )
 
 TAKE_MODEL_PATH = [
+    "benchmark/kernels/batched_decode_bench.py",
     "benchmark/kernels/delta_attention_bench.py",
     "benchmark/kernels/shifted_decode_bench.py",
     "benchmark/lab/delta_growth_study.py",

@@ -16,8 +16,10 @@ the row from a prefix that is that many tokens shorter; before the model runs,
 first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
 true positions, and the pool keeps their keys so rotated), and extend attention masks by true
 position instead of row order. Decode needs no mask: every cached token precedes the query, and
-it gathers the row's keys grouped by shift and rotates the query once per shift instead of every
-borrowed key (``attention/shifted_query.py``). On GPU, for a model whose rotary the kernels
+it rotates each row's query once per shift instead of every borrowed key: the batch's
+re-positioned rows together, in a few tensor ops per layer (``attention/batched_decode.py``),
+rows with a low-rank correction or many owners one at a time, keys grouped by shift
+(``attention/shifted_query.py``); rows that read nothing borrowed take SDPA as the parent does. On GPU, for a model whose rotary the kernels
 tile, one launch of the delta kernel per layer reads the whole batch, each KV tile rotated by its
 run's shift in registers (``attention/kernel_reads.py``): every decode, and every extend's new
 tokens after its recomputed ones (those stay in PyTorch, masked by true position); layers with a
@@ -54,6 +56,11 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_kvcmas.attention.batched_decode import (
+    BatchedDecodePlan,
+    batched_shift_decode,
+    plan_batched_decode,
+)
 from sglang_kvcmas.attention.corrected_reads import (
     correct_rows,
     corrected_grouped_decode,
@@ -263,8 +270,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                           scaling if scaling is not None else
                                           query.shape[-1] ** -0.5)
             return output
+        # Re-positioned rows without a correction: a few batched ops per layer for all of them.
+        plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
+        batched_shift_decode(query, k_cache, v_cache, plan, self.shift_rope,
+                             scaling if scaling is not None else query.shape[-1] ** -0.5, output)
         q_all = query.movedim(0, query.dim() - 2)
-        for i in range(seq_lens.shape[0]):
+        for i in plan.rest:
             n_kv = int(seq_lens[i])
             q = q_all[:, i : i + 1, :]
             row = rows[i]
@@ -295,6 +306,24 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 ).squeeze(0)
             output[i : i + 1] = out.movedim(query.dim() - 2, 0)
         return output
+
+    def _decode_plan(self, req_to_token, req_pool_indices, seq_lens, rows) -> BatchedDecodePlan:
+        """The batch's re-positioned rows without a correction at this layer, bucketed once
+        per forward and correction pattern (``attention/batched_decode.py``); every other row
+        (plain rows read exactly by SDPA, corrected rows, rows of many owners) is the plan's
+        ``rest``. A row whose factors are zero here reads as one without a correction."""
+        take = [r is not None and r.reads_transformed and self._layer_correction(r) is None
+                for r in rows]
+        key = ("decode", tuple(take))
+        if key not in self._groups:
+            n = req_pool_indices.shape[0]
+            slots = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] if take[i] else None
+                     for i in range(n)]
+            shifts = [r.key_shifts if t else None for r, t in zip(rows, take)]
+            self._groups[key] = plan_batched_decode(
+                [s if s is not None else req_to_token[0, :1] for s in slots], shifts,
+                self.shift_rope, take)
+        return self._groups[key]
 
     def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
                      extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:

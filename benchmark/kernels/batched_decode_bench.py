@@ -1,0 +1,124 @@
+"""Decode of a whole batch of reader rows over re-positioned keys, per layer call: one row at a
+time against the batched read, timed beside radix's decode of the same keys.
+
+A batch of ``--rows`` readers (the model's heads: SmolLM2's 9 query / 3 KV heads, head_dim 64), each row about
+``--n-kv`` keys long (lengths spread +-20%), a sixth its own, the rest borrowed from ``--owners``
+owners and cut into runs by exact leaves (one leaf token every 9), its slots scattered over a
+``--pool``-slot pool (40000, the serving benchmarks' pool):
+
+- ``plain``: per row, gather its keys from the pool and SDPA, no shift (SGLang's torch_native
+  decode: what radix runs);
+- ``per_row``: per row, keys gathered grouped by shift, the query rotated once per shift
+  (``attention/shifted_query.py``: served before ``batched_decode``, still served for rows with
+  a low-rank correction or more than ``MAX_SHIFTS`` owners);
+- ``batched``: the batch bucketed by length once per forward, each bucket read in a few tensor
+  ops (``attention/batched_decode.py``: what the backend serves). The plan's cost is
+  reported apart (``plan_us``, once per forward, shared by every layer).
+
+    python benchmark/kernels/batched_decode_bench.py [--rows 4 12 24] [--n-kv 1000 3000]
+
+Prints microseconds per layer call and the speed of each path relative to ``plain``; one thread;
+writes ``results/batched_decode_bench.jsonl``. ``--model-path`` (``benchmark/model_arg.py``) takes
+another model's heads, head_dim and RoPE base (no weights are read); records name the model, and
+the default ``--out`` gets ``_<model>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmark.kernels.shifted_decode_bench import row_shifts, timed  # noqa: E402
+from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas.attention.batched_decode import (  # noqa: E402
+    batched_shift_decode,
+    plan_batched_decode,
+)
+from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq  # noqa: E402
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode  # noqa: E402
+from sglang_kvcmas.attention.spans import KeyShifts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "batched_decode_bench.jsonl"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[4, 12, 24])
+    ap.add_argument("--n-kv", type=int, nargs="+", default=[1000, 3000])
+    ap.add_argument("--owners", type=int, default=2)
+    ap.add_argument("--pool", type=int, default=40000,
+                    help="KV pool slots the rows are scattered over (the benchmarks' pool)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="JSONL (default: results/batched_decode_bench[_<model>].jsonl)")
+    add_model_arg(ap)
+    args = ap.parse_args()
+    model = model_from_args(ap, args)
+    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    torch.set_num_threads(1)
+    h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim  # embedded: 9, 3, 64
+    rope, scale = ShiftRope.full(rope_inv_freq(d, model.rope_theta)), d**-0.5
+    records = []
+    print(f"{'rows':>4} {'n_kv':>5} {'plain':>8} {'per_row':>8} {'batched':>8} {'plan':>7}  "
+          "us per layer call")
+    for n_rows in args.rows:
+        for n in args.n_kv:
+            g = torch.Generator().manual_seed(n_rows * 7919 + n)
+            lens = [int(n * (0.8 + 0.4 * x)) for x in torch.rand(n_rows, generator=g).tolist()]
+            pool = max(args.pool, sum(lens))
+            perm = torch.randperm(pool, generator=g)
+            starts = [sum(lens[:i]) for i in range(n_rows)]
+            slots = [perm[s : s + m] for s, m in zip(starts, lens)]
+            shifts = [KeyShifts.of_row(0, row_shifts(m, args.owners, 9)) for m in lens]
+            k_cache, v_cache = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+            query = torch.randn(n_rows, h, d)
+            grouped = [ks.grouped(m) for ks, m in zip(shifts, lens)]  # cached per forward
+            tokens = [sl[order] for sl, (order, _) in zip(slots, grouped)]
+
+            def plain():
+                for i, sl in enumerate(slots):
+                    k, v = k_cache[sl].movedim(0, 1), v_cache[sl].movedim(0, 1)
+                    scaled_dot_product_attention(query[i][:, None][None], k[None], v[None],
+                                                 enable_gqa=True)
+
+            def per_row():
+                out = torch.empty_like(query)
+                for i, tok in enumerate(tokens):
+                    k, v = k_cache[tok].movedim(0, 1), v_cache[tok].movedim(0, 1)
+                    out[i] = grouped_shift_decode(query[i][:, None], k, v, shifts[i].shifts,
+                                                  grouped[i][1], rope, scale)[:, 0]
+                return out
+
+            plan = plan_batched_decode(slots, shifts, rope)
+
+            def batched():
+                out = torch.empty_like(query)
+                batched_shift_decode(query, k_cache, v_cache, plan, rope, scale, out)
+                return out
+
+            torch.testing.assert_close(batched(), per_row(), atol=3e-6, rtol=1e-5)
+            t = {name: timed(fn, args.reps) for name, fn in
+                 (("plain", plain), ("per_row", per_row), ("batched", batched))}
+            t["plan"] = timed(lambda: plan_batched_decode(slots, shifts, rope), args.reps)
+            rec = {"model": model.name, "rows": n_rows, "n_kv": n, "owners": args.owners,
+                   "buckets": len(plan.buckets), **{f"{k}_us": round(v, 1) for k, v in t.items()}}
+            records.append(rec)
+            print(f"{n_rows:>4} {n:>5} {t['plain']:>8.0f} {t['per_row']:>8.0f} "
+                  f"{t['batched']:>8.0f} {t['plan']:>7.0f}  plain/per_row "
+                  f"{t['plain'] / t['per_row']:.2f}  plain/batched {t['plain'] / t['batched']:.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

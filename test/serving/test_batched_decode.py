@@ -1,0 +1,105 @@
+"""Batched decode over re-positioned rows equals the per-row read, row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kvcmas.attention.batched_decode import batched_shift_decode, plan_batched_decode
+from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.spans import KeyShifts
+
+ROPES = {
+    "neox": ShiftRope.full(rope_inv_freq(64, 1e5)),
+    "gptj_partial": ShiftRope(rope_inv_freq(32, 1e4), head_dim=64, neox=False),
+}
+
+
+def per_row(query, k_cache, v_cache, slots, shifts, rope, scale):
+    """The reference: each row read alone (``grouped_shift_decode``)."""
+    outs = []
+    for i, (sl, ks) in enumerate(zip(slots, shifts)):
+        n = sl.numel()
+        ks = ks or KeyShifts.none()
+        order, groups = ks.grouped(n)
+        tok = sl[order]
+        outs.append(grouped_shift_decode(query[i][:, None], k_cache[tok].movedim(0, 1),
+                                         v_cache[tok].movedim(0, 1), ks.shifts, groups, rope,
+                                         scale)[:, 0])
+    return torch.stack(outs)
+
+
+def batch(lens, n_shifts, hkv, seed):
+    """Rows of ``lens`` keys over one pool; row i with ``n_shifts[i]`` distinct shifts in
+    scattered runs (0: no shifts), the row's last keys its own (shift 0)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 4 * sum(lens) + 8
+    slots = [torch.randperm(pool, generator=g)[:n] for n in lens]
+    shifts = []
+    for n, s in zip(lens, n_shifts):
+        if s == 0:
+            shifts.append(None)
+            continue
+        values = torch.randint(-300, 300, (s,), generator=g)
+        m = max(1, n - 3)  # the borrowed part; the rest is the row's own
+        runs = torch.randint(0, s, (m,), generator=g)
+        runs[torch.rand(m, generator=g) < 0.3] = -1  # exact leaves scattered through (shift 0)
+        shift = torch.where(runs >= 0, values[runs.clamp(min=0)], torch.zeros(m, dtype=torch.int64))
+        shifts.append(KeyShifts.of_row(0, shift))
+    return pool, slots, shifts
+
+
+CASES = [
+    # lens, distinct shifts per row, heads, kv heads
+    ([1], [1], 4, 4),
+    ([17, 5, 130], [2, 3, 1], 9, 3),
+    ([64, 65, 66, 200, 201, 7], [4, 4, 2, 3, 1, 2], 8, 2),  # three buckets
+    ([300, 250, 310], [0, 2, 6], 6, 1),  # a plain row; a row with six shifts goes to rest
+    ([33] * 5, [1, 2, 3, 4, 2], 4, 1),
+]
+
+
+@pytest.mark.parametrize("rope_name", sorted(ROPES))
+@pytest.mark.parametrize("lens,n_shifts,h,hkv", CASES)
+def test_batched_equals_per_row(lens, n_shifts, h, hkv, rope_name):
+    rope = ROPES[rope_name]
+    pool, slots, shifts = batch(lens, n_shifts, hkv, seed=len(lens) * 31 + h)
+    torch.manual_seed(sum(lens))
+    d = 64
+    k_cache, v_cache = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    query = torch.randn(len(lens), h, d)
+    plan = plan_batched_decode(slots, shifts, rope)
+    out = torch.full_like(query, float("nan"))
+    batched_shift_decode(query, k_cache, v_cache, plan, rope, d**-0.5, out)
+    ref = per_row(query, k_cache, v_cache, slots, shifts, rope, d**-0.5)
+    rest = set(plan.rest)
+    assert rest == {i for i, s in enumerate(shifts)
+                    if s is not None and s.shifts.numel() > 4}
+    bucketed = sorted(int(r) for b in plan.buckets for r in b.rows)
+    assert bucketed == [i for i in range(len(lens)) if i not in rest]  # each row once
+    for b in plan.buckets:  # padding bounded
+        n = [slots[int(r)].numel() for r in b.rows]
+        assert max(n) <= 1.3 * min(n)
+    for i in range(len(lens)):
+        if i in rest:
+            assert torch.isnan(out[i]).all()  # left to the per-row path
+        else:
+            torch.testing.assert_close(out[i], ref[i], atol=3e-6, rtol=1e-5)
+
+
+def test_rows_not_taken_are_left_to_the_caller():
+    rope = ROPES["neox"]
+    _, slots, shifts = batch([10, 20, 30], [1, 2, 3], 1, seed=3)
+    plan = plan_batched_decode(slots, shifts, rope, take=[True, False, True])
+    assert plan.rest == (1,)
+    assert sorted(int(r) for b in plan.buckets for r in b.rows) == [0, 2]
+
+
+def test_buckets_bound_the_keys_they_gather():
+    rope = ROPES["neox"]
+    _, slots, shifts = batch([40] * 7 + [300], [2] * 8, 1, seed=5)
+    plan = plan_batched_decode(slots, shifts, rope, max_keys=100)
+    sizes = sorted(len(b.rows) for b in plan.buckets)
+    assert sizes == [1, 1, 2, 2, 2]  # 2 x 40 <= 100 < 3 x 40; the 300-key row alone
+    assert all(b.slots.numel() <= 100 or len(b.rows) == 1 for b in plan.buckets)
