@@ -2,10 +2,10 @@
 
 The per-row read (:func:`sglang_kvcmas.attention.shifted_query.grouped_shift_decode`) costs a
 gather, a rotation of the query per shift, one product per shift group, a softmax and a product
-with the values, about twenty PyTorch calls for each row at each layer. On a CPU, with dozens of
-readers decoding together, the calls' fixed cost outweighs their arithmetic. Here the rows of a
-batch are planned once per forward (every layer reads the same slots and shifts) into buckets of
-similar length, and each layer reads a bucket in one gather and a handful of batched products:
+with the values, about twenty PyTorch calls for each row at each layer, and on a CPU the calls,
+the gathers and the transposed copies cost more than the arithmetic. Here the rows of a batch are
+planned once per forward (every layer reads the same slots and shifts) into buckets of similar
+length, and each layer reads a bucket in one flat gather and a handful of batched products:
 
     q_s[r, s]   = R(−shift[r, s])·q[r]                     every row's query, once per shift
     score[r, k] = q_s[r, shift_index[r, k]] · k_owner[r, k]  (all S products, then a gather)
@@ -18,7 +18,8 @@ more than ``max_shifts`` distinct shifts are left to the per-row path, as are ro
 does not hand over (low-rank corrections, rows read exactly by SDPA).
 
 The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
-the keys); ``test/serving/test_batched_decode.py`` compares them over awkward batches.
+the keys); ``test/serving/test_batched_decode.py`` compares them over awkward batches, and
+``benchmark/kernels/batched_decode_bench.py`` times both beside radix's per-row SDPA.
 """
 
 from __future__ import annotations
