@@ -91,7 +91,7 @@ def test_batched_equals_per_row(lens, n_shifts, h, hkv, rope_name):
 def test_rows_not_taken_are_left_to_the_caller():
     rope = ROPES["neox"]
     _, slots, shifts = batch([10, 20, 30], [1, 2, 3], 1, seed=3)
-    plan = plan_batched_decode(slots, shifts, rope, take=[True, False, True])
+    plan = plan_batched_decode([slots[0], None, slots[2]], shifts, rope)
     assert plan.rest == (1,)
     assert sorted(int(r) for b in plan.buckets for r in b.rows) == [0, 2]
 

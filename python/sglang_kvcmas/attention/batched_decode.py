@@ -72,10 +72,9 @@ class BatchedDecodePlan:
 
 
 def plan_batched_decode(
-    kv_slots: list[torch.Tensor],
+    kv_slots: list[torch.Tensor | None],
     shifts: list[KeyShifts | None],
     rope: ShiftRope | torch.Tensor,
-    take: list[bool] | None = None,
     max_shifts: int = MAX_SHIFTS,
     max_pad: float = MAX_PAD,
     max_keys: int = MAX_BUCKET_KEYS,
@@ -83,11 +82,11 @@ def plan_batched_decode(
     """Bucket a decode batch's rows, once per forward.
 
     Args:
-        kv_slots: per row, [n_i] int64 pool slots of its keys in row order (n_i >= 1).
+        kv_slots: per row, [n_i] int64 pool slots of its keys in row order (n_i >= 1), or
+            None for a row not to be read here; those, and rows with more than
+            ``max_shifts`` shifts, are returned in ``rest``.
         shifts: per row, its per-key shifts (None: every key at shift 0).
         rope: the model's rotary (:class:`ShiftRope`) or full-width ``inv_freq``.
-        take: per row, whether it may be read here (default: every row); rows not taken, and
-            rows with more than ``max_shifts`` shifts, are returned in ``rest``.
         max_shifts: see :data:`MAX_SHIFTS`.
         max_pad: see :data:`MAX_PAD`.
         max_keys: see :data:`MAX_BUCKET_KEYS`.
@@ -96,9 +95,9 @@ def plan_batched_decode(
     """
     rope = as_shift_rope(rope)
     n_rows = len(kv_slots)
-    take = take if take is not None else [True] * n_rows
     table = [s.shifts if s is not None else torch.zeros(1, dtype=torch.int64) for s in shifts]
-    mine = [i for i in range(n_rows) if take[i] and table[i].numel() <= max_shifts]
+    mine = [i for i in range(n_rows)
+            if kv_slots[i] is not None and table[i].numel() <= max_shifts]
     taken = set(mine)
     rest = tuple(i for i in range(n_rows) if i not in taken)
     mine.sort(key=lambda i: kv_slots[i].numel())

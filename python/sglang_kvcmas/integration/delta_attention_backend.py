@@ -316,13 +316,10 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 for r in rows]
         key = ("decode", tuple(take))
         if key not in self._groups:
-            n = req_pool_indices.shape[0]
-            slots = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] if take[i] else None
-                     for i in range(n)]
+            slots = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] if t else None
+                     for i, t in enumerate(take)]
             shifts = [r.key_shifts if t else None for r, t in zip(rows, take)]
-            self._groups[key] = plan_batched_decode(
-                [s if s is not None else req_to_token[0, :1] for s in slots], shifts,
-                self.shift_rope, take)
+            self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope)
         return self._groups[key]
 
     def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
