@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=None, help=f"default: {','.join(ARMS)}")
     ap.add_argument("--max-new-tokens", type=int, default=320)
     ap.add_argument("--concurrency", type=int, default=None,
-                    help="items in flight per arm (default 16; --quick: every item)")
+                    help="items in flight per arm (default 32; --quick: every item)")
     ap.add_argument("--cpu-threads", type=int, default=2,
                     help="CPU threads of each arm's server (arms run one at a time)")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="every arm's KV pool")
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.items = QUICK_ITEMS
     if args.concurrency is None:
-        args.concurrency = args.items * len(args.tasks) if args.quick else 16
+        args.concurrency = args.items * len(args.tasks) if args.quick else 32
 
     from transformers import AutoTokenizer
 
