@@ -1,10 +1,10 @@
 """Decode of a whole batch of reader rows over re-positioned keys, per layer call: one row at a
 time against the batched read, timed beside radix's decode of the same keys.
 
-A batch of ``--rows`` readers (the model's heads: SmolLM2's 9 query / 3 KV heads, head_dim 64), each row about
-``--n-kv`` keys long (lengths spread +-20%), a sixth its own, the rest borrowed from ``--owners``
-owners and cut into runs by exact leaves (one leaf token every 9), its slots scattered over a
-``--pool``-slot pool (40000, the serving benchmarks' pool):
+A batch of ``--rows`` readers (the model's heads: SmolLM2's 9 query / 3 KV heads, head_dim
+64), each row about ``--n-kv`` keys long (lengths spread +-20%), a sixth its own, the rest
+borrowed from ``--owners`` owners and cut into runs by exact leaves (one leaf token every 9),
+its slots scattered over a ``--pool``-slot pool (40000, the serving benchmarks' pool):
 
 - ``plain``: per row, gather its keys from the pool and SDPA, no shift (SGLang's torch_native
   decode: what radix runs);

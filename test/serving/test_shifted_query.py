@@ -91,5 +91,6 @@ def test_backend_decode_takes_the_grouped_path_and_matches_the_reference():
         ref = scaled_dot_product_attention(query[i][:, None][None], k.movedim(0, 1)[None],
                                            v.movedim(0, 1)[None], enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)
-    plan = be._groups[("decode", (False, True))]  # the shifted row went through the batched query rotation
+    # the shifted row went through the batched query rotation, the plain one through SDPA
+    plan = be._groups[("decode", (False, True))]
     assert plan.rest == (0,) and [b.rows.tolist() for b in plan.buckets] == [[1]]

@@ -5,9 +5,10 @@ SGLang's torch_native backend gathers, per request and layer, ``k_cache[req_to_t
 (a transient copy) and runs SDPA on it. This backend does the same and, for a row whose entry in
 ``forward_batch`` (``batch_rows.py``) lists borrowed spans, re-positions the gathered
 keys by their per-key shifts before SDPA (``attention/span_reads.py``: ``R(δ)·k_owner``, one
-gather-and-rotate per row and layer however many runs the row has; values need nothing). Nothing is written back to the pool: the owner's KV stays exact and shared. Rows
-without an entry (every exact request, every request when sharing is off) take the parent's code
-path unchanged.
+gather-and-rotate per row and layer however many runs the row has; values need nothing).
+Nothing is written back to the pool: the owner's KV stays exact and shared. Rows without an
+entry (every exact request, every request when sharing is off) take the parent's code path
+unchanged.
 
 Recomputed tokens (``attention.spans.RecomputedTokens``): a reader recomputes some borrowed
 tokens in its own context. The tree cache leaves them out of the row's prefix, so SGLang extends
@@ -19,11 +20,12 @@ position instead of row order. Decode needs no mask: every cached token precedes
 it rotates each row's query once per shift instead of every borrowed key: the batch's
 re-positioned rows together, in a few tensor ops per layer (``attention/batched_decode.py``),
 rows with a low-rank correction or many owners one at a time, keys grouped by shift
-(``attention/shifted_query.py``); rows that read nothing borrowed take SDPA as the parent does. On GPU, for a model whose rotary the kernels
-tile, one launch of the delta kernel per layer reads the whole batch, each KV tile rotated by its
-run's shift in registers (``attention/kernel_reads.py``): every decode, and every extend's new
-tokens after its recomputed ones (those stay in PyTorch, masked by true position); layers with a
-head-mass probe and rows with a low-rank correction keep the torch path.
+(``attention/shifted_query.py``); rows that read nothing borrowed take SDPA as the parent
+does. On GPU, for a model whose rotary the kernels tile, one launch of the delta kernel per
+layer reads the whole batch, each KV tile rotated by its run's shift in registers
+(``attention/kernel_reads.py``): every decode, and every extend's new tokens after its
+recomputed ones (those stay in PyTorch, masked by true position); layers with a head-mass probe
+and rows with a low-rank correction keep the torch path.
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
