@@ -21,7 +21,11 @@ prints the answer, run in the sandbox of ``benchmark/quality``; programs and pri
 the transcript; until the printed numbers agree) and ``pal_review`` (the writer's program is run,
 the reviewer sees it and its output). Every run's final answer (debates and panels: the majority)
 is graded against GSM8K's reference number (``outcome.correct``), so a budget replay can be
-judged by task success.
+judged by task success. ``--kinds code`` records ``code_review`` runs over HumanEval problems
+(run ``qid`` is the problem's index): a coder completes the function, a reviewer answers
+``APPROVED`` or lists problems, the coder revises, until approved or ``MAX_REVIEW_LOOPS`` loops;
+the last version is graded by the problem's own tests in the sandbox (pass@1) -- a task a small
+code model does well, so the budget replay's success rate is far from zero.
 
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
@@ -57,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.quality.sandbox import run_python  # noqa: E402
 from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     printed_number, same_number)
+                                     humaneval_passes, printed_number, same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
@@ -66,6 +70,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("debate", "review", "panel", "fanout")
 PAL_KINDS = ("pal_debate", "pal_review", "panel", "fanout")
 """The kinds for a code model (``--kinds pal``): its debates and reviews are program-aided."""
+CODE_KINDS = ("code_review",)
+"""HumanEval kinds (``--kinds code``): graded by the problem's tests."""
+KIND_SETS = {"plain": KINDS, "pal": PAL_KINDS, "code": CODE_KINDS}
 MAX_DEBATE_ROUNDS = 5
 MAX_REVIEW_LOOPS = 4
 MAX_PANEL_ROUNDS = 4
@@ -85,6 +92,13 @@ PAL_REVIEW_ROLES = {
     "Reviewer": "You are the Reviewer. You check the Writer's latest program and what it "
     "printed against the question, line by line. If it is fully correct, reply with the single "
     "word APPROVED. Otherwise list each problem you found.",
+}
+CODE_REVIEW_ROLES = {
+    "Coder": "You are the Coder. You implement Python functions exactly to their specification "
+    "and revise them when the Reviewer finds problems.",
+    "Reviewer": "You are the Reviewer. You check the Coder's latest implementation against the "
+    "specification line by line, edge cases included. If it is fully correct, reply with the "
+    "single word APPROVED. Otherwise list each problem you found, briefly, without code.",
 }
 PANEL_ROLES = {
     "Algebraist": "You are the Algebraist on a panel of four experts. You set the problem up "
@@ -292,13 +306,45 @@ def run_pal_review(run: Run) -> dict:
     return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer}
 
 
+def run_code_review(run: Run) -> dict:
+    """Coder and reviewer over one HumanEval specification (``run.question``): the coder's
+    function, the reviewer's verdict, revisions until approved; the answer is the last code."""
+    transcript: list[str] = [f"Specification:\n```python\n{run.question}```"]
+    step = 0
+    for loop in range(MAX_REVIEW_LOOPS):
+        ask = ("Complete the function. Reply with the whole function in one ```python block."
+               if loop == 0 else "Revise the function, fixing every problem the Reviewer "
+               "listed. Reply with the whole function in one ```python block.")
+        code = code_block(run.ask(step, "Coder", CODE_REVIEW_ROLES["Coder"],
+                                  "\n\n".join([*transcript, ask])))
+        transcript.append(f"Coder (version {loop + 1}):\n```python\n{code}\n```")
+        step += 1
+        review = run.ask(step, "Reviewer", CODE_REVIEW_ROLES["Reviewer"], "\n\n".join(
+            [*transcript, "Review the latest implementation. Reply APPROVED if it is correct."]))
+        transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
+        step += 1
+        if "APPROVED" in review.upper():
+            return {"stopped": "approved", "loops": loop + 1, "answer": code}
+    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": code}
+
+
 RUNNERS = {"debate": run_debate, "review": run_review, "panel": run_panel,
-           "fanout": run_fanout, "pal_debate": run_pal_debate, "pal_review": run_pal_review}
+           "fanout": run_fanout, "pal_debate": run_pal_debate, "pal_review": run_pal_review,
+           "code_review": run_code_review}
 
 
 def plan_runs(n: int, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
-    """The first ``n`` runs: ``kinds`` in turn, each on its own GSM8K question (test split)."""
+    """The first ``n`` runs: ``kinds`` in turn, each on its own item (a GSM8K test question, or
+    for ``code_*`` kinds a HumanEval problem)."""
     return [(kinds[i % len(kinds)], i) for i in range(n)]
+
+
+def grade(kind: str, answer: str | None, item: str | dict) -> bool:
+    """Whether a run's final answer is right: ``code_*`` kinds by the HumanEval problem's tests
+    (``item`` the problem), the others against GSM8K's number (``item`` the reference)."""
+    if kind.startswith("code_"):
+        return answer is not None and humaneval_passes(item, f"```python\n{answer}\n```")
+    return same_number(answer, item)
 
 
 def done_keys(path: Path) -> set[str]:
@@ -314,11 +360,12 @@ def done_keys(path: Path) -> set[str]:
     return keys
 
 
-def record_one(run: Run, model_name: str, gold: str) -> dict:
+def record_one(run: Run, model_name: str, item: str | dict) -> dict:
+    """Run one workflow and read its ledger; ``item`` grades it (see :func:`grade`)."""
     t0 = time.time()
     outcome = RUNNERS[run.kind](run)
-    outcome["gold"] = gold
-    outcome["correct"] = same_number(outcome.get("answer"), gold)
+    outcome["gold"] = item["task_id"] if isinstance(item, dict) else item
+    outcome["correct"] = grade(run.kind, outcome.get("answer"), item)
     r = requests.get(f"{run.url}/kvcmas/workflows/{run.workflow}", timeout=60)
     ledger = r.json() if r.ok else {"error": r.status_code}
     turns = sorted(run.turns, key=lambda t: t["t1"])
@@ -337,9 +384,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arg(p)
     p.add_argument("--runs", type=int, default=60, help="runs in the plan (kinds in turn)")
-    p.add_argument("--kinds", choices=("plain", "pal"), default="plain",
+    p.add_argument("--kinds", choices=tuple(KIND_SETS), default="plain",
                    help=f"plain: {', '.join(KINDS)}; pal (a code model): "
-                        f"{', '.join(PAL_KINDS)}")
+                        f"{', '.join(PAL_KINDS)}; code (HumanEval): {', '.join(CODE_KINDS)}")
     p.add_argument("--minutes", type=float, default=25.0,
                    help="start no new run after this long (minutes)")
     p.add_argument("--concurrency", type=int, default=8, help="runs at once")
@@ -354,14 +401,23 @@ def main() -> int:
     model = model_from_args(p, args)
     out = RESULTS / f"record_runs_{args.variant}.jsonl"
     done = done_keys(out)
-    kinds = PAL_KINDS if args.kinds == "pal" else KINDS
+    kinds = KIND_SETS[args.kinds]
+    from sglang_kvcmas.datasets import gsm8k, humaneval
+
+    problems = humaneval()
+    if args.kinds == "code" and args.runs > len(problems):
+        p.error(f"--kinds code has {len(problems)} HumanEval problems; --runs {args.runs}")
     todo = [kq for kq in plan_runs(args.runs, kinds) if f"{kq[0]}/{kq[1]}" not in done]
     print(f"record_runs: {len(done)} done, {len(todo)} to run -> {out}", file=sys.stderr)
     if not todo:
         return 0
-    from sglang_kvcmas.datasets import gsm8k
+    questions = gsm8k()
 
-    items = gsm8k()
+    def problem(kind: str, qid: int) -> tuple[str, str | dict]:
+        """The text a run starts from and what grades it."""
+        if kind.startswith("code_"):
+            return problems[qid]["prompt"], problems[qid]
+        return questions[qid].question, questions[qid].final
     write_lock = threading.Lock()
     deadline = time.time() + args.minutes * 60
     counts = {"ok": 0, "failed": 0}
@@ -369,9 +425,10 @@ def main() -> int:
     def go(url: str, kind: str, qid: int) -> None:
         if time.time() > deadline:
             return
-        run = Run(kind, qid, items[qid].question, url, args.max_new_tokens, args.temperature)
+        text, item = problem(kind, qid)
+        run = Run(kind, qid, text, url, args.max_new_tokens, args.temperature)
         try:
-            rec = record_one(run, model.name, items[qid].final)
+            rec = record_one(run, model.name, item)
         except Exception as e:  # one failed run is skipped, the others go on
             counts["failed"] += 1
             print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)
@@ -381,7 +438,9 @@ def main() -> int:
                 f.write(json.dumps(rec) + "\n")
             counts["ok"] += 1
             tot = rec["totals"]
-            print(f"record_runs: [{counts['ok']}/{len(todo)}] {run.key} {rec['outcome']} "
+            shown = {k: v for k, v in rec["outcome"].items()
+                     if not (k == "answer" and kind.startswith("code_"))}  # code: too long
+            print(f"record_runs: [{counts['ok']}/{len(todo)}] {run.key} {shown} "
                   f"turns={rec['n_turns']} prompt={tot['prompt_tokens']} "
                   f"computed={tot['computed']} {rec['seconds']:.0f}s", file=sys.stderr)
 

@@ -1,0 +1,51 @@
+"""The recorder's HumanEval coder ↔ reviewer loop: it stops when the reviewer approves, and the
+last version is graded by the problem's own tests (pass@1 in the sandbox)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.serving import record_runs as rr  # noqa: E402
+from sglang_kvcmas.datasets import humaneval  # noqa: E402
+
+
+class ScriptedRun(rr.Run):
+    """A run whose agents answer from a script instead of a server."""
+
+    def __init__(self, replies: list[str], question: str):
+        super().__init__("code_review", 0, question, "http://unused", 64, 0.0)
+        self.replies = list(replies)
+        self.asked: list[tuple[int, str, str]] = []
+
+    def ask(self, step: int, agent: str, system: str, user: str) -> str:
+        self.asked.append((step, agent, user))
+        return self.replies.pop(0)
+
+
+def test_code_review_revises_until_approved_and_grades_the_last_version():
+    problem = humaneval()[0]
+    wrong = f"```python\n{problem['prompt']}    return False\n```"
+    right = f"Here:\n```python\n{problem['prompt']}{problem['canonical_solution']}```"
+    run = ScriptedRun([wrong, "It ignores the threshold.", right, "APPROVED"], problem["prompt"])
+    out = rr.run_code_review(run)
+    assert out["stopped"] == "approved" and out["loops"] == 2
+    assert [(s, a) for s, a, _ in run.asked] == [(0, "Coder"), (1, "Reviewer"), (2, "Coder"),
+                                                 (3, "Reviewer")]
+    assert "It ignores the threshold." in run.asked[2][2]  # the coder sees the review
+    assert "return False" in run.asked[2][2]  # and its own first version
+    assert rr.grade("code_review", out["answer"], problem)
+    assert not rr.grade("code_review", rr.code_block(wrong), problem)
+    assert not rr.grade("code_review", None, problem)
+
+
+def test_code_review_stops_after_the_loop_limit_and_gsm8k_kinds_grade_numbers():
+    problem = humaneval()[2]
+    run = ScriptedRun(["```python\npass\n```", "Wrong."] * rr.MAX_REVIEW_LOOPS, problem["prompt"])
+    out = rr.run_code_review(run)
+    assert out == {"stopped": "max_loops", "loops": rr.MAX_REVIEW_LOOPS, "answer": "pass"}
+    assert rr.grade("pal_debate", "18", "18.0") and not rr.grade("debate", None, "18")
+    assert rr.plan_runs(3, rr.KIND_SETS["code"]) == [("code_review", i) for i in range(3)]
