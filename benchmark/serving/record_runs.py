@@ -404,20 +404,21 @@ def main() -> int:
     kinds = KIND_SETS[args.kinds]
     from sglang_kvcmas.datasets import gsm8k, humaneval
 
-    problems = humaneval()
+    problems = humaneval() if args.kinds == "code" else ()
     if args.kinds == "code" and args.runs > len(problems):
         p.error(f"--kinds code has {len(problems)} HumanEval problems; --runs {args.runs}")
     todo = [kq for kq in plan_runs(args.runs, kinds) if f"{kq[0]}/{kq[1]}" not in done]
     print(f"record_runs: {len(done)} done, {len(todo)} to run -> {out}", file=sys.stderr)
     if not todo:
         return 0
-    questions = gsm8k()
+    questions = gsm8k() if args.kinds != "code" else ()
 
     def problem(kind: str, qid: int) -> tuple[str, str | dict]:
         """The text a run starts from and what grades it."""
         if kind.startswith("code_"):
             return problems[qid]["prompt"], problems[qid]
         return questions[qid].question, questions[qid].final
+
     write_lock = threading.Lock()
     deadline = time.time() + args.minutes * 60
     counts = {"ok": 0, "failed": 0}
