@@ -49,6 +49,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,22 +209,36 @@ def run_debate(run: Run) -> dict:
     return {"stopped": "max_rounds", "rounds": MAX_DEBATE_ROUNDS, "answer": majority(finals)}
 
 
-def run_review(run: Run) -> dict:
-    transcript: list[str] = [f"Question: {run.question}"]
+def review_loop(run: Run, roles: dict[str, str], writer: str, start: str,
+                asks: tuple[str, str], review_ask: str,
+                version: Callable[[int, str], tuple[str, str | None]]) -> dict:
+    """A writer and a reviewer, until the reviewer answers ``APPROVED`` or ``MAX_REVIEW_LOOPS``
+    loops have run. The writer is asked ``asks[0]``, then ``asks[1]`` (revise); ``version(loop,
+    reply)`` gives the transcript entry of its reply and the run's answer so far."""
+    transcript = [start]
     step = 0
     for loop in range(MAX_REVIEW_LOOPS):
-        ask = ("Write your solution." if loop == 0 else
-               "Revise your solution, fixing every problem the Reviewer listed.")
-        draft = run.ask(step, "Writer", REVIEW_ROLES["Writer"], "\n\n".join([*transcript, ask]))
-        transcript.append(f"Writer (draft {loop + 1}):\n{draft.strip()}")
+        reply = run.ask(step, writer, roles[writer],
+                        "\n\n".join([*transcript, asks[loop > 0]]))
+        entry, answer = version(loop, reply)
+        transcript.append(entry)
         step += 1
-        review = run.ask(step, "Reviewer", REVIEW_ROLES["Reviewer"], "\n\n".join(
-            [*transcript, "Review the latest draft. Reply APPROVED if it is correct."]))
+        review = run.ask(step, "Reviewer", roles["Reviewer"],
+                         "\n\n".join([*transcript, review_ask]))
         transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
         step += 1
         if "APPROVED" in review.upper():
-            return {"stopped": "approved", "loops": loop + 1, "answer": final_number(draft)}
-    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": final_number(draft)}
+            return {"stopped": "approved", "loops": loop + 1, "answer": answer}
+    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer}
+
+
+def run_review(run: Run) -> dict:
+    return review_loop(
+        run, REVIEW_ROLES, "Writer", f"Question: {run.question}",
+        ("Write your solution.", "Revise your solution, fixing every problem the Reviewer "
+         "listed."), "Review the latest draft. Reply APPROVED if it is correct.",
+        lambda loop, draft: (f"Writer (draft {loop + 1}):\n{draft.strip()}",
+                             final_number(draft)))
 
 
 def run_panel(run: Run) -> dict:
@@ -283,49 +298,32 @@ def run_pal_debate(run: Run) -> dict:
 def run_pal_review(run: Run) -> dict:
     """Program-aided review: the writer's program is run; the reviewer sees it and what it
     printed and approves it or lists problems; the writer revises, until approved."""
-    transcript: list[str] = [f"Question: {run.question}"]
-    step = 0
-    for loop in range(MAX_REVIEW_LOOPS):
-        ask = ("Write a short Python program that computes the answer and prints only the "
-               "final number, in one ```python block." if loop == 0 else
-               "Revise your program, fixing every problem the Reviewer listed, in one "
-               "```python block.")
-        draft = run.ask(step, "Writer", PAL_REVIEW_ROLES["Writer"],
-                        "\n\n".join([*transcript, ask]))
+    def version(loop: int, draft: str) -> tuple[str, str | None]:
         code = code_block(draft)
         answer = printed_number(run_python(code, 10.0).stdout)
-        transcript.append(f"Writer (program {loop + 1}):\n```python\n{code}\n```\n"
-                          f"printed: {answer}")
-        step += 1
-        review = run.ask(step, "Reviewer", PAL_REVIEW_ROLES["Reviewer"], "\n\n".join(
-            [*transcript, "Review the latest program. Reply APPROVED if it is correct."]))
-        transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
-        step += 1
-        if "APPROVED" in review.upper():
-            return {"stopped": "approved", "loops": loop + 1, "answer": answer}
-    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer}
+        return f"Writer (program {loop + 1}):\n```python\n{code}\n```\nprinted: {answer}", answer
+
+    return review_loop(
+        run, PAL_REVIEW_ROLES, "Writer", f"Question: {run.question}",
+        ("Write a short Python program that computes the answer and prints only the final "
+         "number, in one ```python block.", "Revise your program, fixing every problem the "
+         "Reviewer listed, in one ```python block."),
+        "Review the latest program. Reply APPROVED if it is correct.", version)
 
 
 def run_code_review(run: Run) -> dict:
     """Coder and reviewer over one HumanEval specification (``run.question``): the coder's
     function, the reviewer's verdict, revisions until approved; the answer is the last code."""
-    transcript: list[str] = [f"Specification:\n```python\n{run.question}```"]
-    step = 0
-    for loop in range(MAX_REVIEW_LOOPS):
-        ask = ("Complete the function. Reply with the whole function in one ```python block."
-               if loop == 0 else "Revise the function, fixing every problem the Reviewer "
-               "listed. Reply with the whole function in one ```python block.")
-        code = code_block(run.ask(step, "Coder", CODE_REVIEW_ROLES["Coder"],
-                                  "\n\n".join([*transcript, ask])))
-        transcript.append(f"Coder (version {loop + 1}):\n```python\n{code}\n```")
-        step += 1
-        review = run.ask(step, "Reviewer", CODE_REVIEW_ROLES["Reviewer"], "\n\n".join(
-            [*transcript, "Review the latest implementation. Reply APPROVED if it is correct."]))
-        transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
-        step += 1
-        if "APPROVED" in review.upper():
-            return {"stopped": "approved", "loops": loop + 1, "answer": code}
-    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": code}
+    def version(loop: int, reply: str) -> tuple[str, str]:
+        code = code_block(reply)
+        return f"Coder (version {loop + 1}):\n```python\n{code}\n```", code
+
+    return review_loop(
+        run, CODE_REVIEW_ROLES, "Coder", f"Specification:\n```python\n{run.question}```",
+        ("Complete the function. Reply with the whole function in one ```python block.",
+         "Revise the function, fixing every problem the Reviewer listed. Reply with the whole "
+         "function in one ```python block."),
+        "Review the latest implementation. Reply APPROVED if it is correct.", version)
 
 
 RUNNERS = {"debate": run_debate, "review": run_review, "panel": run_panel,

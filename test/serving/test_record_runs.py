@@ -49,3 +49,15 @@ def test_code_review_stops_after_the_loop_limit_and_gsm8k_kinds_grade_numbers():
     assert out == {"stopped": "max_loops", "loops": rr.MAX_REVIEW_LOOPS, "answer": "pass"}
     assert rr.grade("pal_debate", "18", "18.0") and not rr.grade("debate", None, "18")
     assert rr.plan_runs(3, rr.KIND_SETS["code"]) == [("code_review", i) for i in range(3)]
+
+
+def test_the_gsm8k_review_loops_share_the_writer_reviewer_schedule():
+    run = ScriptedRun(["Final answer: 17", "Wrong total.", "Final answer: 18", "approved"], "Q?")
+    out = rr.run_review(run)
+    assert out == {"stopped": "approved", "loops": 2, "answer": "18"}
+    assert [a for _, a, _ in run.asked] == ["Writer", "Reviewer", "Writer", "Reviewer"]
+    assert run.asked[2][2].startswith("Question: Q?") and "Wrong total." in run.asked[2][2]
+    run = ScriptedRun(["```python\nprint(6 * 7)\n```", "APPROVED"], "Q?")
+    out = rr.run_pal_review(run)
+    assert out == {"stopped": "approved", "loops": 1, "answer": "42"}
+    assert "printed: 42" in run.asked[1][2]  # the reviewer sees what the program printed
