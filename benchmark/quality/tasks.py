@@ -18,6 +18,7 @@ Prompts suit small instruction-tuned code models: the answer is code in one fenc
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -165,9 +166,9 @@ def gsm8k_vote(flow: Flow) -> str | None:
     return next(n for n in last if n is not None and counts[n] == best)
 
 
-def humaneval_program(problem: dict, reply: str) -> str:
-    """The program pass@1 runs: the reply's code (after the problem's prompt when the code does
-    not define the entry point itself), the tests, and the call of ``check``."""
+def humaneval_code(problem: dict, reply: str) -> str:
+    """The reply's code as a program defines it: after the problem's prompt when the code does
+    not define the entry point itself, else after the prompt's imports."""
     code = code_block(reply)
     if not re.search(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", code, re.M):
         code = problem["prompt"] + code
@@ -175,7 +176,81 @@ def humaneval_program(problem: dict, reply: str) -> str:
         imports = [ln for ln in problem["prompt"].splitlines()
                    if ln.startswith(("import ", "from "))]
         code = "\n".join(imports) + "\n" + code
+    return code
+
+
+def humaneval_program(problem: dict, reply: str) -> str:
+    """The program pass@1 runs: the reply's code (:func:`humaneval_code`), the tests, and the
+    call of ``check``."""
+    code = humaneval_code(problem, reply)
     return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+_EXAMPLES_RUNNER = """
+import ast as _ast, doctest as _doctest
+
+
+class _Checker(_doctest.OutputChecker):  # equal values pass whatever their quotes or spacing
+    def check_output(self, want, got, flags):
+        if super().check_output(want, got, flags):
+            return True
+        try:
+            return _ast.literal_eval(want.strip()) == _ast.literal_eval(got.strip())
+        except Exception:
+            return False
+
+
+try:
+    _test = _doctest.DocTestParser().get_doctest({docstring!r}, globals(), "examples", None, 0)
+except ValueError:  # examples doctest cannot read (inconsistent indentation): none runnable
+    _test = _doctest.DocTest([], globals(), "examples", None, 0, None)
+for _example in _test.examples:  # `f(x) == y` with nothing after it: the check must be True
+    if not _example.want and "==" in _example.source:
+        _example.want = "True\\n"
+_runner = _doctest.DocTestRunner(checker=_Checker(), optionflags=_doctest.ELLIPSIS |
+                                 _doctest.NORMALIZE_WHITESPACE)
+_report = []  # the runner captures stdout while it runs: print the report after
+_runner.run(_test, out=_report.append)
+print(f"EXAMPLES {{_runner.failures}} {{_runner.tries}}")  # first: the output may be cut
+print("".join(_report), end="")
+"""
+EXAMPLES_REPORT_CHARS = 600
+
+
+def specification_docstring(problem: dict) -> str:
+    """The docstring of the problem's entry point (where its examples are), else ``""``."""
+    try:
+        tree = ast.parse(problem["prompt"])
+    except SyntaxError:
+        return ""
+    return next((ast.get_docstring(node) or "" for node in ast.walk(tree)
+                 if isinstance(node, ast.FunctionDef) and node.name == problem["entry_point"]),
+                "")
+
+
+def humaneval_examples(problem: dict, reply: str, timeout_s: float = 10.0) -> str:
+    """What running the specification's own examples (the ``>>>`` lines of its docstring, not
+    the hidden tests that grade it) on the reply's code shows, in a few lines for a reviewer:
+    that all pass, which fail (expected and got, at most ``EXAMPLES_REPORT_CHARS`` characters),
+    that the code does not run, or that the specification gives no runnable example."""
+    result = run_python(humaneval_code(problem, reply) + "\n" +
+                        _EXAMPLES_RUNNER.format(docstring=specification_docstring(problem)),
+                        timeout_s)
+    if result.timed_out:
+        return f"Running it timed out after {timeout_s:g} s."
+    m = re.search(r"^EXAMPLES (\d+) (\d+)\n", result.stdout, re.M)
+    if not result.ok or m is None:
+        err = result.stderr.strip().splitlines()
+        return "Running it failed: " + (err[-1] if err else f"exit status {result.returncode}")
+    failed, tried = int(m.group(1)), int(m.group(2))
+    if tried == 0:
+        return "The specification gives no runnable example; the code runs without error."
+    if failed == 0:
+        return f"All {tried} examples of the specification pass."
+    report = "\n".join(ln for ln in result.stdout[m.end():].splitlines()
+                       if not ln.startswith(("File ", "*****")))
+    return (f"{failed} of {tried} examples of the specification fail:\n" +
+            report[:EXAMPLES_REPORT_CHARS].rstrip())
 
 
 def humaneval_passes(problem: dict, reply: str, timeout_s: float = 10.0) -> bool:

@@ -22,8 +22,10 @@ the transcript; until the printed numbers agree) and ``pal_review`` (the writer'
 the reviewer sees it and its output). Every run's final answer (debates and panels: the majority)
 is graded against GSM8K's reference number (``outcome.correct``), so a budget replay can be
 judged by task success. ``--kinds code`` records ``code_review`` runs over HumanEval problems
-(run ``qid`` is the problem's index): a coder completes the function, a reviewer answers
-``APPROVED`` or lists problems, the coder revises, until approved or ``MAX_REVIEW_LOOPS`` loops;
+(run ``qid`` is the problem's index): a coder completes the function, which is run on the
+specification's own examples (its docstring's ``>>>`` lines; the hidden tests stay hidden), a
+reviewer sees code and run and answers ``APPROVED`` or lists problems, the coder revises, until
+approved with every example passing or ``MAX_REVIEW_LOOPS`` loops;
 the last version is graded by the problem's own tests in the sandbox (pass@1) -- a task a small
 code model does well, so the budget replay's success rate is far from zero.
 
@@ -62,7 +64,8 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.quality.sandbox import run_python  # noqa: E402
 from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     humaneval_passes, printed_number, same_number)
+                                     humaneval_examples, humaneval_passes, printed_number,
+                                     same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
@@ -98,8 +101,9 @@ CODE_REVIEW_ROLES = {
     "Coder": "You are the Coder. You implement Python functions exactly to their specification "
     "and revise them when the Reviewer finds problems.",
     "Reviewer": "You are the Reviewer. You check the Coder's latest implementation against the "
-    "specification line by line, edge cases included. If it is fully correct, reply with the "
-    "single word APPROVED. Otherwise list each problem you found, briefly, without code.",
+    "specification line by line, edge cases included; an example that fails is a problem. If "
+    "it is fully correct, reply with the single word APPROVED. Otherwise list each problem you "
+    "found, briefly, without code.",
 }
 PANEL_ROLES = {
     "Algebraist": "You are the Algebraist on a panel of four experts. You set the problem up "
@@ -158,6 +162,7 @@ class Run:
     url: str
     max_new: int
     temperature: float
+    item: dict | None = None  # code kinds: the HumanEval problem (its examples are run)
     workflow: str = field(default_factory=lambda: f"rr-{uuid.uuid4().hex[:12]}")
     turns: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -211,11 +216,18 @@ def run_debate(run: Run) -> dict:
 
 def review_loop(run: Run, roles: dict[str, str], writer: str, start: str,
                 asks: tuple[str, str], review_ask: str,
-                version: Callable[[int, str], tuple[str, str | None]]) -> dict:
-    """A writer and a reviewer, until the reviewer answers ``APPROVED`` or ``MAX_REVIEW_LOOPS``
-    loops have run. The writer is asked ``asks[0]``, then ``asks[1]`` (revise); ``version(loop,
-    reply)`` gives the transcript entry of its reply and the run's answer so far."""
+                version: Callable[[int, str], tuple[str, str | None]],
+                veto: Callable[[], bool] = lambda: False) -> dict:
+    """A writer and a reviewer, until the reviewer answers ``APPROVED`` (and ``veto()``, asked
+    then, does not overrule it) or ``MAX_REVIEW_LOOPS`` loops have run. The writer is asked
+    ``asks[0]``, then ``asks[1]`` (revise); ``version(loop, reply)`` gives the transcript entry
+    of its reply and the run's answer so far.
+
+    The outcome's ``versions`` lists ``[turns done, answer]`` for each of the writer's versions
+    (the answer a run stopped after that many turns would submit), so a budget replay can
+    shorten a run instead of failing it."""
     transcript = [start]
+    versions: list[list] = []
     step = 0
     for loop in range(MAX_REVIEW_LOOPS):
         reply = run.ask(step, writer, roles[writer],
@@ -223,13 +235,16 @@ def review_loop(run: Run, roles: dict[str, str], writer: str, start: str,
         entry, answer = version(loop, reply)
         transcript.append(entry)
         step += 1
+        versions.append([step, answer])
         review = run.ask(step, "Reviewer", roles["Reviewer"],
                          "\n\n".join([*transcript, review_ask]))
         transcript.append(f"Reviewer (review {loop + 1}):\n{review.strip()}")
         step += 1
-        if "APPROVED" in review.upper():
-            return {"stopped": "approved", "loops": loop + 1, "answer": answer}
-    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer}
+        if "APPROVED" in review.upper() and not veto():
+            return {"stopped": "approved", "loops": loop + 1, "answer": answer,
+                    "versions": versions}
+    return {"stopped": "max_loops", "loops": MAX_REVIEW_LOOPS, "answer": answer,
+            "versions": versions}
 
 
 def run_review(run: Run) -> dict:
@@ -313,17 +328,29 @@ def run_pal_review(run: Run) -> dict:
 
 def run_code_review(run: Run) -> dict:
     """Coder and reviewer over one HumanEval specification (``run.question``): the coder's
-    function, the reviewer's verdict, revisions until approved; the answer is the last code."""
+    function is run on the specification's own examples (``run.item``'s docstring, in the
+    sandbox; not the hidden tests that grade it), the reviewer sees the code and that run and
+    approves or lists problems, the coder revises, until approved with every example passing
+    (the run of the examples overrules an approval, as a test executor would: the small models
+    approve nearly anything); the answer is the last code."""
+    failing = [False]
+
     def version(loop: int, reply: str) -> tuple[str, str]:
         code = code_block(reply)
-        return f"Coder (version {loop + 1}):\n```python\n{code}\n```", code
+        entry = f"Coder (version {loop + 1}):\n```python\n{code}\n```"
+        if run.item is not None:
+            ran = humaneval_examples(run.item, reply)
+            failing[0] = not ran.startswith(("All ", "The specification gives no"))
+            entry += f"\nRunning the specification's examples: {ran}"
+        return entry, code
 
     return review_loop(
         run, CODE_REVIEW_ROLES, "Coder", f"Specification:\n```python\n{run.question}```",
         ("Complete the function. Reply with the whole function in one ```python block.",
-         "Revise the function, fixing every problem the Reviewer listed. Reply with the whole "
-         "function in one ```python block."),
-        "Review the latest implementation. Reply APPROVED if it is correct.", version)
+         "Revise the function, fixing every problem the Reviewer listed and every failing "
+         "example. Reply with the whole function in one ```python block."),
+        "Review the latest implementation and what running the examples showed. Reply APPROVED "
+        "if it is correct.", version, veto=lambda: failing[0])
 
 
 RUNNERS = {"debate": run_debate, "review": run_review, "panel": run_panel,
@@ -364,6 +391,9 @@ def record_one(run: Run, model_name: str, item: str | dict) -> dict:
     outcome = RUNNERS[run.kind](run)
     outcome["gold"] = item["task_id"] if isinstance(item, dict) else item
     outcome["correct"] = grade(run.kind, outcome.get("answer"), item)
+    if "versions" in outcome:  # each version graded; the answers themselves are not kept
+        outcome["versions"] = [[turns, grade(run.kind, answer, item)]
+                               for turns, answer in outcome["versions"]]
     r = requests.get(f"{run.url}/kvcmas/workflows/{run.workflow}", timeout=60)
     ledger = r.json() if r.ok else {"error": r.status_code}
     turns = sorted(run.turns, key=lambda t: t["t1"])
@@ -425,7 +455,8 @@ def main() -> int:
         if time.time() > deadline:
             return
         text, item = problem(kind, qid)
-        run = Run(kind, qid, text, url, args.max_new_tokens, args.temperature)
+        run = Run(kind, qid, text, url, args.max_new_tokens, args.temperature,
+                  item if isinstance(item, dict) else None)
         try:
             rec = record_one(run, model.name, item)
         except Exception as e:  # one failed run is skipped, the others go on
