@@ -31,8 +31,11 @@ server's ledger saw them, in finish order). Spend is *computed* tokens (prefill 
   the smallest ``m`` of a grid that keeps the training runs' success count equal to ``cap``'s
   is chosen per fold, on the training runs). A run *succeeds* when it reaches its own end
   without a refusal and, where the recording graded it (``outcome.correct``: its final answer
-  against GSM8K's), its answer is right; variants without grades (the embedded model, which
-  cannot do the tasks) are judged on completion only, labelled so.
+  against GSM8K's, or the HumanEval problem's tests), its answer is right; variants without
+  grades (the embedded model, which cannot do the tasks) are judged on completion only,
+  labelled so. Runs recorded with graded versions (``outcome.versions``: the writer's answer
+  after each of its turns, in the review kinds) are *shortened* by a refusal instead of
+  failed: the frontend stops and submits its latest version, which succeeds when right.
 
 Writes ``results/forecast_bench_<name>.txt`` (``--name``, default the variants joined by ``+``)
 and ends with
@@ -85,7 +88,9 @@ def with_in_flight(ledger_turns: list[dict], usage_turns: list[dict]) -> list[di
 
 def load_runs(path: Path) -> list[dict]:
     """Recorded runs with ``turns``: the ledger's turns (else the responses' usage), >= 2; and
-    ``correct``: whether the run's final answer was right (None when not recorded)."""
+    ``correct``: whether the run's final answer was right (None when not recorded);
+    ``versions``: ``(turns done, right)`` per graded version of a writer's answer (review
+    kinds recorded with versions; else empty)."""
     runs, seen = [], set()
     for line in path.read_text().splitlines():
         try:
@@ -103,7 +108,10 @@ def load_runs(path: Path) -> list[dict]:
             runs.append({"kind": rec["kind"], "qid": rec["qid"], "turns": turns,
                          "variant": path.stem.removeprefix("record_runs_"),
                          "model": rec.get("model", "embedded"),
-                         "correct": (rec.get("outcome") or {}).get("correct")})
+                         "correct": (rec.get("outcome") or {}).get("correct"),
+                         "versions": [tuple(v) for v in
+                                      (rec.get("outcome") or {}).get("versions", [])
+                                      if isinstance(v[1], bool)]})
     return runs
 
 
@@ -112,24 +120,48 @@ def at(p: float, n_turns: int) -> int:
 
 
 def replay(states: list[sf.TrajectoryState], model: sf.SpendForecaster | None, budget: int,
-           m: float) -> tuple[int, bool]:
-    """Spend and completion of one run under a budget: a turn is refused once the spend so far
-    reaches ``budget``, or (with ``model``) the forecast's low end passes ``budget * m``."""
-    for state in states[:-1]:
+           m: float) -> tuple[int, int]:
+    """Spend and turns run of one run under a budget: a turn is refused once the spend so far
+    reaches ``budget``, or (with ``model``) the forecast's low end passes ``budget * m``; the
+    run stops there (all ``len(states)`` turns run: it reached its own end)."""
+    for k, state in enumerate(states[:-1]):
         if state.computed >= budget:
-            return state.computed, False
+            return state.computed, k + 1
         if model is not None and model.forecast(state).low > budget * m:
-            return state.computed, False
-    return states[-1].computed, True
+            return state.computed, k + 1
+    return states[-1].computed, len(states)
 
 
-def budget_outcome(runs: list[tuple[list[sf.TrajectoryState], bool | None]],
-                   model: sf.SpendForecaster | None, budget: int, m: float) -> tuple[int, int]:
-    """Tokens spent and runs succeeded over ``runs`` (states, graded correct or None)."""
+@dataclass(frozen=True)
+class ReplayRun:
+    """One held-out run for the budget replay: its states turn by turn, whether its final answer
+    was right (None: not graded), and, for runs whose writer submits versions, ``versions``:
+    ``(turns done, that version right)`` -- a run stopped early submits its latest version."""
+
+    states: list[sf.TrajectoryState]
+    correct: bool | None
+    versions: tuple[tuple[int, bool], ...] = ()
+
+    def succeeded(self, turns: int) -> bool:
+        """Whether the run, stopped after ``turns`` turns, succeeds: at its own end, when its
+        answer was not graded wrong; stopped early, when its latest version by then was right
+        (a run without versions fails)."""
+        if turns == len(self.states):
+            return self.correct is not False
+        return next((ok for t, ok in reversed(self.versions) if t <= turns), False)
+
+
+def replay_run(run: dict, states: list[sf.TrajectoryState]) -> ReplayRun:
+    return ReplayRun(states, run["correct"], tuple(run["versions"]))
+
+
+def budget_outcome(runs: list[ReplayRun], model: sf.SpendForecaster | None, budget: int,
+                   m: float) -> tuple[int, int]:
+    """Tokens spent and runs succeeded over ``runs``."""
     spent = done = 0
-    for states, correct in runs:
-        s, completed = replay(states, model, budget, m)
-        spent, done = spent + s, done + (completed and correct is not False)
+    for run in runs:
+        s, turns = replay(run.states, model, budget, m)
+        spent, done = spent + s, done + run.succeeded(turns)
     return spent, done
 
 
@@ -147,6 +179,7 @@ class Replay:
     """One variant's budget replay over its held-out runs."""
 
     graded: bool
+    shortens: bool = False  # refused runs submit their latest graded version
     runs: int = 0
     budgets: list[int] = field(default_factory=list)
     ms: list[float] = field(default_factory=list)
@@ -157,7 +190,7 @@ class Replay:
         default_factory=lambda: {m: [0, 0] for m in M_GRID})
 
     def add(self, train: list, test: list, model: sf.SpendForecaster) -> None:
-        budget = int(statistics.median(s[-1].computed for s, _ in train))
+        budget = int(statistics.median(r.states[-1].computed for r in train))
         self.budgets.append(budget)
         _, cap_train = budget_outcome(train, None, budget, 1.0)
         m = next((m for m in M_GRID if budget_outcome(train, model, budget, m)[1] >= cap_train),
@@ -193,7 +226,10 @@ class Replay:
             f"at {self.chosen[1]}/{n} vs {self.cap[1]}/{n} {what}",
             "  every m of the grid on the held-out runs (for context, not used to choose): "
             + ", ".join(f"m={mm:g} {v[0]} tokens {v[1]}/{n}" for mm, v in self.sweep.items()),
-            ("  success = the run's graded final answer was right and no turn was refused"
+            ("  success = the answer the run submitted was right: at its own end its final "
+             "answer; stopped by a refusal, its latest version (the frontend stops the run and "
+             "submits it)" if self.shortens else
+             "  success = the run's graded final answer was right and no turn was refused"
              if self.graded else "  completion = the run reached its own end without a "
              "refusal; these runs carry no grade (the model cannot do the tasks), so this is "
              "NOT task success")]
@@ -247,7 +283,9 @@ def main() -> int:
     covered = {q: [] for q in POINTS}
     timings: list[float] = []
     replays = {v: Replay(graded=any(r["correct"] is not None for r in runs
-                                    if r["variant"] == v)) for v in variants}
+                                    if r["variant"] == v),
+                         shortens=any(r["versions"] for r in runs if r["variant"] == v))
+               for v in variants}
     served = sorted({r["model"] for r in runs})
     for f, mdl in itertools.product(range(args.folds), served):
         train = [i for i in order if fold_of[i] != f and runs[i]["model"] == mdl]
@@ -280,9 +318,9 @@ def main() -> int:
             timings.append((time.perf_counter() - t0) * 1000 / n)
         for v, rep in replays.items():
             if any(runs[i]["variant"] == v for i in test):
-                rep.add([(states[i], runs[i]["correct"]) for i in train
+                rep.add([replay_run(runs[i], states[i]) for i in train
                          if runs[i]["variant"] == v],
-                        [(states[i], runs[i]["correct"]) for i in test
+                        [replay_run(runs[i], states[i]) for i in test
                          if runs[i]["variant"] == v], model)
 
     def mdape(name: str, q: float, variant: str | None = None) -> float:

@@ -27,11 +27,23 @@ def test_in_flight_is_rebuilt_from_send_and_finish_times():
 
 def test_the_replay_counts_success_only_for_right_answers_that_completed():
     grow = [sf.TrajectoryState(turns=k, recomputed=100 * k) for k in range(1, 6)]  # 500 total
-    runs = [(grow, True), (grow, False), (grow, None), (grow[:2], True)]
+    runs = [fb.ReplayRun(grow, True), fb.ReplayRun(grow, False), fb.ReplayRun(grow, None),
+            fb.ReplayRun(grow[:2], True)]
     spent, succeeded = fb.budget_outcome(runs, None, budget=1000, m=1.0)
     assert (spent, succeeded) == (500 * 3 + 200, 3)  # the wrong answer does not succeed
     spent, succeeded = fb.budget_outcome(runs, None, budget=300, m=1.0)
     assert succeeded == 1  # only the 2-turn run ends before the cap refuses
+
+
+def test_a_refused_run_with_versions_submits_its_latest_version():
+    grow = [sf.TrajectoryState(turns=k, recomputed=100 * k) for k in range(1, 6)]  # 500 total
+    # versions after turns 1 (wrong) and 3 (right); the final answer (turn 5's) is wrong
+    run = fb.ReplayRun(grow, False, ((1, False), (3, True)))
+    assert fb.replay(grow, None, 300, 1.0) == (300, 3)  # refused before turn 4
+    assert fb.budget_outcome([run], None, budget=300, m=1.0) == (300, 1)  # turn 3's version
+    assert fb.budget_outcome([run], None, budget=200, m=1.0) == (200, 0)  # turn 1's: wrong
+    assert fb.budget_outcome([run], None, budget=1000, m=1.0) == (500, 0)  # its own end
+    assert not fb.ReplayRun(grow, True).succeeded(3)  # no versions: a refused run fails
 
 
 def synthetic_recording(path: Path, n: int = 30, seed: int = 0) -> None:
@@ -46,7 +58,8 @@ def synthetic_recording(path: Path, n: int = 30, seed: int = 0) -> None:
                               "completion_tokens": rng.randint(20, 120), "in_flight": 0})
             f.write(json.dumps({"kind": ("debate", "panel")[i % 2], "qid": i,
                                 "model": "toy", "ledger_turns": turns,
-                                "outcome": {"correct": rng.random() < 0.5}}) + "\n")
+                                "outcome": {"correct": rng.random() < 0.5,
+                                            "versions": [[1, rng.random() < 0.5]]}}) + "\n")
 
 
 def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
@@ -56,6 +69,7 @@ def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
     assert fb.main() == 0
     out = capsys.readouterr().out
     assert "succeeded (completed, answer right)" in out
+    assert "stopped by a refusal, its latest version" in out  # the recording has versions
     headline = out.strip().splitlines()[-1]
     assert headline.startswith("HEADLINE mape_at_50pct=") and "naive_mape_at_50pct=" in headline
     assert (tmp_path / "forecast_bench_toy.txt").read_text() == out
