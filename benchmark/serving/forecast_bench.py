@@ -38,7 +38,8 @@ server's ledger saw them, in finish order). Spend is *computed* tokens (prefill 
   failed: the frontend stops and submits its latest version, which succeeds when right.
 
 Writes ``results/forecast_bench_<name>.txt`` (``--name``, default the variants joined by ``+``)
-and ends with
+and a plot beside it (``.png``: error against the share of the run seen, per forecaster; the
+budget replay's tokens and successes per variant), and ends with
 ``HEADLINE mape_at_50pct=<x> naive_mape_at_50pct=<x> forecast_ms=<x> budget_tokens_saved=<x>``
 (MAPE over every held-out run; ``naive`` = ``naive_rate``; tokens saved on the first graded
 variant, else the first variant).
@@ -370,8 +371,45 @@ def main() -> int:
               f"budget_tokens_saved={headline.saved}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    (RESULTS / f"forecast_bench_{args.name or '+'.join(variants)}.txt").write_text(text)
+    stem = RESULTS / f"forecast_bench_{args.name or '+'.join(variants)}"
+    stem.with_suffix(".txt").write_text(text)
+    plot({label: [mdape(name, q) for q in POINTS] for name, label in names.items()
+          if name != "prompt_forecast"}, replays, stem.with_suffix(".png"))
     return 0
+
+
+def plot(errors: dict[str, list[float]], replays: dict[str, Replay], path: Path) -> None:
+    """Left: MdAPE of the total forecast at 25/50/75% of a run, per forecaster; right: per
+    variant, the tokens spent under the spend cap and under the forecast rule (m chosen on
+    training runs), each bar labelled with the runs that succeeded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for label, ys in errors.items():
+        left.plot([int(100 * q) for q in POINTS], [100 * y for y in ys], marker="o", label=label)
+    left.set_xlabel("% of the run's turns seen")
+    left.set_ylabel("median abs. % error of the total")
+    left.set_title("spend forecast, held-out runs")
+    left.legend(fontsize=7)
+    shown = [(v, r) for v, r in replays.items() if r.runs]
+    for j, (arm, width) in enumerate((("cap", -0.2), ("chosen", 0.2))):
+        bars = right.bar([i + width for i in range(len(shown))],
+                         [getattr(r, arm)[0] for _, r in shown], 0.4,
+                         label=("spend cap" if arm == "cap" else "forecast rule"))
+        for bar, (_, r) in zip(bars, shown):
+            right.annotate(f"{getattr(r, arm)[1]}/{r.runs}", (bar.get_x() + bar.get_width() / 2,
+                           bar.get_height()), ha="center", va="bottom", fontsize=7)
+    right.set_xticks(range(len(shown)))
+    right.set_xticklabels([v for v, _ in shown], rotation=15, fontsize=7)
+    right.set_ylabel("computed tokens spent (held-out runs)")
+    right.set_title("budget replay (labels: runs succeeded)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

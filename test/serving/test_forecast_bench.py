@@ -73,6 +73,7 @@ def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
     headline = out.strip().splitlines()[-1]
     assert headline.startswith("HEADLINE mape_at_50pct=") and "naive_mape_at_50pct=" in headline
     assert (tmp_path / "forecast_bench_toy.txt").read_text() == out
+    assert (tmp_path / "forecast_bench_toy.png").stat().st_size > 0
     monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--variant", "toy", "--fit",
                                       "--out", str(tmp_path / "toy.json")])
     assert fb.main() == 0
