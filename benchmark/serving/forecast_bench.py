@@ -395,7 +395,7 @@ def plot(errors: dict[str, list[float]], replays: dict[str, Replay], path: Path)
     left.set_title("spend forecast, held-out runs")
     left.legend(fontsize=7)
     shown = [(v, r) for v, r in replays.items() if r.runs]
-    for j, (arm, width) in enumerate((("cap", -0.2), ("chosen", 0.2))):
+    for arm, width in (("cap", -0.2), ("chosen", 0.2)):
         bars = right.bar([i + width for i in range(len(shown))],
                          [getattr(r, arm)[0] for _, r in shown], 0.4,
                          label=("spend cap" if arm == "cap" else "forecast rule"))
