@@ -71,6 +71,7 @@ from sglang_kvcmas.policy import spend_forecast as sf  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 POINTS = (0.25, 0.5, 0.75)
 M_GRID = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+UNBOUNDED = 1 << 62  # a budget no run reaches
 
 
 def with_in_flight(ledger_turns: list[dict], usage_turns: list[dict]) -> list[dict]:
@@ -184,7 +185,8 @@ class Replay:
     runs: int = 0
     budgets: list[int] = field(default_factory=list)
     ms: list[float] = field(default_factory=list)
-    cap: list[int] = field(default_factory=lambda: [0, 0])  # spent, succeeded
+    free: list[int] = field(default_factory=lambda: [0, 0])  # spent, succeeded: no budget
+    cap: list[int] = field(default_factory=lambda: [0, 0])
     rule: list[int] = field(default_factory=lambda: [0, 0])
     chosen: list[int] = field(default_factory=lambda: [0, 0])
     sweep: dict[float, list[int]] = field(
@@ -198,9 +200,11 @@ class Replay:
                  M_GRID[-1])
         self.ms.append(m)
         self.runs += len(test)
-        for acc, (mod, mm) in ((self.cap, (None, 1.0)), (self.rule, (model, 1.0)),
-                               (self.chosen, (model, m))):
-            s, d = budget_outcome(test, mod, budget, mm)
+        for acc, (mod, bb, mm) in ((self.free, (None, UNBOUNDED, 1.0)),
+                                   (self.cap, (None, budget, 1.0)),
+                                   (self.rule, (model, budget, 1.0)),
+                                   (self.chosen, (model, budget, m))):
+            s, d = budget_outcome(test, mod, bb, mm)
             acc[0], acc[1] = acc[0] + s, acc[1] + d
         for mm in M_GRID:
             s, d = budget_outcome(test, model, budget, mm)
@@ -212,11 +216,14 @@ class Replay:
         return self.cap[0] - self.chosen[0]
 
     def lines(self, variant: str) -> list[str]:
-        what = "succeeded (completed, answer right)" if self.graded else "completed"
+        what = ("succeeded (submitted answer right)" if self.shortens else
+                "succeeded (completed, answer right)" if self.graded else "completed")
         n = self.runs
         return [
             f"budget replay, {variant} ({n} held-out runs; per-fold budget = training runs' "
             f"median total: {', '.join(map(str, self.budgets))} computed tokens):",
+            f"  no budget (every run to its own end):     spent {self.free[0]} tokens, "
+            f"{what} {self.free[1]}/{n}",
             f"  cap (refuse once spent >= budget):        spent {self.cap[0]} tokens, "
             f"{what} {self.cap[1]}/{n}",
             f"  forecast, m=1 (server rule: low > budget): spent {self.rule[0]} tokens, "
@@ -380,8 +387,8 @@ def main() -> int:
 
 def plot(errors: dict[str, list[float]], replays: dict[str, Replay], path: Path) -> None:
     """Left: MdAPE of the total forecast at 25/50/75% of a run, per forecaster; right: per
-    variant, the tokens spent under the spend cap and under the forecast rule (m chosen on
-    training runs), each bar labelled with the runs that succeeded."""
+    variant, the tokens spent without a budget, under the spend cap and under the forecast rule
+    (m chosen on training runs), each bar labelled with the runs that succeeded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -395,10 +402,10 @@ def plot(errors: dict[str, list[float]], replays: dict[str, Replay], path: Path)
     left.set_title("spend forecast, held-out runs")
     left.legend(fontsize=7)
     shown = [(v, r) for v, r in replays.items() if r.runs]
-    for arm, width in (("cap", -0.2), ("chosen", 0.2)):
-        bars = right.bar([i + width for i in range(len(shown))],
-                         [getattr(r, arm)[0] for _, r in shown], 0.4,
-                         label=("spend cap" if arm == "cap" else "forecast rule"))
+    for arm, offset, label in (("free", -0.27, "no budget"), ("cap", 0.0, "spend cap"),
+                               ("chosen", 0.27, "forecast rule")):
+        bars = right.bar([i + offset for i in range(len(shown))],
+                         [getattr(r, arm)[0] for _, r in shown], 0.27, label=label)
         for bar, (_, r) in zip(bars, shown):
             right.annotate(f"{getattr(r, arm)[1]}/{r.runs}", (bar.get_x() + bar.get_width() / 2,
                            bar.get_height()), ha="center", va="bottom", fontsize=7)

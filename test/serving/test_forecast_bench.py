@@ -68,7 +68,7 @@ def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--variant", "toy", "--folds", "3"])
     assert fb.main() == 0
     out = capsys.readouterr().out
-    assert "succeeded (completed, answer right)" in out
+    assert "succeeded (submitted answer right)" in out and "no budget (every run" in out
     assert "stopped by a refusal, its latest version" in out  # the recording has versions
     headline = out.strip().splitlines()[-1]
     assert headline.startswith("HEADLINE mape_at_50pct=") and "naive_mape_at_50pct=" in headline
