@@ -378,10 +378,10 @@ def main() -> int:
               f"budget_tokens_saved={headline.saved}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    stem = RESULTS / f"forecast_bench_{args.name or '+'.join(variants)}"
-    stem.with_suffix(".txt").write_text(text)
+    stem = f"forecast_bench_{args.name or '+'.join(variants)}"  # may hold dots: "qwen2.5"
+    (RESULTS / f"{stem}.txt").write_text(text)
     plot({label: [mdape(name, q) for q in POINTS] for name, label in names.items()
-          if name != "prompt_forecast"}, replays, stem.with_suffix(".png"))
+          if name != "prompt_forecast"}, replays, RESULTS / f"{stem}.png")
     return 0
 
 
