@@ -1,6 +1,7 @@
 """The recorder's HumanEval coder ↔ reviewer loop: each version is run on the specification's
-examples for the reviewer, the loop stops when the reviewer approves, and the last version is
-graded by the problem's own tests (pass@1 in the sandbox); the examples' runner itself."""
+examples for the reviewer, the loop stops when the reviewer approves and no example fails, and
+the last version is graded by the problem's own tests (pass@1 in the sandbox); the examples'
+runner itself."""
 
 from __future__ import annotations
 
