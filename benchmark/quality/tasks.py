@@ -215,6 +215,8 @@ print(f"EXAMPLES {{_runner.failures}} {{_runner.tries}}")  # first: the output m
 print("".join(_report), end="")
 """
 EXAMPLES_REPORT_CHARS = 600
+_ALL_PASS = "All {} examples of the specification pass."
+_NONE_GIVEN = "The specification gives no runnable example; the code runs without error."
 
 
 def specification_docstring(problem: dict) -> str:
@@ -244,13 +246,19 @@ def humaneval_examples(problem: dict, reply: str, timeout_s: float = 10.0) -> st
         return "Running it failed: " + (err[-1] if err else f"exit status {result.returncode}")
     failed, tried = int(m.group(1)), int(m.group(2))
     if tried == 0:
-        return "The specification gives no runnable example; the code runs without error."
+        return _NONE_GIVEN
     if failed == 0:
-        return f"All {tried} examples of the specification pass."
+        return _ALL_PASS.format(tried)
     report = "\n".join(ln for ln in result.stdout[m.end():].splitlines()
                        if not ln.startswith(("File ", "*****")))
     return (f"{failed} of {tried} examples of the specification fail:\n" +
             report[:EXAMPLES_REPORT_CHARS].rstrip())
+
+
+def examples_fail(report: str) -> bool:
+    """Whether a :func:`humaneval_examples` report says the code failed its examples (or did
+    not run): anything but all passing or none given."""
+    return not (report == _NONE_GIVEN or re.fullmatch(_ALL_PASS.format(r"\d+"), report))
 
 
 def humaneval_passes(problem: dict, reply: str, timeout_s: float = 10.0) -> bool:

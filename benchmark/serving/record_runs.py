@@ -64,8 +64,8 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.quality.sandbox import run_python  # noqa: E402
 from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     humaneval_examples, humaneval_passes, printed_number,
-                                     same_number)
+                                     examples_fail, humaneval_examples, humaneval_passes,
+                                     printed_number, same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
@@ -162,7 +162,7 @@ class Run:
     url: str
     max_new: int
     temperature: float
-    item: dict | None = None  # code kinds: the HumanEval problem (its examples are run)
+    item: str | dict | None = None  # what grades it: GSM8K's number, or the HumanEval problem
     workflow: str = field(default_factory=lambda: f"rr-{uuid.uuid4().hex[:12]}")
     turns: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -338,9 +338,9 @@ def run_code_review(run: Run) -> dict:
     def version(loop: int, reply: str) -> tuple[str, str]:
         code = code_block(reply)
         entry = f"Coder (version {loop + 1}):\n```python\n{code}\n```"
-        if run.item is not None:
+        if isinstance(run.item, dict):
             ran = humaneval_examples(run.item, reply)
-            failing[0] = not ran.startswith(("All ", "The specification gives no"))
+            failing[0] = examples_fail(ran)
             entry += f"\nRunning the specification's examples: {ran}"
         return entry, code
 
@@ -385,9 +385,9 @@ def done_keys(path: Path) -> set[str]:
     return keys
 
 
-def record_one(run: Run, model_name: str, item: str | dict) -> dict:
-    """Run one workflow and read its ledger; ``item`` grades it (see :func:`grade`)."""
-    t0 = time.time()
+def record_one(run: Run, model_name: str) -> dict:
+    """Run one workflow and read its ledger; ``run.item`` grades it (see :func:`grade`)."""
+    t0, item = time.time(), run.item
     outcome = RUNNERS[run.kind](run)
     outcome["gold"] = item["task_id"] if isinstance(item, dict) else item
     outcome["correct"] = grade(run.kind, outcome.get("answer"), item)
@@ -455,10 +455,9 @@ def main() -> int:
         if time.time() > deadline:
             return
         text, item = problem(kind, qid)
-        run = Run(kind, qid, text, url, args.max_new_tokens, args.temperature,
-                  item if isinstance(item, dict) else None)
+        run = Run(kind, qid, text, url, args.max_new_tokens, args.temperature, item)
         try:
-            rec = record_one(run, model.name, item)
+            rec = record_one(run, model.name)
         except Exception as e:  # one failed run is skipped, the others go on
             counts["failed"] += 1
             print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)

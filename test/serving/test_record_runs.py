@@ -102,3 +102,7 @@ def test_the_examples_runner_reports_passes_failures_crashes_and_absent_examples
     for qid in (65, 108):
         q = problems[qid]
         assert tasks.humaneval_examples(q, q["prompt"] + q["canonical_solution"]).startswith("All")
+    assert not tasks.examples_fail("All 12 examples of the specification pass.")
+    assert not tasks.examples_fail(tasks.humaneval_examples(
+        plain, plain["prompt"] + plain["canonical_solution"]))
+    assert tasks.examples_fail(tasks.humaneval_examples(p, "```python\npass\n```"))
