@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang_kvcmas.attention.corrected_reads import (
     correct_rows,
     corrected_grouped_decode,
@@ -15,12 +14,14 @@ from sglang_kvcmas.attention.corrected_reads import (
     reference_corrected_attention,
 )
 from sglang_kvcmas.attention.lowrank import (
+    MAX_CHAIN_WEIGHT,
     MIN_PAIRS,
     CorrectionFit,
     Factors,
     LayerCorrection,
     LowRankCorrection,
     RowCorrection,
+    chain_weight,
     fit_factors,
 )
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
@@ -62,6 +63,71 @@ def test_fit_of_noise_is_shrunk_towards_no_correction():
     moved = (f.apply(held) - held).norm() / held.norm()
     unshrunk = fit_factors(x, y, rank=8, shrink=False)
     assert moved < 0.1 and moved < 0.5 * (unshrunk.apply(held) - held).norm() / held.norm()
+
+
+def test_chain_weight_counts_the_prior_pairs_discounted_and_capped():
+    assert chain_weight(40, 40, 1.0) == 1.0 and chain_weight(40, 40, 0.5) == 0.5
+    assert chain_weight(1000, 20, 1.0) == MAX_CHAIN_WEIGHT  # a long history never freezes it
+    assert chain_weight(40, 40, 0.0) == chain_weight(0, 40, 1.0) == 0.0
+
+
+def test_a_chained_fit_with_zero_weight_is_the_per_turn_fit_bit_for_bit():
+    torch.manual_seed(2)
+    x = torch.randn(50, 2, 64)
+    y = _factors(2, 64, 3, scale=0.3).apply(x) + 0.05 * torch.randn(50, 2, 64)
+    alone = fit_factors(x, y, rank=4)
+    same = fit_factors(x, y, rank=4, prior=_factors(2, 64, 5, seed=9), prior_weight=0.0)
+    for t, u in ((alone.a, same.a), (alone.b, same.b), (alone.c, same.c)):
+        assert torch.equal(t, u)
+
+
+def test_chaining_carries_the_evidence_of_earlier_turns():
+    """Two turns of noisy pairs of one planted map, fewer pairs than input directions (as a
+    served turn has): the second turn's fit chained from the first recovers the map better
+    than the second turn alone, not better than both turns pooled (the ceiling; chaining stores
+    only the factors), and the prior's dense map is [A; c]·Bᵀ."""
+    torch.manual_seed(3)
+    true = _factors(3, 64, 4, scale=0.3)
+    scale = torch.linspace(0.2, 2.0, 64)  # K/V coordinates differ in scale
+
+    def turn(n):
+        x = torch.randn(n, 3, 64) * scale
+        return x, true.apply(x) + 0.3 * torch.randn(n, 3, 64)
+
+    (x1, y1), (x2, y2), (xt, yt) = turn(40), turn(40), turn(500)
+
+    def err(f):
+        return float((f.apply(xt) - yt).norm() / (xt - yt).norm())
+
+    first = fit_factors(x1, y1, rank=4)
+    alone = fit_factors(x2, y2, rank=4)
+    chained = fit_factors(x2, y2, rank=4, prior=first, prior_weight=chain_weight(40, 40, 1.0))
+    pooled = fit_factors(torch.cat([x1, x2]), torch.cat([y1, y2]), rank=4)
+    assert err(chained) < min(err(alone), err(first)) - 0.05
+    assert err(pooled) < err(chained)
+    w = first.dense()
+    z = torch.cat([xt[:7], torch.ones(7, 3, 1)], dim=2).double()
+    assert torch.allclose(xt[:7].double() + torch.einsum("nhd,hde->nhe", z, w),
+                          first.apply(xt[:7]).double(), atol=1e-4)
+
+
+def test_a_fit_chains_from_its_priors_layer_and_counts_its_pairs():
+    torch.manual_seed(4)
+    p = 24
+    x, y = torch.randn(p, 2, 64), torch.randn(p, 2, 64)
+    prior_lc = LayerCorrection(_factors(2, 64, 3, seed=5), _factors(2, 64, 3, seed=6))
+    prior = LowRankCorrection({0: prior_lc}, 3, pairs=48)
+    fit = CorrectionFit(torch.arange(p), torch.zeros(p, dtype=torch.int64), torch.arange(p), 4,
+                        prior=prior, chain=0.5)
+    assert fit.prior_weight == 0.5 * 48 / p
+    lc = fit.fit_layer(0, x, y, x, y)
+    want_k = fit_factors(x, y, 4, prior=prior_lc.k, prior_weight=1.0)
+    want_v = fit_factors(x, y, 4, prior=prior_lc.v, prior_weight=1.0)
+    assert torch.equal(lc.k.b, want_k.b) and torch.equal(lc.v.a, want_v.a)
+    assert not torch.equal(lc.k.b, fit_factors(x, y, 4).b)
+    no_prior_layer = fit.fit_layer(1, x, y, x, y)  # the prior has no layer 1: per turn
+    assert torch.equal(no_prior_layer.k.b, fit_factors(x, y, 4).b)
+    assert fit.result().pairs == round(p * (1 + 1.0))
 
 
 def test_query_and_output_side_equal_the_explicit_correction():

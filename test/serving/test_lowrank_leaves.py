@@ -90,6 +90,17 @@ def test_lowrank_reader_fits_reads_corrected_and_keeps_factors_not_tokens():
     spans3, _ = h.serve(b3, 4)
     assert spans3.correction.stored.layer(0) is lc
     assert b3.customized_info["kvcmas_reuse"][0]["reused_corrected"] == borrowed
+    fit3 = spans3.correction.fit  # its refit chains from the stored factors (the default)
+    assert fit3.prior is spans3.correction.stored and fit3.chain == 1.0
+    assert fit3.prior_weight == 1.0  # as many stored pairs as its own: equal weight
+
+
+def test_a_deployment_without_chaining_refits_from_scratch():
+    h = _harness("lowrank", _layer(3, 64, 4))
+    h.cache.leaf_config = LeafConfig("lowrank", 4, chain=0.0)
+    b, _, _ = _turns(h)
+    spans3, _ = h.serve(Req("b3", b + T1 + T2 + SUFFIX + [9]), 4)
+    assert spans3.correction.stored is not None and spans3.correction.fit.prior_weight == 0.0
 
 
 def test_lowrank_and_exact_keeps_both_and_a_forward_that_fitted_nothing_stores_nothing():
@@ -138,6 +149,12 @@ def test_leaf_mode_knob_from_config_environment_and_request():
         ServingConfig.from_env({"KVCMAS_LEAF_MODE": "dense"})
     with pytest.raises(RequestOptionError, match="kvcmas_lowrank_rank"):
         RequestOptions.parse({"kvcmas_lowrank_rank": 0})
+    assert LeafConfig.from_serving(ServingConfig()).chain == 1.0
+    assert LeafConfig.from_serving(ServingConfig(), lowrank_chain=0.5).chain == 0.5
+    with pytest.raises(RequestOptionError, match="kvcmas_lowrank_chain"):
+        RequestOptions.parse({"kvcmas_lowrank_chain": 2})
+    with pytest.raises(ValueError):
+        LeafConfig("lowrank", 8, chain=-0.1)
 
 
 def test_low_rank_leaves_are_byte_counted_and_capped_least_recently_used_first():

@@ -15,6 +15,20 @@ held-out scale (the lab's ``correction/kvcmas.py`` guard: a fit is trusted only 
 predicts recomputed tokens it was not fitted on, so it never makes the read worse on its own
 evidence). No reference prefill.
 
+Chaining: a reader's correction carries along its workflow. When it refits (a later turn, a new
+segment), its stored correction is the prior: the map is pulled toward the stored one with
+weight ``α`` (:func:`chain_weight`: the earlier pairs, discounted by the deployment's
+``lowrank_chain``, over this turn's), i.e. it minimizes
+
+    ‖z·W − dev‖² + α·‖S·(W − W_prev)‖² + λ‖W‖²,   W_prev = [A; c]·Bᵀ (the stored map),
+
+``S² = diag(zᵀz)``: the earlier turns' evidence as ``α·n`` pairs with this turn's per-coordinate
+scale but no correlations. A turn's ``n`` pairs (tens) span fewer than the ``d + 1`` input
+directions, so replaying the prior on this turn's own inputs (``S² = zᵀz``) would add nothing
+where this turn's pairs are silent; the diagonal does, at no storage beyond the factors
+(``test/serving/test_lowrank.py`` and ``benchmark/lab/lowrank_chain_study.py`` measure it).
+``α = 0`` is the per-turn fit, bit for bit.
+
 Why the reader's frame: the read is then nearly free (``attention/corrected_reads.py``). The
 score of a query against a corrected key is
 
@@ -44,6 +58,9 @@ MIN_PAIRS = 16
 """Fewest recomputed (foreign) tokens a fit needs; with fewer, no factors are fitted."""
 RIDGE = 0.05
 """Ridge strength, relative to the mean diagonal of the Gram of ``[x, 1]``."""
+MAX_CHAIN_WEIGHT = 4.0
+"""Most weight a stored correction gets against a turn's own pairs when they chain (``α``): a
+long history never freezes the map."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,11 @@ class Factors:
         u = y @ a + mass[..., None] * c[:, None, :]
         return y + u @ b.transpose(1, 2)
 
+    def dense(self) -> torch.Tensor:
+        """[H_kv, d+1, d] float64 ``W = [A; c]·Bᵀ``: the map ``[x, 1]·W`` adds to ``x``."""
+        a_aug = torch.cat([self.a, self.c[:, None, :]], dim=1).to(torch.float64)
+        return a_aug @ self.b.to(torch.float64).transpose(1, 2)
+
 
 @dataclass(frozen=True)
 class LayerCorrection:
@@ -149,8 +171,18 @@ class LowRankCorrection:
         return cls({i: LayerCorrection(empty, empty) for i in range(num_layers)}, 0)
 
 
+def chain_weight(prior_pairs: float, pairs: int, chain: float) -> float:
+    """``α``: the weight of a stored correction fitted on ``prior_pairs`` (effective) pairs
+    against a refit on ``pairs``, its pairs discounted by ``chain`` (0: not chained), at most
+    :data:`MAX_CHAIN_WEIGHT`."""
+    if chain <= 0 or prior_pairs <= 0 or pairs <= 0:
+        return 0.0
+    return min(MAX_CHAIN_WEIGHT, chain * prior_pairs / pairs)
+
+
 def fit_factors(x: torch.Tensor, y: torch.Tensor, rank: int, ridge: float = RIDGE,
-                shrink: bool = True) -> Factors | None:
+                shrink: bool = True, prior: Factors | None = None,
+                prior_weight: float = 0.0) -> Factors | None:
     """Affine low-rank map from base to exact, per KV head, by ridge + truncated SVD.
 
     Args:
@@ -159,6 +191,8 @@ def fit_factors(x: torch.Tensor, y: torch.Tensor, rank: int, ridge: float = RIDG
         rank: r, at most ``d``.
         ridge: ridge strength relative to the Gram's mean diagonal.
         shrink: scale each head's map by its two-fold held-out fit (in [0, 1]).
+        prior: the agent's stored factors to chain from (any rank), or None.
+        prior_weight: ``α`` (:func:`chain_weight`); 0 ignores ``prior``.
     Returns:
         Factors with ``y ≈ x + (x·A + c)·Bᵀ``, or None when ``n < MIN_PAIRS``.
     """
@@ -168,26 +202,36 @@ def fit_factors(x: torch.Tensor, y: torch.Tensor, rank: int, ridge: float = RIDG
     xf = x.to(torch.float64).transpose(0, 1)  # [H, n, d]
     dev = (y.to(torch.float64) - x.to(torch.float64)).transpose(0, 1)
     z = torch.cat([xf, torch.ones(h, n, 1, dtype=xf.dtype)], dim=2)  # [H, n, d+1]
-    w = _ridge(z, dev, ridge)  # [H, d+1, d]
+    chained = (prior.dense(), prior_weight) if prior is not None and prior_weight > 0 else None
+    w = _ridge(z, dev, ridge, chained)  # [H, d+1, d]
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
     r = min(rank, s.shape[-1])
     a_aug = u[..., :r] * s[:, None, :r]  # [H, d+1, r]
     b = vh[:, :r, :].transpose(1, 2)  # [H, d, r]
     if shrink:
-        b = b * _held_out_scale(z, dev, ridge, r)[:, None, None]
+        b = b * _held_out_scale(z, dev, ridge, r, chained)[:, None, None]
     return Factors(a_aug[:, :d].float().contiguous(), b.float().contiguous(),
                    a_aug[:, d].float().contiguous())
 
 
-def _ridge(z: torch.Tensor, dev: torch.Tensor, ridge: float) -> torch.Tensor:
-    """[H, d+1, d] ridge solution of ``z·W ≈ dev`` per head."""
+def _ridge(z: torch.Tensor, dev: torch.Tensor, ridge: float,
+           chained: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """[H, d+1, d] ridge solution of ``z·W ≈ dev`` per head; with ``chained = (W_prev, α)``,
+    pulled toward ``W_prev`` with weight ``α·diag(zᵀz)`` (module docstring)."""
     g = z.transpose(1, 2) @ z
+    rhs = z.transpose(1, 2) @ dev
+    if chained is not None:
+        w_prev, alpha = chained
+        prior_gram = alpha * g.diagonal(dim1=1, dim2=2)  # [H, d+1]
+        rhs = rhs + prior_gram[..., None] * w_prev
+        g = g + torch.diag_embed(prior_gram)
     reg = ridge * g.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)
     eye = torch.eye(g.shape[-1], dtype=g.dtype)
-    return torch.linalg.solve(g + reg[:, None, None] * eye, z.transpose(1, 2) @ dev)
+    return torch.linalg.solve(g + reg[:, None, None] * eye, rhs)
 
 
-def _held_out_scale(z: torch.Tensor, dev: torch.Tensor, ridge: float, r: int) -> torch.Tensor:
+def _held_out_scale(z: torch.Tensor, dev: torch.Tensor, ridge: float, r: int,
+                    chained: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """[H] scale in [0, 1]: least-squares scale of the rank-r prediction on the other fold."""
     n = z.shape[1]
     num = torch.zeros(z.shape[0], dtype=z.dtype)
@@ -195,7 +239,7 @@ def _held_out_scale(z: torch.Tensor, dev: torch.Tensor, ridge: float, r: int) ->
     idx = torch.arange(n)
     for fold in (0, 1):
         tr, te = idx[idx % 2 == fold], idx[idx % 2 != fold]
-        w = _ridge(z[:, tr], dev[:, tr], ridge)
+        w = _ridge(z[:, tr], dev[:, tr], ridge, chained)
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         w_r = (u[..., :r] * s[:, None, :r]) @ vh[:, :r, :]
         pred = z[:, te] @ w_r
@@ -218,6 +262,8 @@ class CorrectionFit:
         owner_shifts: [p] int64 their shifts (reader position − owner position).
         exact_rows: [p] int64 row indices of the reader's exact KV of the same tokens.
         rank: the rank fitted.
+        prior: the agent's stored correction to chain from (its earlier turns), or None.
+        chain: the discount of the prior's pairs (0: fit from scratch; see :func:`chain_weight`).
         layers: layer id → fitted correction (filled during the extend).
     """
 
@@ -225,6 +271,8 @@ class CorrectionFit:
     owner_shifts: torch.Tensor
     exact_rows: torch.Tensor
     rank: int
+    prior: LowRankCorrection | None = None
+    chain: float = 0.0
     layers: dict[int, LayerCorrection] = field(default_factory=dict)
 
     @property
@@ -236,18 +284,32 @@ class CorrectionFit:
         """Whether it has enough pairs to fit (known before the forward: for accounting)."""
         return self.pairs >= MIN_PAIRS and self.rank > 0
 
+    @property
+    def prior_weight(self) -> float:
+        """``α`` of the prior against this fit's pairs (0: not chained)."""
+        if self.prior is None:
+            return 0.0
+        return chain_weight(self.prior.pairs, self.pairs, self.chain)
+
     def fit_layer(self, layer_id: int, x_k: torch.Tensor, y_k: torch.Tensor,
                   x_v: torch.Tensor, y_v: torch.Tensor) -> LayerCorrection:
-        """Fit and keep one layer's factors. x_*, y_*: [p, H_kv, d] base and exact."""
-        lc = LayerCorrection(fit_factors(x_k, y_k, self.rank), fit_factors(x_v, y_v, self.rank))
+        """Fit and keep one layer's factors (chained from the prior's layer, if any).
+        x_*, y_*: [p, H_kv, d] base and exact."""
+        alpha = self.prior_weight
+        prior = self.prior.layers.get(layer_id) if alpha > 0 else None
+        pk, pv = (prior.k, prior.v) if prior is not None else (None, None)
+        lc = LayerCorrection(fit_factors(x_k, y_k, self.rank, prior=pk, prior_weight=alpha),
+                             fit_factors(x_v, y_v, self.rank, prior=pv, prior_weight=alpha))
         self.layers[layer_id] = lc
         return lc
 
     def result(self) -> LowRankCorrection | None:
-        """The fitted correction, or None when nothing was fitted."""
+        """The fitted correction, or None when nothing was fitted; its ``pairs`` count the
+        prior's as weighted (the evidence the next turn chains from)."""
         if not self.layers:
             return None
-        return LowRankCorrection(dict(self.layers), self.rank, self.pairs)
+        return LowRankCorrection(dict(self.layers), self.rank,
+                                 round(self.pairs * (1 + self.prior_weight)))
 
 
 @dataclass(frozen=True)

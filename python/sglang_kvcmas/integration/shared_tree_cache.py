@@ -344,7 +344,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         stored = (self.shared.lowrank.get(ns, split.agent)
                   if leaf.lowrank_rank and handle.use_leaves else None)
         handle = replace(handle, recompute=recompute, keep=keep,
-                         lowrank_rank=leaf.lowrank_rank, stored_correction=stored)
+                         lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
+                         lowrank_chain=leaf.chain)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     def wants_exact(self, req: Req) -> bool:

@@ -58,6 +58,8 @@ class SharedPrefixHandle:
             ``policy/leaf_mode.py``).
         stored_correction: the agent's low-rank leaf read at match time (an
             ``attention.lowrank.LowRankCorrection``), or None.
+        lowrank_chain: weight of ``stored_correction`` in the request's refit (0: from
+            scratch; ``attention.lowrank.chain_weight``).
     """
 
     radix_node: Any
@@ -73,6 +75,7 @@ class SharedPrefixHandle:
     path: BorrowedPath | None = field(default=None, repr=False)
     lowrank_rank: int = 0
     stored_correction: Any = field(default=None, repr=False)
+    lowrank_chain: float = 0.0
 
     @property
     def prefix_len(self) -> int:
@@ -268,7 +271,8 @@ def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndar
     """The row's low-rank correction (None when the request reads none): its foreign borrowed
     tokens corrected, with the agent's stored factors and a fit from the foreign tokens it
     recomputes (their owner slots and shifts, and the row indices where the row computes them:
-    after the borrowed ones, in ``handle.recompute`` order; see :func:`row_spans`)."""
+    after the borrowed ones, in ``handle.recompute`` order; see :func:`row_spans`), chained
+    from the stored factors by ``handle.lowrank_chain``."""
     if handle.lowrank_rank <= 0:
         return None
     mask = torch.from_numpy(np.concatenate([np.zeros(handle.radix_len, dtype=bool),
@@ -281,7 +285,8 @@ def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndar
         rows = n_before + np.arange(at.shape[0], dtype=np.int64)
         fit = CorrectionFit(torch.from_numpy(path.slots[at][foreign].copy()),
                             torch.from_numpy(path.shift[at][foreign].copy()),
-                            torch.from_numpy(rows[foreign]), handle.lowrank_rank)
+                            torch.from_numpy(rows[foreign]), handle.lowrank_rank,
+                            prior=handle.stored_correction, chain=handle.lowrank_chain)
     return RowCorrection(mask, handle.stored_correction, fit)
 
 
