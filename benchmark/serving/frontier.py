@@ -16,9 +16,9 @@ answer) once per arm, one server at a time, the same KV pool for every arm:
 - ``lowrank<r>``: the same recomputed tokens fit a rank-``r`` correction of every other borrowed
   key and value (leaf mode ``lowrank``; the recomputed slots are freed with the request);
 - ``lowrank8+exact``: both;
-- ``lowrank8_perturn``, ``lowrank8+exact_perturn``: the same with ``--kvcmas-lowrank-chain 0``
-  (each turn fitted from scratch, not from the agent's stored correction: the chaining
-  ablation; the ``alone`` probe shows it, the in-turn probe reads no stored state);
+- ``lowrank8+exact_perturn``: ``lowrank8+exact`` with ``--kvcmas-lowrank-chain 0`` (each turn
+  fitted from scratch, not from the agent's stored correction: the chaining ablation; the
+  ``alone`` probe shows it, the in-turn probe reads no stored state; ``lowrank`` never chains);
 - ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation).
 
 Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
@@ -81,8 +81,6 @@ ARMS: dict[str, list[str]] = {
     "lowrank8": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "8"],
     "lowrank16": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "16"],
     "lowrank8+exact": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank", "8"],
-    "lowrank8_perturn": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "8",
-                         "--kvcmas-lowrank-chain", "0"],
     "lowrank8+exact_perturn": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank",
                                "8", "--kvcmas-lowrank-chain", "0"],
     "exact_fifo": ["--kvcmas-turn-order", "fifo"],

@@ -241,9 +241,10 @@ class ServingConfig:
         8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "
         "'lowrank', 'lowrank+exact').", kind=int, low=1, high=64, per_request=True)
     lowrank_chain: float = _knob(
-        1.0, "How much a reader's stored low-rank correction weighs when it refits on a later "
-        "turn: its earlier pairs count this much each against the turn's own (at most 4x "
-        "them); 0 fits every turn from scratch.", kind=float, low=0, high=1, per_request=True)
+        1.0, "Leaf mode 'lowrank+exact': how much a reader's stored low-rank correction weighs "
+        "when it refits on a later turn: its earlier pairs count this much each against the "
+        "turn's own (at most 4x them); 0 fits every turn from scratch. ('lowrank' refits on "
+        "every pick each turn and never chains.)", kind=float, low=0, high=1, per_request=True)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
         "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
 from sglang_kvcmas.attention.lowrank import LayerCorrection, MIN_PAIRS  # noqa: E402
+from sglang_kvcmas.attention.spans import RowSpans  # noqa: E402
 from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
@@ -26,6 +27,7 @@ from test_shared_tree_cache import (  # noqa: E402
 )
 
 K = MIN_PAIRS + 4  # boundary tokens recomputed: enough pairs to fit
+T3 = list(range(300, 340))
 
 
 def _harness(mode: str, fitted: LayerCorrection | None = None) -> Harness:
@@ -90,17 +92,36 @@ def test_lowrank_reader_fits_reads_corrected_and_keeps_factors_not_tokens():
     spans3, _ = h.serve(b3, 4)
     assert spans3.correction.stored.layer(0) is lc
     assert b3.customized_info["kvcmas_reuse"][0]["reused_corrected"] == borrowed
-    fit3 = spans3.correction.fit  # its refit chains from the stored factors (the default)
-    assert fit3.prior is spans3.correction.stored and fit3.chain == 1.0
-    assert fit3.prior_weight == 1.0  # as many stored pairs as its own: equal weight
+    # It recomputes the same picks again and refits on them: the stored factors (fitted on
+    # those pairs) are not chained, or they would count them twice.
+    assert spans3.correction.fit.pairs == K and spans3.correction.fit.prior_weight == 0.0
 
 
-def test_a_deployment_without_chaining_refits_from_scratch():
-    h = _harness("lowrank", _layer(3, 64, 4))
-    h.cache.leaf_config = LeafConfig("lowrank", 4, chain=0.0)
-    b, _, _ = _turns(h)
-    spans3, _ = h.serve(Req("b3", b + T1 + T2 + SUFFIX + [9]), 4)
-    assert spans3.correction.stored is not None and spans3.correction.fit.prior_weight == 0.0
+def _three_turns(h: Harness) -> tuple[RowSpans, RowSpans]:
+    """b reads T2 (a's), then T3 (a's again): its second reading turn recomputes T3's picks."""
+    a, b = head(50, 20), head(60, 8)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    first, _ = h.serve(Req("b2", b + T1 + T2 + SUFFIX), 3)
+    h.serve(Req("a3", a + T1 + T2 + T3 + SUFFIX), 4)
+    second, _ = h.serve(Req("b3", b + T1 + T2 + T3 + SUFFIX), 5)
+    return first, second
+
+
+def test_lowrank_and_exact_chains_the_next_segments_refit_from_the_stored_factors():
+    lc = _layer(3, 64, 4)
+    h = _harness("lowrank+exact", lc)
+    first, second = _three_turns(h)
+    fit = second.correction.fit
+    assert first.correction.stored is None and second.correction.stored.layer(0) is lc
+    assert fit is not None and fit.prior is second.correction.stored and fit.chain == 1.0
+    assert fit.prior_weight == pytest.approx(min(4.0, K / fit.pairs))
+
+    h0 = _harness("lowrank+exact", lc)
+    h0.cache.leaf_config = LeafConfig("lowrank+exact", 4, chain=0.0)  # the ablation
+    _, second0 = _three_turns(h0)
+    assert second0.correction.stored is not None and second0.correction.fit.prior_weight == 0.0
 
 
 def test_lowrank_and_exact_keeps_both_and_a_forward_that_fitted_nothing_stores_nothing():
@@ -151,6 +172,8 @@ def test_leaf_mode_knob_from_config_environment_and_request():
         RequestOptions.parse({"kvcmas_lowrank_rank": 0})
     assert LeafConfig.from_serving(ServingConfig()).chain == 1.0
     assert LeafConfig.from_serving(ServingConfig(), lowrank_chain=0.5).chain == 0.5
+    assert LeafConfig("lowrank+exact", 8, 0.5).lowrank_chain == 0.5
+    assert LeafConfig("lowrank", 8, 0.5).lowrank_chain == 0.0  # refits on every pick anyway
     with pytest.raises(RequestOptionError, match="kvcmas_lowrank_chain"):
         RequestOptions.parse({"kvcmas_lowrank_chain": 2})
     with pytest.raises(ValueError):

@@ -345,7 +345,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                   if leaf.lowrank_rank and handle.use_leaves else None)
         handle = replace(handle, recompute=recompute, keep=keep,
                          lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
-                         lowrank_chain=leaf.chain)
+                         lowrank_chain=leaf.lowrank_chain)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     def wants_exact(self, req: Req) -> bool:

@@ -8,9 +8,9 @@ exact tokens can be kept two ways, alone or together:
 - ``lowrank``: as the pairs a low-rank correction of every other borrowed token is fitted on
   (``attention/lowrank.py``: factors per layer and KV head, a few hundred KB per agent), read
   corrected in this request's extend and decode and on the agent's later turns; the recomputed
-  slots are freed with the request; a later turn refits starting from the stored correction
-  (chained along the workflow, ``chain``);
-- ``lowrank+exact``: both.
+  slots are freed with the request (every turn recomputes and refits on all of them);
+- ``lowrank+exact``: both; a later turn recomputes only the new picks, and its refit starts
+  from the stored correction (chained along the workflow, ``chain``).
 
 Pure Python.
 """
@@ -33,7 +33,8 @@ class LeafConfig:
         mode: one of :data:`LEAF_MODES`.
         rank: rank of the factors fitted (``lowrank`` modes only).
         chain: weight of the agent's stored correction when it refits (0: from scratch;
-            ``attention.lowrank.chain_weight``).
+            ``attention.lowrank.chain_weight``); applied under ``lowrank+exact`` only
+            (:attr:`lowrank_chain`).
     """
 
     mode: str = "exact"
@@ -60,3 +61,12 @@ class LeafConfig:
     def lowrank_rank(self) -> int:
         """Rank of the correction to fit and read (0: none)."""
         return self.rank if self.mode != "exact" else 0
+
+    @property
+    def lowrank_chain(self) -> float:
+        """The chain weight a refit uses: ``chain`` under ``lowrank+exact``, where a turn
+        recomputes only the picks its exact leaves do not hold (the new segment's), so the
+        stored correction carries the earlier turns' evidence; 0 under ``lowrank``, where every
+        turn recomputes and refits on every pick again and the stored correction would count
+        the same pairs twice (measured: ``benchmark/serving/results/frontier_chain.txt``)."""
+        return self.chain if self.mode == "lowrank+exact" else 0.0
