@@ -6,8 +6,8 @@ from sglang_kvcmas.examples.debate import Turn
 from sglang_kvcmas.examples.side_by_side import ArmResult, prefilled, summary, table
 
 
-def turn(agent, prompt, cached, answer, reuse=None, ttft=1.0):
-    return Turn(1, agent, answer, prompt, cached, 8, ttft, None, 2.0, reuse)
+def turn(agent, prompt, cached, answer, reuse=None, ttft=1.0, round_=1):
+    return Turn(round_, agent, answer, prompt, cached, 8, ttft, None, 2.0, reuse)
 
 
 def rec(exact, repos, recomputed):
@@ -17,12 +17,13 @@ def rec(exact, repos, recomputed):
 
 def test_rows_and_summary():
     radix = ArmResult("radix", [turn("A", 100, 0, "x"), turn("B", 100, 0, "y"),
-                                turn("C", 100, 0, "z"), turn("A", 300, 100, "p", ttft=2.0)],
+                                turn("C", 100, 0, "z"), turn("A", 300, 100, "p", ttft=2.0, round_=2)],
                       1000, 9.0)
     ours = ArmResult("kvcmas", [turn("A", 100, 0, "x", rec(0, 0, 100)),
                                 turn("B", 100, 0, "y", rec(0, 0, 100)),
                                 turn("C", 100, 0, "z", rec(0, 0, 100)),
-                                turn("A", 310, 100, "q", rec(100, 180, 30), ttft=1.0)],
+                                turn("A", 310, 100, "q", rec(100, 180, 30), ttft=1.0,
+                                     round_=2)],
                      500, 8.0)
     assert prefilled(radix.turns[3]) == 200 and prefilled(ours.turns[3]) == 30
     rows = table(radix, ours)

@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import sglang as sgl
 
 from sglang_kvcmas.datasets import gsm8k
+from sglang_kvcmas.examples.turns import Turn, print_turn, run_parallel, stream_turn
 
 CHAT_TEMPLATE = "chatml"  # SmolLM2-Instruct's template; SGLang cannot infer it from our path
+__all__ = ["CHAT_TEMPLATE", "DEFAULT_AGENTS", "Agent", "DebateRun", "Turn", "run_debate",
+           "run_turn", "transcript_text"]
 
 
 @dataclass(frozen=True)
@@ -47,37 +48,6 @@ DEFAULT_AGENTS = (
     Agent("Judge", "You are Judge, a concise arbiter. Weigh the answers given so far, decide "
           "which final number is right, and explain your decision in one or two sentences."),
 )
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One agent turn: what it said and what it cost.
-
-    Attributes:
-        round: 1-based debate round.
-        agent: the agent's name.
-        answer: generated text.
-        prompt_tokens: tokens in the turn's prompt.
-        cached_tokens: prompt tokens the server reused from its tree cache.
-        completion_tokens: generated tokens.
-        ttft_client_s: seconds from sending the request to the first streamed text chunk.
-        ttft_server_s: the server's ``first_token_latency`` (request received → first token).
-        latency_s: seconds until the turn finished, on the client.
-        reuse: the server's reuse record (``meta_info.kvcmas_reuse``: tokens reused exactly,
-            corrected, re-positioned, recomputed), or None when the server kept none (SGLang's
-            own tree cache).
-    """
-
-    round: int
-    agent: str
-    answer: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_client_s: float
-    ttft_server_s: float | None
-    latency_s: float
-    reuse: dict | None = None
 
 
 @dataclass
@@ -118,29 +88,10 @@ def agent_turn(s, system_prompt: str, transcript: str, first: bool, answer_token
 def run_turn(backend, agent: Agent, round_: int, question: str, turns: list[Turn],
              max_new_tokens: int) -> Turn:
     """Run one agent turn with streaming, timing the first chunk on the client."""
-    start = time.perf_counter()
-    state = agent_turn.run(
-        system_prompt=agent.system_prompt, transcript=transcript_text(question, turns),
-        first=not turns, answer_tokens=max_new_tokens, backend=backend, stream=True,
-    )
-    first_chunk = None
-    for chunk in state.text_iter("answer"):
-        if chunk and first_chunk is None:
-            first_chunk = time.perf_counter()
-    end = time.perf_counter()
-    if state.error() is not None:
-        raise RuntimeError(f"{agent.name}'s turn failed: {state.error()}")
-    meta = state.get_meta_info("answer") or {}
-    return Turn(
-        round=round_, agent=agent.name, answer=state["answer"],
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        cached_tokens=int(meta.get("cached_tokens", 0)),
-        completion_tokens=int(meta.get("completion_tokens", 0)),
-        ttft_client_s=(first_chunk or end) - start,
-        ttft_server_s=meta.get("first_token_latency"),
-        latency_s=end - start,
-        reuse=(meta.get("kvcmas_reuse") or [None])[0],
-    )
+    return stream_turn(agent_turn, backend, round_, agent.name, "answer",
+                       system_prompt=agent.system_prompt,
+                       transcript=transcript_text(question, turns), first=not turns,
+                       answer_tokens=max_new_tokens)
 
 
 def run_debate(backend, question: str, reference_answer: str = "", *,
@@ -159,9 +110,9 @@ def run_debate(backend, question: str, reference_answer: str = "", *,
     for round_ in range(1, rounds + 1):
         if parallel:
             before = list(run.turns)
-            with ThreadPoolExecutor(len(agents)) as pool:
-                turns = list(pool.map(lambda a: run_turn(backend, a, round_, question, before,
-                                                         max_new_tokens), agents))
+            turns = run_parallel([
+                (lambda a=a: run_turn(backend, a, round_, question, before, max_new_tokens))
+                for a in agents])
         else:
             turns = []
             for agent in agents:
@@ -172,14 +123,6 @@ def run_debate(backend, question: str, reference_answer: str = "", *,
             if on_turn is not None:
                 on_turn(turn)
     return run
-
-
-def _print_turn(turn: Turn) -> None:
-    server = f"{turn.ttft_server_s * 1000:7.0f}" if turn.ttft_server_s is not None else "      ?"
-    answer = " ".join(turn.answer.split())
-    print(f"{turn.round:>5} {turn.agent:<8} {turn.prompt_tokens:>7} {turn.cached_tokens:>7} "
-          f"{turn.ttft_client_s * 1000:>9.0f} {server:>9} {turn.completion_tokens:>5}  "
-          f"{answer[:60]}{'…' if len(answer) > 60 else ''}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.flush_cache:
         backend.flush_cache()
     print(f"Question {args.question_index}: {item.question}\n(reference answer: {item.final})\n")
-    print("round agent     prompt  cached  ttft_cli  ttft_srv   out  answer")
-    print("                   tok     tok        ms        ms   tok")
+    print("round agent        prompt  cached  ttft_cli  ttft_srv   out  answer")
+    print("                      tok     tok        ms        ms   tok")
     run = run_debate(backend, item.question, item.final, rounds=args.rounds,
-                     max_new_tokens=args.max_new_tokens, on_turn=_print_turn,
+                     max_new_tokens=args.max_new_tokens, on_turn=print_turn,
                      parallel=args.parallel)
     share = run.cached_tokens / max(run.prompt_tokens, 1)
     print(f"\n{len(run.turns)} turns: {run.prompt_tokens} prompt tokens, {run.cached_tokens} "

@@ -24,6 +24,7 @@ KV re-positioned, uncorrected; ``recomp``: prefilled. ``kv held``: pool slots th
 after the workflow (in use + cached), from its ``/metrics``.
 
     python -m sglang_kvcmas.examples.side_by_side [--rounds 3] [--max-new-tokens 64]
+    python -m sglang_kvcmas.examples.side_by_side --workflow panel [--agents 16]
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
     t0 = time.perf_counter()
     workflow = f"side-by-side-{uuid.uuid4().hex[:8]}" if arm == "kvcmas" else None
     with server:
-        say(f"{arm}: healthy after {time.perf_counter() - t0:.0f} s; running the debate")
+        say(f"{arm}: healthy after {time.perf_counter() - t0:.0f} s; running the "
+            f"{args.workflow}")
         backend = (KvcmasEndpoint(server.url, chat_template_name=CHAT_TEMPLATE,
                                   workflow=workflow) if workflow else
                    sgl.RuntimeEndpoint(server.url, chat_template_name=CHAT_TEMPLATE))
@@ -124,13 +126,29 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
             say(f"{arm}: round {turn.round} {turn.agent}: {turn.prompt_tokens} prompt tokens, "
                 f"first token after {turn.ttft_client_s:.2f} s")
 
-        run: DebateRun = run_debate(backend, item.question, item.final, rounds=args.rounds,
-                                    max_new_tokens=args.max_new_tokens, on_turn=progress,
-                                    parallel=not args.sequential)
+        run = run_workflow(args, backend, item, progress)
         wall = time.perf_counter() - start
         held = kv_held(server.url)
         ledger = workflow_ledger(server.url, workflow) if workflow else None
     return ArmResult(arm, run.turns, held, wall, ledger)
+
+
+def run_workflow(args: argparse.Namespace, backend, item, progress):
+    """The ``--workflow`` program run against ``backend``: its run (``.turns``)."""
+    if args.workflow == "panel":
+        from sglang_kvcmas.examples.panel import document, run_panel
+
+        return run_panel(backend, document(args.doc_chars), agents=args.agents,
+                         answer_tokens=args.max_new_tokens, on_turn=progress)
+    if args.workflow == "fanout":
+        from sglang_kvcmas.examples.fanout import run_fanout
+
+        return run_fanout(backend, item.question, item.final, workers=args.agents,
+                          answer_tokens=args.max_new_tokens, on_turn=progress)
+    run: DebateRun = run_debate(backend, item.question, item.final, rounds=args.rounds,
+                                max_new_tokens=args.max_new_tokens, on_turn=progress,
+                                parallel=not args.sequential)
+    return run
 
 
 def prefilled(turn: Turn) -> int:
@@ -152,7 +170,7 @@ def table(radix: ArmResult, ours: ArmResult) -> list[str]:
     for i, (a, b) in enumerate(zip(radix.turns, ours.turns), 1):
         rec = b.reuse or {}
         lines.append(
-            f"{i:>4} {a.agent:<8}    | {a.prompt_tokens:>6} {a.cached_tokens:>6} "
+            f"{i:>4} {a.agent:<12}| {a.prompt_tokens:>6} {a.cached_tokens:>6} "
             f"{prefilled(a):>7} {a.ttft_client_s:>7.2f} | {b.prompt_tokens:>6} "
             f"{rec.get('reused_exact', 0):>5} {rec.get('reused_corrected', 0):>5} "
             f"{rec.get('reused_repositioned', 0):>5} {prefilled(b):>6} {b.ttft_client_s:>7.2f} | "
@@ -163,9 +181,9 @@ def table(radix: ArmResult, ours: ArmResult) -> list[str]:
 def summary(radix: ArmResult, ours: ArmResult) -> str:
     pa = sum(prefilled(t) for t in radix.turns)
     pb = sum(prefilled(t) for t in ours.turns)
-    later = slice(3, None)  # the first round has nothing to share in either arm
-    ta = statistics.median(t.ttft_client_s for t in radix.turns[later])
-    tb = statistics.median(t.ttft_client_s for t in ours.turns[later])
+    # The first round has nothing to share in either arm.
+    ta = statistics.median(t.ttft_client_s for t in radix.turns if t.round > 1)
+    tb = statistics.median(t.ttft_client_s for t in ours.turns if t.round > 1)
     same = sum(a.answer == b.answer for a, b in zip(radix.turns, ours.turns))
     kv = (f"kv_held radix={radix.kv_held} kvcmas={ours.kv_held}"
           + (f" ({ours.kv_held / radix.kv_held:.2f}x)" if radix.kv_held and ours.kv_held else ""))
@@ -181,13 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, choices=(1, 2, 3, 4))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sequential", action="store_true",
-                   help="agents answer one after another, each over every answer so far")
+                   help="debate: agents answer one after another, each over every answer so far")
+    p.add_argument("--workflow", choices=("debate", "panel", "fanout"), default="debate",
+                   help="the program run: the 3-agent debate, the review panel "
+                        "(examples/panel.py) or planner -> workers -> aggregator "
+                        "(examples/fanout.py)")
+    p.add_argument("--agents", type=int, default=None,
+                   help="panel: panelists (2..16, default 16); fanout: most workers (1..8, "
+                        "default 8)")
+    p.add_argument("--doc-chars", type=int, default=4000, help="panel: document characters")
     p.add_argument("--boot-timeout", type=float, default=400.0)
     p.add_argument("--server-args", default="", help="extra flags for both servers, e.g. "
                    "'--model-path /path/to/hf-folder'")
     p.add_argument("--json", type=Path, help="also write both arms' turns here")
     args = p.parse_args(argv)
     args.server_args = args.server_args.split()
+    if args.agents is None:
+        args.agents = 16 if args.workflow == "panel" else 8
+    limits = {"panel": (2, 16), "fanout": (1, 8), "debate": (1, 1 << 30)}[args.workflow]
+    if not limits[0] <= args.agents <= limits[1]:
+        p.error(f"--agents for --workflow {args.workflow}: {limits[0]}..{limits[1]}")
     log_dir = Path(tempfile.mkdtemp(prefix="kvcmas-side-by-side-"))
     results = {arm: run_arm(arm, flags, args, log_dir) for arm, flags in ARMS}
     radix, ours = results["radix"], results["kvcmas"]
