@@ -1,4 +1,5 @@
-"""Our Prometheus counters, each created once per process and only when it is first used.
+"""Our Prometheus counters and gauges, each created once per process and only when it is first
+used.
 
 Metrics are optional, like SGLang's ``--enable-metrics``: without ``prometheus_client`` every
 counter is None and callers skip counting.
@@ -22,4 +23,19 @@ def counter(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
             _COUNTERS[name] = None
         else:
             _COUNTERS[name] = Counter(name, documentation, list(labels))
+    return _COUNTERS[name]
+
+
+def gauge(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
+    """The process's ``prometheus_client.Gauge`` called ``name`` (created on first call; under
+    SGLang's multiprocess collection the most recent value of any process), or None when
+    prometheus_client is not installed."""
+    if name not in _COUNTERS:
+        try:
+            from prometheus_client import Gauge
+        except ImportError:
+            _COUNTERS[name] = None
+        else:
+            _COUNTERS[name] = Gauge(name, documentation, list(labels),
+                                    multiprocess_mode="mostrecent")
     return _COUNTERS[name]

@@ -75,6 +75,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
+from sglang_kvcmas.integration.leaf_metrics import LeafGauge
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.policy.recompute import (
     BorrowedSpan,
@@ -189,6 +190,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.broken_namespaces: set[tuple] = set()
         self.faults = 0
         self._extra_freed = 0
+        self.leaf_gauge = LeafGauge()
         super().__init__(params)
 
     # ----- helpers -----
@@ -516,6 +518,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             # A chunked owner stays pending until its last chunk: its readers wait for all of
             # the segment rather than start on the part its first chunks published.
             self.pending_owners.pop(req.rid, None)
+        try:
+            self.leaf_gauge.maybe_update(self.shared.leaf_bytes_by_agent)
+        except Exception:  # a metric must never fail a request
+            logger.exception("sglang-kvcmas: leaf byte gauge update failed")
 
     def _register_exact(self, req: Req, split: AgentSplit, up_to: int) -> None:
         """Share the transcript tokens an exact request computed, anchored on its radix path."""
