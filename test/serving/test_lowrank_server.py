@@ -1,12 +1,14 @@
 """End to end on SGLang's server under ``--kvcmas-leaf-mode lowrank``: a reader fits its low-rank
 correction from the tokens it recomputes and reads its other borrowed tokens through it
 (``reused_corrected`` in its usage, nothing re-positioned only), keeps the factors as its agent's
-low-rank leaf (``/server_info``) and no exact leaves, and its next turn reads them again."""
+low-rank leaf (``/server_info`` and the ``kvcmas:leaf_bytes`` gauge) and no exact leaves, and its
+next turn reads them again."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -37,6 +39,18 @@ def _tree(server) -> dict:
     return state["shared_tree"]
 
 
+def _gauge(server, name: str) -> dict[str, float]:
+    """The samples of one metric on ``/metrics``: label text -> value."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
+
+
 def test_a_reader_reads_borrowed_tokens_corrected_under_lowrank(server):
     chat(server, SA, T1)
     chat(server, SB, T1)  # both heads cached now
@@ -55,3 +69,8 @@ def test_a_reader_reads_borrowed_tokens_corrected_under_lowrank(server):
     # the prompt's last tokens differ; the borrowed part is read corrected again
     assert again["kvcmas_reused_corrected"] > 40 and again["kvcmas_reused_repositioned"] == 0
     assert again["kvcmas_exact_from_leaves"] == 0
+    time.sleep(1.2)  # the gauge is set at most once a second, after a checkpoint
+    chat(server, SA, T1)
+    lowrank = {k: v for k, v in _gauge(server, "kvcmas:leaf_bytes").items()
+               if 'type="lowrank"' in k}
+    assert _tree(server)["lowrank_bytes"] in lowrank.values(), lowrank
