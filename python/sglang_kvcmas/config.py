@@ -185,10 +185,11 @@ class ServingConfig:
         False, "Keep an agent request's generated tokens in the tree cache after it finishes "
         "(off: only its prompt; outputs re-enter through the shared transcript).", kind=bool)
     leaf_budget: float | None = _knob(
-        None, "Most pool slots readers' exact leaves may hold, as a fraction of the tokens the "
-        "shared tree indexes (its one copy of the transcripts); past it, the least recently "
-        "used leaves of nodes no request reads are freed first (unset: leaves are bounded by "
-        "the pool only).", kind=float, low=0, optional=True)
+        None, "Most KV readers' leaves may hold (exact leaves' pool slots, and low-rank "
+        "factors' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
+        "(its one copy of the transcripts); past it, the least recently used leaves of either "
+        "type are freed first, exact ones only on nodes no request reads (unset: exact leaves "
+        "are bounded by the pool only).", kind=float, low=0, optional=True)
     budget_tokens: int | None = _knob(
         None, "Every workflow's budget in computed tokens (prefill + decode over the whole "
         "run) unless a request gives its own (kvcmas_budget_tokens); responses report the "

@@ -195,3 +195,35 @@ def test_low_rank_leaves_are_byte_counted_and_capped_least_recently_used_first()
     assert leaves.get("ns", "a") is None and leaves.nbytes() == 2 * one.nbytes()
     leaves.drop_namespace("ns")
     assert leaves.bytes_by_agent() == {"c": one.nbytes()} and leaves.nbytes() == one.nbytes()
+
+
+def test_the_leaf_budget_counts_low_rank_bytes_and_drops_least_recently_used_first():
+    """With the pool's KV bytes per token, ``trim_leaves`` counts every low-rank leaf as its
+    bytes in tokens of KV (rounded up) beside the exact leaves' slots, and frees the least
+    recently used of either type until the leaves fit."""
+    import time
+
+    import torch
+
+    from sglang_kvcmas.attention.lowrank import LowRankCorrection
+    from sglang_kvcmas.tree.shared_tree import SharedTree
+
+    freed = []
+    tree = SharedTree(lambda s: freed.extend(s.tolist()))
+    _, node = tree.insert("ns", list(range(1, 41)), 0, torch.arange(40), "a", 5, anchor=None)
+    tree.add_overrides(node, "b", torch.arange(8), torch.arange(100, 108), 7)  # 8 slots
+    one = LowRankCorrection({0: _layer(3, 64, 4)}, 4)
+    per_token = one.nbytes() // 3  # one low-rank leaf: 3 or 4 tokens of KV
+    tokens = -(-one.nbytes() // per_token)
+    time.sleep(0.01)
+    tree.lowrank.put("ns", "c", one)
+    time.sleep(0.01)
+    tree.lowrank.put("ns", "d", one)
+    assert tree.trim_leaves(8 + 2 * tokens, per_token) == 0  # fits: nothing goes
+    assert tree.trim_leaves(8, 0) == 0  # without bytes per token, exact leaves only
+    # over by one low-rank leaf: the exact leaf (used first) goes, then nothing more is needed
+    assert tree.trim_leaves(2 * tokens, per_token) == 8
+    assert sorted(freed) == list(range(100, 108)) and tree.leaf_size == 0
+    assert tree.trim_leaves(tokens, per_token) == tokens  # then c, the older low-rank leaf
+    assert tree.lowrank.get("ns", "c") is None and tree.lowrank.get("ns", "d") is one
+    assert tree.lowrank.nbytes() == one.nbytes() and tree.check_invariants() == []

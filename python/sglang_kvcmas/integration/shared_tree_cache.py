@@ -560,6 +560,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if result is not None:
             self.shared.lowrank.put(handle.namespace, handle.split.agent, result)
             req._kvcmas_fit_kept = True
+            self._trim_leaves()
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
@@ -577,8 +578,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             req._kvcmas_release_slots = left
         req.last_node = handle.without_recompute()
         req.kv.cache_protected_len = start
+        self._trim_leaves()
+
+    def _trim_leaves(self) -> None:
+        """Hold readers' leaves, exact and low-rank, to ``--kvcmas-leaf-budget`` (tokens of KV,
+        as a share of the tokens the shared tree indexes)."""
         if self.config.leaf_budget is not None:
-            self.shared.trim_leaves(int(self.config.leaf_budget * self.shared.indexed_tokens()))
+            self.shared.trim_leaves(int(self.config.leaf_budget * self.shared.indexed_tokens()),
+                                    self.kv_bytes_per_token)
 
     @staticmethod
     def _recorded_mass(req: Req, start: int, end: int) -> torch.Tensor | None:

@@ -7,7 +7,8 @@ An agent's leaves on the shared transcript are typed:
 - **low-rank**: one :class:`LowRankLeaf` per (namespace, agent) holding its
   ``attention.lowrank.LowRankCorrection`` (factors of its deviation from the owners' KV, per
   layer and KV head), read for every borrowed token that no exact leaf holds; not pool slots,
-  so it is byte-counted here and bounded by :data:`MAX_BYTES` (least recently used dropped);
+  so it is byte-counted here and bounded by :data:`MAX_BYTES` (least recently used dropped) and,
+  with exact leaves, by the deployment's leaf budget (``shared_tree.trim_leaves``);
 - **both** (``policy/leaf_mode.py``: ``lowrank+exact``).
 
 Bookkeeping only: a correction is an opaque value with ``nbytes()``.
@@ -79,6 +80,18 @@ class LowRankLeaves:
         while self._nbytes > self.max_bytes and len(self._leaves) > 1:
             _, dropped = self._leaves.popitem(last=False)
             self._nbytes -= dropped.nbytes()
+
+    def items(self) -> list[tuple[tuple[Hashable, str], LowRankLeaf]]:
+        """((namespace, agent), leaf) pairs, least recently used first."""
+        return list(self._leaves.items())
+
+    def drop(self, namespace: Hashable, agent: str) -> int:
+        """Drop the agent's leaf (if any); returns the bytes freed."""
+        leaf = self._leaves.pop((namespace, agent), None)
+        if leaf is None:
+            return 0
+        self._nbytes -= leaf.nbytes()
+        return leaf.nbytes()
 
     def drop_namespace(self, namespace: Hashable) -> None:
         for key in [k for k in self._leaves if k[0] == namespace]:

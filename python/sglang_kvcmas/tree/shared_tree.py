@@ -436,27 +436,42 @@ class SharedTree:
         """Tokens the tree indexes: its one copy of every shared transcript (walked)."""
         return sum(len(n) for n in self.nodes())
 
-    def trim_leaves(self, max_tokens: int) -> int:
-        """Free delta leaves until they hold at most ``max_tokens`` pool slots: least recently
-        used first, whole leaves, only on nodes no request holds (a locked node's leaves are
-        being read and stay, so the bound may be exceeded while they are). Only leaves go, never
-        the shared nodes: a reader that loses its leaf recomputes or re-positions those tokens
-        on its next turn. Returns slots freed."""
-        excess = self.leaf_size - max(0, max_tokens)
+    def trim_leaves(self, max_tokens: int, bytes_per_token: int = 0) -> int:
+        """Free leaves until they hold at most ``max_tokens`` tokens of KV: least recently used
+        first, whole leaves; exact leaves only on nodes no request holds (a locked node's leaves
+        are being read and stay, so the bound may be exceeded while they are). With
+        ``bytes_per_token``, low-rank leaves count too (their bytes in tokens of KV, rounded up)
+        and go in the same order. Only leaves go, never the shared nodes: a reader that loses
+        its leaf recomputes or re-positions those tokens (or refits its correction) on its next
+        turn. Returns the tokens of KV freed (pool slots and low-rank bytes alike)."""
+        lowrank = self.lowrank.items() if bytes_per_token > 0 else []
+
+        def tokens_of(leaf) -> int:
+            return -(-leaf.nbytes() // bytes_per_token)
+
+        held = self.leaf_size + sum(tokens_of(leaf) for _, leaf in lowrank)
+        excess = held - max(0, max_tokens)
         if excess <= 0:
             return 0
-        candidates = sorted(((leaf.last_access, n, agent) for n in self._unlocked_nodes()
-                             for agent, leaf in n.deltas.items()), key=lambda c: c[0])
-        freed = 0
-        for _, node, agent in candidates:
+        candidates = sorted([(leaf.last_access, 0, n, agent, leaf) for n in self._unlocked_nodes()
+                             for agent, leaf in n.deltas.items()]
+                            + [(leaf.last_access, 1, key, None, leaf) for key, leaf in lowrank],
+                            key=lambda c: c[:2])
+        freed = dropped = 0
+        for _, kind, where, agent, leaf in candidates:
             if freed >= excess:
                 break
-            leaf = node.deltas.pop(agent)
+            if kind == 1:  # a low-rank leaf: (namespace, agent)
+                freed += tokens_of(leaf)
+                self.lowrank.drop(*where)
+                continue
+            where.deltas.pop(agent)
             self.owned_size -= len(leaf)
             self.leaf_size -= len(leaf)
             self._free(leaf.slots)
             freed += len(leaf)
-        if freed:
+            dropped += 1
+        if dropped:
             self.version += 1  # cached reads of the dropped leaves are stale
         return freed
 
