@@ -68,6 +68,7 @@ from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # 
                                      printed_number, same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas.examples import fanout  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -118,17 +119,9 @@ PANEL_ROLES = {
     "their answers and decide: reply CONCLUDE if they agree on a well-supported final answer, "
     "or CONTINUE if they should discuss another round. Give one sentence of reason.",
 }
-FANOUT_ROLES = {
-    "Planner": "You are the Planner. You split a math word problem into the smallest number of "
-    "independent sub-tasks that a team of workers can solve separately, one per line starting "
-    "with '- '. Do not solve them.",
-    "Worker": "You are a Worker. You solve exactly the sub-task you are given, showing the "
-    "arithmetic, and end with 'Result: <number>'.",
-    "Aggregator": "You are the Aggregator. You combine the workers' results into the answer of "
-    "the original problem, checking that they fit together. End with 'Final answer: <number>'.",
-}
-_TASK_LINE = re.compile(r"\s*(?:[-*\u2022]|\d+[.)]|sub-?task\s*\d+\s*:)\s+(.+)", re.I)
-"""A planner's sub-task line: ``- x``, ``* x``, ``1. x``, ``2) x`` or ``Sub-task 3: x``."""
+FANOUT_ROLES = {"Planner": fanout.PLANNER, "Worker": fanout.WORKER,
+                "Aggregator": fanout.AGGREGATOR}
+"""The fan-out example's roles (``sglang_kvcmas.examples.fanout``)."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"final answer\s*[:=]?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.I)
 
@@ -283,8 +276,7 @@ def run_fanout(run: Run) -> dict:
     plan = run.ask(0, "Planner", FANOUT_ROLES["Planner"],
                    f"Question: {run.question}\n\nList the sub-tasks, one per line starting "
                    "with '- '.")
-    tasks = [m.group(1).strip() for m in map(_TASK_LINE.match, plan.splitlines()) if m]
-    tasks = [t for t in tasks if t][:MAX_WORKERS] or [run.question]
+    tasks = fanout.sub_tasks(plan, run.question, MAX_WORKERS)
     shared = f"Question: {run.question}\n\nPlan:\n{plan.strip()}"
     outs = run.together(1, {f"Worker#{i}": (FANOUT_ROLES["Worker"],
                                             f"{shared}\n\nYour sub-task: {t}")

@@ -51,11 +51,9 @@ from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import (  # noqa: E402
     ArmServer, run_header, shared_tree_stats,
 )
+from sglang_kvcmas.examples.panel import PERSONAS, system_prompt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PERSONAS = ["historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
-            "investor", "philosopher", "journalist", "designer", "statistician", "student",
-            "founder", "editor", "critic"]
 
 
 def fmt(x: float | None, digits: int) -> str:
@@ -64,12 +62,6 @@ def fmt(x: float | None, digits: int) -> str:
 
 def say(text: str) -> None:
     print(f"[scale] {text}", file=sys.stderr, flush=True)
-
-
-def head_of(persona: str) -> str:
-    return (f"You are the {persona} on a review panel. Read the document the user gives you and "
-            f"reply in one or two sentences with the point a {persona} would find most "
-            "important, and one question you would ask its author.")
 
 
 def essay_ids(tok, n: int) -> list[int]:
@@ -120,7 +112,7 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
                out: Path, model_args: list[str] | None = None) -> dict:
     """Decode tokens/s of ``readers`` agents at once over each context, one server
     (``model_args``: the launcher's ``--model-path``, default the embedded model)."""
-    heads = [head_of(p) for p in PERSONAS[: readers + 1]]
+    heads = [system_prompt(p) for p in PERSONAS[: readers + 1]]
     rows = {}
     with ArmServer(arm, out / f"scale_decode_{arm}.log",
                    [*(model_args or []), "--max-total-tokens", str(pool)]) as server:
@@ -230,7 +222,7 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
     is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant). ``probe``:
     after the workload (outside its timings), :func:`probe_readers` on that many of the last
     round's readers, spread over the panel (``probe_turn``: its ``turn`` selection)."""
-    heads = [head_of(p) for p in PERSONAS[:agents]]
+    heads = [system_prompt(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
                    [*(model_args or []), "--max-total-tokens", str(pool),

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import sglang as sgl
 
 from sglang_kvcmas.datasets import gsm8k
-from sglang_kvcmas.examples.turns import Turn, print_turn, run_parallel, stream_turn
+from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
 
 CHAT_TEMPLATE = "chatml"  # SmolLM2-Instruct's template; SGLang cannot infer it from our path
 __all__ = ["CHAT_TEMPLATE", "DEFAULT_AGENTS", "Agent", "DebateRun", "Turn", "run_debate",
@@ -51,20 +51,12 @@ DEFAULT_AGENTS = (
 
 
 @dataclass
-class DebateRun:
+class DebateRun(TurnTotals):
     """All turns of one debate, in order."""
 
     question: str
     reference_answer: str
     turns: list[Turn] = field(default_factory=list)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(t.prompt_tokens for t in self.turns)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(t.cached_tokens for t in self.turns)
 
 
 def transcript_text(question: str, turns: list[Turn]) -> str:

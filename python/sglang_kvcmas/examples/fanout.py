@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import sglang as sgl
 
-from sglang_kvcmas.examples.turns import Turn, print_turn, stream_turn, turn_of
+from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, stream_turn, turn_of
 
 CHAT_TEMPLATE = "chatml"
 PLANNER = ("You are the Planner. You split a math word problem into the smallest number of "
@@ -41,7 +41,7 @@ _TASK_LINE = re.compile(r"\s*(?:[-*\u2022]|\d+[.)]|sub-?task\s*\d+\s*:)\s+(.+)",
 
 
 @dataclass
-class FanoutRun:
+class FanoutRun(TurnTotals):
     """All turns of one run: the Planner's, the Workers' (in sub-task order), the
     Aggregator's."""
 
@@ -49,14 +49,6 @@ class FanoutRun:
     reference_answer: str
     tasks: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(t.prompt_tokens for t in self.turns)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(t.cached_tokens for t in self.turns)
 
 
 def sub_tasks(plan: str, question: str, most: int) -> list[str]:
@@ -99,19 +91,6 @@ def aggregate_turn(s, shared: str, results: str, answer_tokens: int):
     s += sgl.assistant(sgl.gen("answer", max_tokens=answer_tokens, temperature=0.0))
 
 
-class _ForkState:
-    """A fork's result and meta_info as :func:`turns.turn_of` reads a program state."""
-
-    def __init__(self, text: str, meta: dict | None) -> None:
-        self._text, self._meta = text, meta or {}
-
-    def __getitem__(self, var: str) -> str:
-        return self._text
-
-    def get_meta_info(self, var: str) -> dict:
-        return self._meta
-
-
 def run_fanout(backend, question: str, reference_answer: str = "", *,
                workers: int = MAX_WORKERS, answer_tokens: int = 96,
                on_turn=None) -> FanoutRun:
@@ -143,8 +122,7 @@ def run_fanout(backend, question: str, reference_answer: str = "", *,
         raise RuntimeError(f"the workers' turns failed: {state.error()}")
     results = []
     for i, (text, meta) in enumerate(state.ret_value):
-        turn = done(turn_of(_ForkState(text, meta), "result", 2, f"Worker{i + 1}", start, end,
-                            None))
+        turn = done(turn_of(text, meta, 2, f"Worker{i + 1}", start, end, None))
         results.append(f"Worker {i + 1} ({run.tasks[i]}):\n{turn.answer.strip()}")
     done(stream_turn(aggregate_turn, backend, 3, "Aggregator", "answer", shared=shared,
                      results="\n\n".join(results), answer_tokens=answer_tokens))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import sglang as sgl
 
-from sglang_kvcmas.examples.turns import Turn, print_turn, run_parallel, stream_turn
+from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
 
 CHAT_TEMPLATE = "chatml"
 PERSONAS = ("historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
@@ -51,19 +51,11 @@ def document(chars: int) -> str:
 
 
 @dataclass
-class PanelRun:
+class PanelRun(TurnTotals):
     """All turns of one panel, round by round (agents in :data:`PERSONAS` order)."""
 
     document: str
     turns: list[Turn] = field(default_factory=list)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(t.prompt_tokens for t in self.turns)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(t.cached_tokens for t in self.turns)
 
 
 @sgl.function

@@ -46,16 +46,31 @@ class Turn:
     reuse: dict | None = None
 
 
-def turn_of(state: Any, var: str, round_: int, agent: str, start: float, end: float,
+class TurnTotals:
+    """Prompt and cached tokens summed over a run's ``turns`` (a mixin of the examples' run
+    records)."""
+
+    turns: list[Turn]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(t.prompt_tokens for t in self.turns)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(t.cached_tokens for t in self.turns)
+
+
+def turn_of(answer: str, meta: dict | None, round_: int, agent: str, start: float, end: float,
             first_chunk: float | None) -> Turn:
-    """The :class:`Turn` of a finished program state whose answer is variable ``var``; a state
-    without client timing of its first chunk (a fork) takes the server's."""
-    meta = state.get_meta_info(var) or {}
+    """The :class:`Turn` of a finished generation: its text and ``meta_info``; one without
+    client timing of its first chunk (a fork) takes the server's."""
+    meta = meta or {}
     server = meta.get("first_token_latency")
     ttft = (first_chunk - start if first_chunk is not None
             else server if server is not None else end - start)
     return Turn(
-        round=round_, agent=agent, answer=state[var],
+        round=round_, agent=agent, answer=answer,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         completion_tokens=int(meta.get("completion_tokens", 0)),
@@ -81,7 +96,8 @@ def stream_turn(program: Any, backend: Any, round_: int, agent: str, var: str,
     end = time.perf_counter()
     if state.error() is not None:
         raise RuntimeError(f"{agent}'s turn failed: {state.error()}")
-    return turn_of(state, var, round_, agent, start, end, first_chunk or end)
+    return turn_of(state[var], state.get_meta_info(var), round_, agent, start, end,
+                   first_chunk or end)
 
 
 def run_parallel(calls: Sequence[Callable[[], Turn]]) -> list[Turn]:

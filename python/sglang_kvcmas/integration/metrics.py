@@ -7,7 +7,7 @@ counter is None and callers skip counting.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _COUNTERS: dict[str, Any] = {}
@@ -16,26 +16,23 @@ _COUNTERS: dict[str, Any] = {}
 def counter(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
     """The process's ``prometheus_client.Counter`` called ``name`` (created on first call), or
     None when prometheus_client is not installed."""
-    if name not in _COUNTERS:
-        try:
-            from prometheus_client import Counter
-        except ImportError:
-            _COUNTERS[name] = None
-        else:
-            _COUNTERS[name] = Counter(name, documentation, list(labels))
-    return _COUNTERS[name]
+    return _metric(name, lambda p: p.Counter(name, documentation, list(labels)))
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
     """The process's ``prometheus_client.Gauge`` called ``name`` (created on first call; under
     SGLang's multiprocess collection the most recent value of any process), or None when
     prometheus_client is not installed."""
+    return _metric(name, lambda p: p.Gauge(name, documentation, list(labels),
+                                           multiprocess_mode="mostrecent"))
+
+
+def _metric(name: str, make: Callable[[Any], Any]) -> Any | None:
     if name not in _COUNTERS:
         try:
-            from prometheus_client import Gauge
+            import prometheus_client
         except ImportError:
             _COUNTERS[name] = None
         else:
-            _COUNTERS[name] = Gauge(name, documentation, list(labels),
-                                    multiprocess_mode="mostrecent")
+            _COUNTERS[name] = make(prometheus_client)
     return _COUNTERS[name]

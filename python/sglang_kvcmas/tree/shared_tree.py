@@ -28,7 +28,8 @@ and their delta leaves are never dropped or evicted. Bookkeeping only: slot tens
 int64 payloads.
 
 NOTE: just over 500 lines because ``SharedTree`` keeps one set of invariants (node map, lock
-counts, owned and leaf sizes, eviction order) that ``check_invariants`` walks together; the
+counts, owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
+``check_invariants`` and ``trim_leaves`` walk together; the
 borrowed-path walks live in ``tree/borrowed.py``, the leaves in ``pool_overrides.py`` and
 ``lowrank_leaves.py``.
 """
