@@ -50,26 +50,46 @@ MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values
 
 
 def oracle_views(lora, segs, ranks) -> dict[str, list]:
-    """Truncated SVD per segment of (exact - centroid-store view), per head (h) or joint (j)."""
+    """Oracle corrections of a reader's view, fitted on its TRUE deviation (its own pass).
+
+    Over the centroid store's view (``oracle_mean``): truncated SVD per segment, per head (h)
+    or all heads jointly (j); one basis per head over the whole transcript (g) or from the first
+    segment (f). Over the naive view, the first writer's KV as ``lora_share=borrow`` serves it
+    (``oracle_naive``): per-token truncated SVD per segment and head (s), or the server's affine
+    low-rank map (``attention.lowrank.fit_factors``, what a reader's low-rank leaf holds) fitted
+    on every token, per segment (m) or once over the transcript (M).
+    """
+    from sglang_kvcmas.attention.lowrank import fit_factors
     from sglang_kvcmas_lab.delta.leaf import LowRankFactors, svd_factors
     from sglang_kvcmas_lab.models.reference_llama import KVCache
 
     m = create_lora_method("rebase_mean")
     m.reset(lora)
+    naive = create_lora_method("naive")
+    naive.reset(lora)
     for seg in segs:
         m.append(seg)
+        naive.append(seg)
     ids = torch.cat([s.ids for s in segs])
     lens = [s.ids.numel() for s in segs]
     out = {}
     for agent in range(len(ROLES)):
         exact = lora.forward(ids, agent=agent).kv
-        base = m.view(agent)
         for spec in ranks:
             kind, r = spec[0], int(spec[1:])
+            base = naive.view(agent) if kind in "mMs" else m.view(agent)
             ks, vs = [], []
             for layer in range(exact.num_layers):
                 for src, b, dst in ((exact.k, base.k, ks), (exact.v, base.v, vs)):
                     parts, start = [], 0
+                    if kind in "mM":  # the served affine map, fitted on every token
+                        spans = [(0, sum(lens))] if kind == "M" else [
+                            (sum(lens[:i]), sum(lens[:i + 1])) for i in range(len(lens))]
+                        for a, e in spans:
+                            f = fit_factors(b[layer][a:e], src[layer][a:e], r)
+                            parts.append(b[layer][a:e] if f is None else f.apply(b[layer][a:e]))
+                        dst.append(torch.cat(parts))
+                        continue
                     if kind in "gf":  # one basis per head: whole transcript / first segment
                         fit = src[layer] - b[layer]
                         fit = fit if kind == "g" else fit[:lens[0]]
@@ -81,7 +101,7 @@ def oracle_views(lora, segs, ranks) -> dict[str, list]:
                         continue
                     for n in lens:
                         dev = src[layer][start:start + n] - b[layer][start:start + n]
-                        if kind == "h":
+                        if kind in "hs":
                             f = svd_factors(dev, r)
                         else:
                             u, sv, vh = torch.linalg.svd(dev.flatten(1), full_matrices=False)
@@ -91,7 +111,8 @@ def oracle_views(lora, segs, ranks) -> dict[str, list]:
                         parts.append(b[layer][start:start + n] + f.dense())
                         start += n
                     dst.append(torch.cat(parts))
-            out.setdefault(f"oracle_mean[{spec}]", [None] * len(ROLES))[agent] = KVCache(
+            name = "oracle_naive" if kind in "mMs" else "oracle_mean"
+            out.setdefault(f"{name}[{spec}]", [None] * len(ROLES))[agent] = KVCache(
                 ks, vs, base.positions)
     return out
 
@@ -105,7 +126,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--cont-tokens", type=int, default=32)
     ap.add_argument("--bases", nargs="+", default=["mean", "neutral"])
-    ap.add_argument("--oracle", nargs="*", default=[], help="e.g. h8 j32: per-head / joint rank")
+    ap.add_argument("--oracle", nargs="*", default=[],
+                    help="kind + rank, e.g. h8 j32 s8 m16 (see oracle_views)")
     ap.add_argument("--modes", nargs="*", default=None, help="att,mlp pairs; default all")
     ap.add_argument("--out",
                     default=str(Path(__file__).resolve().parent / "results" / "precache_drift_study"))

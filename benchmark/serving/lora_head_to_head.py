@@ -20,6 +20,11 @@ the same KV pool for every arm:
     catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
                     turn's prompt prefilled in the background for the workflow's other adapters
                     while the turn decodes
+    rebase          --kvcmas-share-context --kvcmas-lora-share rebase: every adapter request's
+                    prompt prefilled first under the adapters' centroid (the mean of their
+                    deltas), the only writer of the shared transcript; each adapter reads it as
+                    borrow reads (its naive replay measures the centroid base alone, ``base_*``;
+                    its KL recovered is against the borrow arm's naive reuse on the same turns)
 
 Per arm: TTFT over non-owner turns (every turn after a workflow's first round: each adapter has
 spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
@@ -37,7 +42,7 @@ is repeated after a cache flush with naive reuse (nothing recomputed) for
 
     python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, < 15 min
     python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
-        [--shape panel|chain] [--arms stock,borrow,borrow_lowrank,catchup]
+        [--shape panel|chain] [--arms stock,borrow,borrow_lowrank,catchup,rebase]
         [--adapters name=path,...] [--model-path NAME]
 
 Ends with ``HEADLINE mode=<default> ttft_speedup_vs_stock=... kv_ratio_vs_stock=... tf_top1=...
@@ -83,13 +88,26 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
 DEFAULT_MODE = "catchup"
 """The mode the headline reports: exact (the cross-adapter reads measured less faithful)."""
 SHARE = ["--kvcmas-share-context", "--kvcmas-lora-share", "borrow"]
+REBASE = ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"]
 ARMS: dict[str, list[str]] = {
     "stock": ["--kvcmas-stock-cache"],
     "borrow": SHARE,
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
+    "rebase": REBASE,
+    "rebase_tail": [*REBASE, "--kvcmas-recompute-tail", "64"],
+    "rebase_tail32": [*REBASE, "--kvcmas-recompute-tail", "32"],
+    "rebase_tail_lean": [*REBASE, "--kvcmas-recompute-tail", "64",
+                         "--kvcmas-leaf-mass-fraction", "0.1"],
+    "rebase_mass25": [*REBASE, "--kvcmas-recompute-mass-fraction", "0.25"],
+    "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
 }
-CROSS_ADAPTER = ("borrow", "borrow_lowrank")
+CENTROID_BASE = ("rebase", "rebase_tail", "rebase_tail32", "rebase_tail_lean", "rebase_mass25",
+                 "rebase_lowrank")
+"""Arms whose adapters read the centroid's KV: their replay without recompute measures the
+centroid base alone, and their KL recovered is against the naive cross-adapter reuse a borrow
+arm of the same run measured on the same turns."""
+CROSS_ADAPTER = ("borrow", "borrow_lowrank", *CENTROID_BASE)
 """Arms whose adapters read KV another adapter computed (the others' caches are exact)."""
 NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
          "kvcmas_recompute_tail": 0}
@@ -234,9 +252,9 @@ def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) ->
         rec = {"wid": t["wid"], "step": t["step"], "agent": t["agent"], "cont": cont,
                "got": forced(url, t["prompt_ids"], cont, body=body,
                              custom={**workflow_id(t["wid"]), **(custom or {})})}
-        if exact:
+        if exact:  # kvcmas_exact: under rebase no centroid prefill either
             rec["exact"] = forced(url, t["prompt_ids"], cont, salt=f"x-{uuid.uuid4()}",
-                                  body=body)
+                                  body=body, custom={"kvcmas_exact": True})
         return rec
 
     return replay_steps(ref_turns, lambda t: t["wid"], one)
@@ -255,6 +273,7 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
         warm()
         naive = {key(r): r for r in replay(url, ref_turns, NAIVE, exact=False)}
     top1, kl, kl_naive, top1_naive, n_turns = [], [], [], [], 0
+    per_turn: dict[str, list] = {}
     for k, r in served.items():
         reads = r["got"]["reuse"].get("borrowed", 0) > 0 if cross_adapter else r["step"] > 0
         if not reads:
@@ -262,6 +281,8 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
         n_turns += 1
         ref, got = r["exact"], r["got"]
         nv = naive[k]["got"] if cross_adapter else None
+        first = len(kl)
+        first_naive = len(kl_naive)
         for i in range(min(len(ref["tops"]), len(got["tops"]))):
             e, g = ref["tops"][i], got["tops"][i]
             v = nv["tops"][i] if nv is not None and i < len(nv["tops"]) else None
@@ -273,8 +294,12 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
             if v:
                 top1_naive.append(max(v, key=v.get) == best)
                 kl_naive.append(kl_on_support(e, v))
+        if len(kl) > first:
+            per_turn[repr(k)] = [statistics.fmean(kl[first:]),
+                                 statistics.fmean(kl_naive[first_naive:])
+                                 if len(kl_naive) > first_naive else None]
     mean = statistics.fmean
-    out: dict = {"turns": n_turns, "positions": len(top1)}
+    out: dict = {"turns": n_turns, "positions": len(top1), "per_turn": per_turn}
     if top1:
         out.update(tf_top1=mean(top1), kl20=mean(kl))
     if kl_naive:
@@ -284,12 +309,34 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
 
 
 def catchup_prefilled(url: str) -> int:
-    """Tokens the server prefilled in background catch-ups (``kvcmas:lora_catchup_tokens``)."""
+    """Tokens the server prefilled for other adapters than the request's own: background
+    catch-ups (``kvcmas:lora_catchup_tokens``) and centroid prefills
+    (``kvcmas:lora_centroid_tokens``)."""
+    total = 0
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("kvcmas:lora_catchup_tokens_total{") and 'kind="prefilled"' in line:
-                return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+            if line.startswith(("kvcmas:lora_catchup_tokens_total{",
+                                "kvcmas:lora_centroid_tokens_total{")) \
+                    and 'kind="prefilled"' in line:
+                total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
+    """A centroid-base arm's fidelity with its replay without recompute renamed ``base_*`` and
+    its KL recovered taken against ``naive_from``'s (a borrow arm's) naive cross-adapter reuse,
+    over the turns both measured."""
+    out = {k: v for k, v in f.items() if not k.startswith("naive_") and k != "kl_recovered"}
+    if f.get("naive_kl20") is not None:
+        out["base_kl20"], out["base_tf_top1"] = f["naive_kl20"], f.get("naive_tf_top1")
+    ours, theirs = f.get("per_turn", {}), naive_from.get("per_turn", {})
+    common = [k for k in ours if k in theirs and theirs[k][1] is not None]
+    if common:
+        kl = statistics.fmean(ours[k][0] for k in common)
+        naive = statistics.fmean(theirs[k][1] for k in common)
+        out.update(naive_kl20=naive, naive_turns=len(common),
+                   kl_recovered=1 - kl / naive if naive else None)
+    return out
 
 
 def flush(url: str) -> None:
@@ -398,9 +445,13 @@ def main() -> int:
                 fid[arm] = fidelity(server.url, runs["stock"][0],
                                     lambda: warm_heads(server.url, list(adapters), tok),
                                     arm in CROSS_ADAPTER)
-                print(f"[lora_head_to_head] arm {arm}: fidelity {fid[arm]} "
+                shown = {k: v for k, v in fid[arm].items() if k != "per_turn"}
+                print(f"[lora_head_to_head] arm {arm}: fidelity {shown} "
                       f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
+    for arm in CENTROID_BASE:
+        if arm in fid:
+            fid[arm] = against_cross_adapter_naive(fid[arm], fid.get("borrow", {}))
     ours_default = DEFAULT_MODE if DEFAULT_MODE in runs else arms[1]
     per_round = 1 if args.shape == "panel" else len(adapters)
     non_owner = {key(t) for t in runs["stock"][0] if t["step"] >= per_round}

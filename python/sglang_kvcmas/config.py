@@ -252,8 +252,11 @@ class ServingConfig:
         "prompt in the background for the workflow's other adapters while the turn decodes "
         "(exact; costs background prefill); 'borrow' lets an adapter read the transcript "
         "another adapter computed, through the same read path as prompt agents (recompute, "
-        "leaf mode). Requests without an adapter never read an adapter's KV.",
-        kind=str, choices=("separate", "catchup", "borrow"))
+        "leaf mode); 'rebase' has every adapter request's prompt prefilled first under the "
+        "adapters' centroid (a synthetic adapter, the mean of their deltas), which alone "
+        "writes the shared transcript, and every adapter reads it as 'borrow' reads. "
+        "Requests without an adapter never read an adapter's KV.",
+        kind=str, choices=("separate", "catchup", "borrow", "rebase"))
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

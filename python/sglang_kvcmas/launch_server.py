@@ -36,17 +36,26 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from sglang_kvcmas.config import knob
+from sglang_kvcmas.envs import KVCMAS_CACHE_DIR
 from sglang_kvcmas.models.adapter_check import AdapterError
 from sglang_kvcmas.models.registry import known_model
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
 from sglang_kvcmas.policy import spend_forecast
+from sglang_kvcmas.policy.lora_share import CENTROID
 from sglang_kvcmas.policy.spend_forecast import ForecastArtifactError
-from sglang_kvcmas.server.lora_args import check_lora_paths
-from sglang_kvcmas.server.options import build_sglang_argv, knobs_help, parse_launcher_args
+from sglang_kvcmas.server.lora_args import check_lora_paths, named_adapters
+from sglang_kvcmas.server.lora_centroid import build_centroid, with_centroid
+from sglang_kvcmas.server.options import (
+    LauncherOptions,
+    build_sglang_argv,
+    knobs_help,
+    parse_launcher_args,
+)
 
 
 EXIT_BAD_MODEL = 2
@@ -67,6 +76,24 @@ def forecast_artifact(options: Any) -> Path:
     return path.resolve()
 
 
+def centroid_argv(options: LauncherOptions, ranks: dict[str, int]) -> list[str]:
+    """SGLang's argv with ``rebase``'s centroid adapter served beside the named ones.
+
+    Raises:
+        AdapterError: sharing is off, fewer than two adapters are named, or one is not a plain
+            LoRA adapter.
+    """
+    if not options.share_context:
+        raise AdapterError("--kvcmas-lora-share rebase needs --kvcmas-share-context")
+    adapters = named_adapters(options.sglang_argv)
+    if CENTROID in adapters:
+        raise AdapterError(f"--lora-paths: the name {CENTROID!r} is reserved for the centroid")
+    folder = build_centroid(list(adapters.values()), KVCMAS_CACHE_DIR.get())
+    print(f"[sglang-kvcmas] lora_share=rebase: centroid of {len(adapters)} adapters "
+          f"(rank {sum(ranks.values())}) at {folder}", file=sys.stderr, flush=True)
+    return with_centroid(list(options.sglang_argv), folder, sum(ranks.values()), CENTROID)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns (or exits with) a non-zero status on a bad model path."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -81,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang-kvcmas-server: error: bad --model-path: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
     try:
-        check_lora_paths(options.sglang_argv, model_path)
+        ranks = check_lora_paths(options.sglang_argv, model_path)
     except AdapterError as e:
         print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
@@ -101,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_kvcmas.integration.cpu_runtime import prepare_cpu_server_process
 
         kernel = prepare_cpu_server_process()
+    if options.config.lora_share == "rebase":  # after the threads are set: it loads torch
+        try:
+            options = replace(options, sglang_argv=tuple(centroid_argv(options, ranks)))
+        except AdapterError as e:
+            print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
+            return EXIT_BAD_MODEL
     from sglang_kvcmas.integration.serve import explicit_dests, serve
 
     sglang_argv = build_sglang_argv(

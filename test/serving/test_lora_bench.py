@@ -12,7 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.serving.lora_head_to_head import (  # noqa: E402
+    ARMS,
+    CENTROID_BASE,
+    CROSS_ADAPTER,
     LoraFlow,
+    against_cross_adapter_naive,
     flow_steps,
     last_answer,
     parse_adapters,
@@ -61,3 +65,20 @@ def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_
     assert parse_adapters(f"a={tmp_path}") == {"a": tmp_path}
     with pytest.raises(SystemExit, match="name=folder"):
         parse_adapters(f"a={tmp_path / 'missing'}")
+
+
+def test_centroid_arms_are_judged_against_the_borrow_arms_naive_reuse_on_common_turns():
+    assert set(CENTROID_BASE) <= set(CROSS_ADAPTER) <= set(ARMS)
+    assert all("rebase" in ARMS[a] for a in CENTROID_BASE)
+    ours = {"tf_top1": 0.98, "kl20": 0.02, "naive_kl20": 0.05, "naive_tf_top1": 0.97,
+            "kl_recovered": 0.6, "per_turn": {"a": [0.01, 0.05], "b": [0.03, 0.05],
+                                              "c": [0.9, 0.9]}}
+    borrow = {"per_turn": {"a": [0.05, 0.1], "b": [0.05, 0.1], "d": [0.1, 0.2],
+                           "c": [0.1, None]}}
+    out = against_cross_adapter_naive(ours, borrow)
+    assert out["base_kl20"] == 0.05 and out["base_tf_top1"] == 0.97
+    assert out["naive_turns"] == 2 and out["naive_kl20"] == pytest.approx(0.1)
+    assert out["kl_recovered"] == pytest.approx(1 - 0.02 / 0.1)
+    assert "naive_tf_top1" not in out
+    alone = against_cross_adapter_naive(ours, {})
+    assert "kl_recovered" not in alone and alone["base_kl20"] == 0.05

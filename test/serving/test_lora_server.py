@@ -210,3 +210,48 @@ def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
         messages.append(got["text"].strip())
         settle(stock)
     assert catchup_tokens(stock) > before
+
+
+@pytest.fixture(scope="module")
+def rebase(tmp_path_factory, servers):
+    """Ours with ``--kvcmas-lora-share rebase`` (the centroid joins ``--lora-paths``, and
+    ``--max-lora-rank 8`` is raised to its rank 24), beside the stock server."""
+    process = boot(tmp_path_factory, "lora-rebase",
+                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"])
+    try:
+        for role in ROLES:
+            generate(process.url, prompt("What is 2 + 2?"), role)
+        yield servers[0], process.url
+    finally:
+        process.stop()
+
+
+def centroid_tokens(url: str, kind: str = "prompt") -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("kvcmas:lora_centroid_tokens_total{") and kind in line)
+
+
+def test_rebase_adapters_read_the_centroids_transcript_and_write_none(rebase):
+    """Every adapter, the first included, reads the transcript the centroid computed; only
+    the centroid writes shared nodes; exact and base-model requests are stock's."""
+    stock, url = rebase
+    q = QUESTION + uuid.uuid4().hex[:6]
+    before = centroid_tokens(url)
+    first = generate(url, prompt(q), "planner")
+    assert borrowed(first) > 80  # the question, computed by the centroid just before
+    assert centroid_tokens(url) >= before + 100
+    second = generate(url, prompt(q, PLAN), "solver")
+    assert borrowed(second) > 80
+    # Asked to read no other agent's KV: no centroid prefill, stock's tokens.
+    before = centroid_tokens(url)
+    exact = generate(url, prompt(q, PLAN), "critic",
+                     sampling_params={"temperature": 0, "max_new_tokens": 8,
+                                      "custom_params": {"kvcmas_exact": True}})
+    assert borrowed(exact) == 0 and centroid_tokens(url) == before
+    assert exact["output_ids"] == generate(stock, prompt(q, PLAN), "critic")["output_ids"]
+    base = {u: generate(u, prompt(q, PLAN)) for u in (stock, url)}
+    assert borrowed(base[url]) == 0 and centroid_tokens(url) == before
+    assert base[url]["output_ids"] == base[stock]["output_ids"]
+    assert pool_balanced(url)

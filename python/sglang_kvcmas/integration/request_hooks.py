@@ -14,7 +14,8 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   (an error event on a stream that has not started). While an OpenAI stream is being served it
   also collects the reuse records for the stream's usage chunk (``usage_stream.py``). Under
   ``--kvcmas-lora-share catchup`` an adapter request of a workflow starts the background
-  catch-ups of the workflow's other adapters (``lora_catchup.py``).
+  catch-ups of the workflow's other adapters (``lora_catchup.py``); under ``rebase`` an adapter
+  request waits for the centroid adapter's prefill of its prompt (``lora_rebase.py``).
 - AROUND ``TokenizerManager._validate_one_request``: with the prompt's token ids known, an
   explicit head or shared end past the prompt is refused the same way.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_kvcmas.integration import lora_catchup, usage_stream, workflow_accounting
+from sglang_kvcmas.integration import lora_catchup, lora_rebase, usage_stream, workflow_accounting
 from sglang_kvcmas.policy.request_options import (
     WORKFLOW_FIELD,
     WORKFLOW_HEADER,
@@ -85,6 +86,7 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     workflow_accounting.admit_options(options)  # budgets: recorded, and enforced (a 400)
     outputs = original(manager, obj, request, *args, **kwargs)
     outputs = lora_catchup.around_request(original, manager, obj, options, outputs)
+    outputs = lora_rebase.around_request(original, manager, obj, options, outputs)
     workflows = [opts.workflow if opts is not None else None for opts in options]
     return usage_stream.collecting(workflow_accounting.observing(outputs, workflows))
 

@@ -85,7 +85,12 @@ from sglang_kvcmas.policy.recompute import (
     select_recompute_arrays,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
-from sglang_kvcmas.policy.lora_share import lora_agent, sharing_namespace
+from sglang_kvcmas.policy.lora_share import (
+    is_centroid,
+    lora_agent,
+    sharing_namespace,
+    writes_shared,
+)
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tokens import as_token_array
@@ -243,9 +248,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def namespace(self, req: Req) -> tuple:
         """The request's sharing namespace: never across ``extra_key`` or ``cache_salt``; across
-        LoRA adapters only under ``lora_share=borrow`` (``policy/lora_share.py``)."""
+        LoRA adapters only under ``lora_share=borrow|rebase`` (``policy/lora_share.py``)."""
         return sharing_namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None),
                                  getattr(req, "lora_id", None), self.lora_share)
+
+    def writes_shared(self, req: Req) -> bool:
+        """Whether the request's computed transcript tokens join the shared tree (under
+        ``lora_share=rebase`` only the centroid's do)."""
+        return writes_shared(self.lora_share, getattr(req, "lora_id", None), req.rid)
 
     def split_of(self, req: Req) -> AgentSplit | None:
         """The request's agent split; None: not an agent request."""
@@ -351,8 +361,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     def wants_exact(self, req: Req) -> bool:
-        """Whether the request asked to read no other agent's KV (``kvcmas_exact``)."""
-        return self.options_of(req).exact
+        """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), or it
+        is a centroid prefill (``lora_share=rebase``: the base every adapter reads)."""
+        return self.options_of(req).exact or (self.lora_share == "rebase"
+                                               and is_centroid(req.rid))
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
                        spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -481,7 +493,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ))
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
-        if split is not None and covered < split.shared_end:
+        if split is not None and covered < split.shared_end and self.writes_shared(req):
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
             ns = self.namespace(req)
@@ -500,7 +512,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             try:
                 self._keep_correction(req, req.last_node)
                 self._adopt_recomputed(req, req.last_node, up_to)
-                self._register_borrowed(req, req.last_node, up_to)
+                if self.writes_shared(req):
+                    self._register_borrowed(req, req.last_node, up_to)
             except Exception:  # what it computed is not shared; its slots go at release
                 self._fault(req, "checkpoint")
         else:
@@ -508,7 +521,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
-            if split is not None and self.namespace(req) \
+            if split is not None and self.writes_shared(req) and self.namespace(req) \
                     not in self.broken_namespaces:
                 try:
                     self._register_exact(req, split, up_to)

@@ -11,6 +11,7 @@ crosses ``cache_salt`` or the caller's own ``extra_key``:
 ``separate``   its adapter's namespace only (SGLang's own)  the base model's namespace
 ``catchup``    its adapter's namespace only                 the base model's namespace
 ``borrow``     one namespace for all adapters               the base model's namespace
+``rebase``     one namespace for all adapters               the base model's namespace
 =============  ==========================================  ================================
 
 ``catchup`` keeps every adapter's cache exact and separate, and prefills a turn's prompt for the
@@ -22,6 +23,15 @@ path as prompt agents (its own head exact, borrowed tokens re-positioned, some r
 own adapter, leaf mode as configured); the first adapter to compute a segment is an exact owner.
 Measured far less faithful than across prompt agents (``benchmark/serving/lora_head_to_head.py``),
 so it is opt-in.
+
+``rebase`` (PReCache's ReBaseShared, rebuilt before the read, with the adapters' centroid as the
+base): every adapter request's prompt is first prefilled under the **centroid adapter**
+(:data:`CENTROID`, the mean of the named adapters' deltas, ``server/lora_centroid.py``) and
+only those centroid requests write the shared transcript; an adapter request reads it as under
+``borrow`` but never writes it (:func:`writes_shared`), so every adapter reads one base that
+sits between them all rather than the first writer's view of the text. The centroid's
+deviation from each adapter is smaller than one adapter's from another (the PReCache lab's
+``rebase_mean``: KL to exact about half of naive cross-adapter reuse).
 A request without an adapter never reads KV computed with one (and never lends to one), so the
 base model's answers are what they are without adapters in the server.
 
@@ -35,9 +45,24 @@ from __future__ import annotations
 
 from typing import Any
 
-MODES = ("separate", "catchup", "borrow")
+MODES = ("separate", "catchup", "borrow", "rebase")
 ADAPTERS = "lora"
-"""The namespace tag every adapter shares under ``borrow``."""
+"""The namespace tag every adapter shares under ``borrow`` and ``rebase``."""
+CENTROID = "kvcmas-centroid"
+"""The name the centroid adapter is served under (``rebase``)."""
+CENTROID_RID = "kvcmas-centroid-"
+"""Prefix of the request ids of centroid prefills (the scheduler tells them by it)."""
+
+
+def is_centroid(rid: Any) -> bool:
+    """Whether a request id is one of ``rebase``'s centroid prefills."""
+    return isinstance(rid, str) and rid.startswith(CENTROID_RID)
+
+
+def writes_shared(mode: str, lora_id: str | None, rid: Any) -> bool:
+    """Whether a request's computed transcript tokens join the shared tree: always, but under
+    ``rebase`` an adapter request's (only the centroid writes there)."""
+    return mode != "rebase" or lora_id is None or is_centroid(rid)
 
 
 def caller_extra_key(extra_key: Any, lora_id: str | None) -> Any:
@@ -57,12 +82,12 @@ def sharing_namespace(extra_key: Any, cache_salt: Any, lora_id: str | None = Non
         extra_key: the request's ``extra_key`` as SGLang keeps it (adapter id appended).
         cache_salt: its ``cache_salt`` (None or "" for none).
         lora_id: its adapter id (None: the base model).
-        mode: ``separate``, ``catchup`` or ``borrow``.
+        mode: one of :data:`MODES`.
     """
     if mode not in MODES:
         raise ValueError(f"unknown lora_share mode {mode!r}; choose from {MODES}")
     salt = cache_salt or None
-    if lora_id is None or mode != "borrow":
+    if lora_id is None or mode not in ("borrow", "rebase"):
         return (extra_key, salt)
     return (caller_extra_key(extra_key, lora_id), salt, ADAPTERS)
 
