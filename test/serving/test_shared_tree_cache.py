@@ -390,7 +390,7 @@ def test_readers_that_waited_together_split_the_segment_share(monkeypatch):
     each recomputes segment_share / 2 of its borrowed tokens by mass, where a reader that
     waited alone (d) recomputes the whole mass share."""
     from sglang_kvcmas.integration import turn_order_hook
-    from sglang_kvcmas.integration.shared_tree_cache import readers_of
+    from sglang_kvcmas.integration.agent_requests import readers_of
 
     h = Harness()
     h.cache.recompute_config = RecomputeConfig(boundary_tokens=0, mass_fraction=0.2,
@@ -523,7 +523,7 @@ def test_a_request_can_ask_to_read_no_other_agents_kv():
     # a non-boolean never reaches the scheduler (400); if one did, it is served without sharing
     odd = SimpleNamespace(rid="x", origin_input_ids=b + T1 + SUFFIX,
                           sampling_params=SimpleNamespace(custom_params={"kvcmas_exact": "yes"}))
-    assert not h.cache.wants_exact(odd) and h.cache.split_of(odd) is None
+    assert not h.cache.requests.wants_exact(odd) and h.cache.requests.split(odd) is None
 
 
 def test_a_reader_computes_a_short_foreign_span_exactly():
@@ -707,6 +707,6 @@ def test_requests_that_never_reach_release_leave_nothing_behind():
     sizes = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
     for i in range(50):
         waiting = Req(f"w{i}", a + T1 + [300 + i] + SUFFIX)
-        assert h.cache.split_of(waiting) is not None and not h.cache.wants_exact(waiting)
+        assert h.cache.requests.split(waiting) is not None and not h.cache.requests.wants_exact(waiting)
     after = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
     assert after == sizes

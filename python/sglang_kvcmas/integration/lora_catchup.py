@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
+from sglang_kvcmas.integration.prefill_requests import one_token_request, run_counted
 from sglang_kvcmas.policy.lora_catchup import CatchupPlanner
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -106,14 +106,7 @@ async def _tracked(outputs: Any, workflow: str, adapter: str, start: Any) -> Any
 
 def catchup_request(obj: Any, adapter: str) -> Any:
     """The background request: ``obj``'s prompt under ``adapter``, one greedy output token."""
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    ids = getattr(obj, "input_ids", None)
-    return GenerateReqInput(
-        text=None if ids is not None else obj.text, input_ids=ids, lora_path=adapter,
-        sampling_params={"max_new_tokens": 1, "temperature": 0},
-        rid=f"{RID_PREFIX}{uuid.uuid4().hex}", cache_salt=getattr(obj, "cache_salt", None),
-        extra_key=getattr(obj, "extra_key", None))
+    return one_token_request(obj, adapter, RID_PREFIX, keep_custom=False)
 
 
 async def _catch_up(original: Any, manager: Any, obj: Any, workflow: str, adapter: str) -> None:
@@ -122,17 +115,7 @@ async def _catch_up(original: Any, manager: Any, obj: Any, workflow: str, adapte
         TOTALS["skipped"] += 1
         return  # its own request of this step is being served: nothing to catch up
     try:
-        meta: dict = {}
-        async for out in original(manager, catchup_request(obj, adapter), None):
-            meta = out.get("meta_info", meta) if isinstance(out, dict) else meta
-        prompt = int(meta.get("prompt_tokens", 0))
-        prefilled = prompt - int(meta.get("cached_tokens", 0))
-        TOTALS["requests"] += 1
-        TOTALS["prompt"] += prompt
-        TOTALS["prefilled"] += prefilled
-        if (counter := _counter()) is not None:
-            counter.labels(kind="prompt").inc(prompt)
-            counter.labels(kind="prefilled").inc(prefilled)
+        await run_counted(original, manager, catchup_request(obj, adapter), TOTALS, _counter())
     except Exception:  # noqa: BLE001 - background work must never fail anything else
         TOTALS["failed"] += 1
         logger.exception("sglang-kvcmas: LoRA catch-up for adapter %s failed", adapter)

@@ -21,12 +21,11 @@ goes on (it then computes what is missing itself).
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import uuid
 from typing import Any
 
 from sglang_kvcmas.integration import lora_catchup, metrics
+from sglang_kvcmas.integration.prefill_requests import one_token_request, run_counted
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -55,18 +54,7 @@ def _wants_centroid(obj: Any, options: list[RequestOptions | None]) -> bool:
 def centroid_request(obj: Any) -> Any:
     """``obj``'s prompt under the centroid adapter, one greedy output token, its ``kvcmas_*``
     fields (head and shared end) and namespace kept."""
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    ids = getattr(obj, "input_ids", None)
-    params = getattr(obj, "sampling_params", None)
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    sampling = {"max_new_tokens": 1, "temperature": 0}
-    if isinstance(custom, dict):
-        sampling["custom_params"] = copy.deepcopy(custom)
-    return GenerateReqInput(
-        text=None if ids is not None else obj.text, input_ids=ids, lora_path=CENTROID,
-        sampling_params=sampling, rid=f"{CENTROID_RID}{uuid.uuid4().hex}",
-        cache_salt=getattr(obj, "cache_salt", None), extra_key=getattr(obj, "extra_key", None))
+    return one_token_request(obj, CENTROID, CENTROID_RID, keep_custom=True)
 
 
 def _prompt_key(obj: Any) -> tuple:
@@ -104,17 +92,7 @@ async def _after(fut: asyncio.Future, outputs: Any) -> Any:
 
 async def _prefill(original: Any, manager: Any, req: Any) -> None:
     try:
-        meta: dict = {}
-        async for out in original(manager, req, None):
-            meta = out.get("meta_info", meta) if isinstance(out, dict) else meta
-        prompt = int(meta.get("prompt_tokens", 0))
-        prefilled = prompt - int(meta.get("cached_tokens", 0))
-        TOTALS["requests"] += 1
-        TOTALS["prompt"] += prompt
-        TOTALS["prefilled"] += prefilled
-        if (counter := _counter()) is not None:
-            counter.labels(kind="prompt").inc(prompt)
-            counter.labels(kind="prefilled").inc(prefilled)
+        await run_counted(original, manager, req, TOTALS, _counter())
     except Exception:  # noqa: BLE001 - the adapter request goes on without it
         TOTALS["failed"] += 1
         logger.exception("sglang-kvcmas: centroid prefill %s failed", req.rid)

@@ -39,16 +39,18 @@ transcript tokens it computed after its borrowed span as an *owned* shared node 
 Locks and eviction: a reader locks its radix head path, its shared path (``lock_ref``) and every
 radix anchor on that path, so nothing it reads can be evicted or dropped. Eviction frees the
 cheapest to lose first: unlocked delta leaves and owned (approximate) shared leaves, then the
-radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored on it. ``evictable_size``/``protected_size`` include owned shared slots,
-so SGLang's pool invariant (available + evictable + protected + uncached == total) holds.
+radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored on it.
+``evictable_size``/``protected_size`` include owned shared slots, so SGLang's pool invariant
+(available + evictable + protected + uncached == total) holds.
 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: over 500 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: about 600 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
-call lives beside the tree (``tree/``) and in ``policy/``; what stays here is the wiring to
-SGLang's rows, locks and pool.
+call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
+may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
+rows, locks and pool.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
+from sglang_kvcmas.integration.agent_requests import (
+    REGISTERED_ATTR,
+    AgentRequests,
+    continues_at,
+    readers_of,
+)
 from sglang_kvcmas.integration.leaf_metrics import LeafGauge
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
 from sglang_kvcmas.policy.recompute import (
@@ -85,16 +93,8 @@ from sglang_kvcmas.policy.recompute import (
     select_recompute_arrays,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
-from sglang_kvcmas.policy.lora_share import (
-    is_centroid,
-    lora_agent,
-    sharing_namespace,
-    writes_shared,
-)
-from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.turn_order import TurnConfig
-from sglang_kvcmas.tokens import as_token_array
-from sglang_kvcmas.tree.agent_split import AgentSplit, split_request
+from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.template_markers import TemplateMarkers
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
@@ -116,46 +116,18 @@ class _SharedReceipt:
     anchor_locks: list[TreeLock]
 
 
-READERS_ATTR = "_kvcmas_readers"
-"""Request attribute: the most readers the turn-order hook saw wait with it for one leader."""
-
-
-@dataclass(frozen=True)
-class _RequestState:
-    """What the cache keeps per request while it is queued or running (parsed once)."""
-
-    options: RequestOptions | None
-    split: AgentSplit | None
-
-
 @dataclass(frozen=True, eq=False)
 class PendingOwner:
     """An admitted agent request that will register new shared tokens at its checkpoint.
 
     Attributes:
-        shared: [n] int64 its shared-context token ids (``shared_tokens``).
+        shared: [n] int64 its shared-context token ids (``AgentRequests.shared_tokens``).
     """
 
     rid: str
     namespace: tuple
     shared: np.ndarray
     since: float
-
-
-REGISTERED_ATTR = "_kvcmas_registered_to"
-"""Request attribute: the shared offset its last registration (chunk) ended at."""
-
-
-def continues_at(req: Req) -> int | None:
-    """Shared offset where the request's previous chunk's registration ended (its next chunk
-    continues that segment rather than starting one), or None."""
-    return getattr(req, REGISTERED_ATTR, None)
-
-
-def readers_of(req: Req) -> int:
-    """How many readers waited together for the segment ``req`` borrows (its own count
-    included; ``integration/turn_order_hook.py`` records it on the request), 1 if none."""
-    return getattr(req, READERS_ATTR, 1)
 
 
 class KvcmasSharedTreeCache(KvcmasRadixCache):
@@ -184,6 +156,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.config = config
         self.shared = SharedTree(self._free_slots)
         self.markers = markers
+        self.requests = AgentRequests(markers, config.lora_share)
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
         self.lora_share = config.lora_share
@@ -211,67 +184,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         agents, so mass on them is not a signal."""
         return len(self.markers.system_open) if self.markers is not None else 1
 
-    def _state(self, req: Req) -> _RequestState:
-        """The request's options and agent split, parsed once and kept on the request (so
-        nothing outlives a request that is aborted while it waits). Never raises: requests with
-        bad ``kvcmas_*`` fields were answered 400 before reaching the scheduler, and any that
-        get here anyway are served without sharing."""
-        state = getattr(req, "_kvcmas_state", None)
-        if state is None:
-            custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-            options = RequestOptions.lenient(custom)
-            split = None
-            if options is None:
-                logger.warning("sglang-kvcmas: request %s: bad kvcmas_* fields; served without "
-                               "sharing", req.rid)
-            else:
-                try:
-                    split = split_request(req.origin_input_ids, options, self.markers)
-                    lora_id = getattr(req, "lora_id", None)
-                    if split is not None and lora_id is not None:
-                        split = replace(split, agent=lora_agent(split.agent, lora_id))
-                except ValueError as e:
-                    logger.warning("sglang-kvcmas: request %s: %s; served without sharing",
-                                   req.rid, e)
-            state = req._kvcmas_state = _RequestState(options, split)
-        return state
-
     def _fault(self, req: Req, where: str) -> None:
         """Log an internal error of ours for one request and stop sharing in its namespace
         (every later request there is served as by the radix cache); the scheduler goes on."""
-        ns = self.namespace(req)
+        ns = self.requests.namespace(req)
         self.broken_namespaces.add(ns)
         self.faults += 1
         self.pending_owners.pop(req.rid, None)
         logger.exception("sglang-kvcmas: internal error in %s for request %s; sharing is off "
                          "for its namespace from now on", where, req.rid)
-
-    def namespace(self, req: Req) -> tuple:
-        """The request's sharing namespace: never across ``extra_key`` or ``cache_salt``; across
-        LoRA adapters only under ``lora_share=borrow|rebase`` (``policy/lora_share.py``)."""
-        return sharing_namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None),
-                                 getattr(req, "lora_id", None), self.lora_share)
-
-    def writes_shared(self, req: Req) -> bool:
-        """Whether the request's computed transcript tokens join the shared tree (under
-        ``lora_share=rebase`` only the centroid's do)."""
-        return writes_shared(self.lora_share, getattr(req, "lora_id", None), req.rid)
-
-    def split_of(self, req: Req) -> AgentSplit | None:
-        """The request's agent split; None: not an agent request."""
-        return self._state(req).split
-
-    def shared_tokens(self, req: Req) -> np.ndarray:
-        """[n] int64 the request's shared-context token ids (copied once: a lasting view would
-        pin the prompt's ``array('q')`` buffer); empty when it is not an agent request."""
-        view = getattr(req, "_kvcmas_shared", None)
-        if view is None:
-            split = self.split_of(req)
-            ids = as_token_array(req.origin_input_ids)
-            view = (ids[split.head_len : split.shared_end] if split is not None
-                    else ids[:0]).copy()
-            req._kvcmas_shared = view
-        return view
 
     def shared_available(self, req: Req) -> int:
         """How many of the request's shared tokens the shared tree holds (a peek), recomputed
@@ -280,13 +201,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         cached = getattr(req, "_kvcmas_available", None)
         if cached is not None and cached[0] == version:
             return cached[1]
-        ns = self.namespace(req)
-        available, _ = self.shared.match(ns, self.shared_tokens(req), split=False)
+        ns = self.requests.namespace(req)
+        available, _ = self.shared.match(ns, self.requests.shared_tokens(req), split=False)
         req._kvcmas_available = (version, available)
         return available
-
-    def options_of(self, req: Req) -> RequestOptions:
-        return self._state(req).options or RequestOptions()
 
     def radix_peek(self, req: Req, n: int) -> int:
         """How many of the request's first ``n`` tokens the radix tree holds: its own exact
@@ -316,7 +234,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req = params.req
         if not self.share_context or self.disable or req is None or self.page_size != 1:
             return base
-        if self.namespace(req) in self.broken_namespaces:
+        if self.requests.namespace(req) in self.broken_namespaces:
             return base
         try:
             return self._match_shared(params, base, req)
@@ -326,13 +244,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def _match_shared(self, params: MatchPrefixParams, base: MatchResult, req: Req) -> MatchResult:
         """The radix match ``base`` continued into the shared tree, when borrowing pays."""
-        split = self.split_of(req)
-        if split is None or base.device_prefix_len < split.head_len or self.wants_exact(req):
+        split = self.requests.split(req)
+        if split is None or base.device_prefix_len < split.head_len or self.requests.wants_exact(req):
             return base  # unknown agent head, or asked to: compute it (and be an exact owner)
         key = params.key
         limit = min(len(key), split.shared_end)
         shared_tokens = key.token_ids[split.head_len : limit]
-        ns = self.namespace(req)
+        ns = self.requests.namespace(req)
         matched, node = self.shared.match(ns, shared_tokens, split=True)
         begin = base.device_prefix_len - split.head_len
         if node is None or matched <= begin:
@@ -340,7 +258,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
-        own_knobs = self.options_of(req).overrides
+        own_knobs = self.requests.options(req).overrides
         spans = borrowed_spans(handle)
         foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
@@ -359,12 +277,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                          lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
                          lowrank_chain=leaf.lowrank_chain)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
-
-    def wants_exact(self, req: Req) -> bool:
-        """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), or it
-        is a centroid prefill (``lora_share=rebase``: the base every adapter reads)."""
-        return self.options_of(req).exact or (self.lora_share == "rebase"
-                                               and is_centroid(req.rid))
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
                        spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -466,7 +378,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def _hand_off(self, req: Req) -> None:
         """Accounting, the row's spans and head-mass probe, and the pending-owner entry."""
-        split = self.split_of(req)
+        split = self.requests.split(req)
         handle = req.last_node if isinstance(req.last_node, SharedPrefixHandle) else None
         spans = probe = None
         if handle is not None:
@@ -484,7 +396,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             prompt = len(req.origin_input_ids)
             exact = req.prefix_len - repositioned - corrected
             reuse_accounting.attach(req, reuse_accounting.ReuseRecord(
-                agent=split.agent if split else None, workflow=self.options_of(req).workflow,
+                agent=split.agent if split else None, workflow=self.requests.options(req).workflow,
                 prompt_tokens=prompt, reused_exact=exact, reused_corrected=corrected,
                 reused_repositioned=repositioned,
                 recomputed=prompt - exact - repositioned - corrected,
@@ -493,11 +405,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ))
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
-        if split is not None and covered < split.shared_end and self.writes_shared(req):
+        if split is not None and covered < split.shared_end and self.requests.writes_shared(req):
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
-            ns = self.namespace(req)
-            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, self.shared_tokens(req),
+            ns = self.requests.namespace(req)
+            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, self.requests.shared_tokens(req),
                                                         time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
             else None
@@ -507,12 +419,12 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
         if not self.share_context or self.disable:
             return super().checkpoint(req, up_to=up_to, **kwargs)
-        split = self.split_of(req)
+        split = self.requests.split(req)
         if isinstance(req.last_node, SharedPrefixHandle):
             try:
                 self._keep_correction(req, req.last_node)
                 self._adopt_recomputed(req, req.last_node, up_to)
-                if self.writes_shared(req):
+                if self.requests.writes_shared(req):
                     self._register_borrowed(req, req.last_node, up_to)
             except Exception:  # what it computed is not shared; its slots go at release
                 self._fault(req, "checkpoint")
@@ -521,8 +433,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
-            if split is not None and self.writes_shared(req) and self.namespace(req) \
-                    not in self.broken_namespaces:
+            if split is not None and self.requests.writes_shared(req) \
+                    and self.requests.namespace(req) not in self.broken_namespaces:
                 try:
                     self._register_exact(req, split, up_to)
                 except Exception:  # the radix cache holds its KV; only sharing is lost
@@ -543,7 +455,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return
         ids = req.full_untruncated_fill_ids
         tokens = ids[split.head_len : end]
-        ns = self.namespace(req)
+        ns = self.requests.namespace(req)
         known, _ = self.shared.match(ns, tokens, split=False)
         if known >= len(tokens):
             return

@@ -29,8 +29,8 @@ computing."""
 
 _prefix_memo: dict[tuple[int, int], tuple] = {}
 """Common shared prefixes of (leader, candidate) pairs for ``plan_turns``, keyed by their token
-views (``cache.shared_tokens``, one object per request): each pair is compared once while both
-are queued or in flight."""
+views (``cache.requests.shared_tokens``, one object per request): each pair is compared once while
+both are queued or in flight."""
 
 
 def held_count() -> int:
@@ -41,17 +41,17 @@ def held_count() -> int:
 def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
     out = []
     for req in waiting:
-        split = cache.split_of(req)
-        if split is None or cache.wants_exact(req):
+        split = cache.requests.split(req)
+        if split is None or cache.requests.wants_exact(req):
             continue  # not an agent request, or asked not to borrow: never held back
         exact = cache.radix_peek(req, split.shared_end)  # its own exact prefix
         if exact < split.head_len:
             continue  # its head is not cached: it cannot borrow anyway
-        ns = cache.namespace(req)
+        ns = cache.requests.namespace(req)
         if ns in cache.broken_namespaces:
             continue  # sharing is off there: nothing to wait for
         out.append(
-            TurnCandidate(req.rid, ns, split.agent, cache.shared_tokens(req),
+            TurnCandidate(req.rid, ns, split.agent, cache.requests.shared_tokens(req),
                           cache.shared_available(req), now - _held_since.get(req.rid, now),
                           exact - split.head_len)
         )
@@ -62,7 +62,7 @@ def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
     """Record on each held request how many wait for its leader this pass (the most seen
     over its passes): the readers of one new segment, among whom ``recompute_segment_share``
     is split (``policy/recompute.py``)."""
-    from sglang_kvcmas.integration.shared_tree_cache import READERS_ATTR
+    from sglang_kvcmas.integration.agent_requests import READERS_ATTR
 
     per_leader = Counter(leader_of.values())
     for req in held:
