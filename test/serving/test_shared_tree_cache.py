@@ -707,6 +707,7 @@ def test_requests_that_never_reach_release_leave_nothing_behind():
     sizes = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
     for i in range(50):
         waiting = Req(f"w{i}", a + T1 + [300 + i] + SUFFIX)
-        assert h.cache.requests.split(waiting) is not None and not h.cache.requests.wants_exact(waiting)
+        requests = h.cache.requests
+        assert requests.split(waiting) is not None and not requests.wants_exact(waiting)
     after = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
     assert after == sizes

@@ -245,7 +245,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _match_shared(self, params: MatchPrefixParams, base: MatchResult, req: Req) -> MatchResult:
         """The radix match ``base`` continued into the shared tree, when borrowing pays."""
         split = self.requests.split(req)
-        if split is None or base.device_prefix_len < split.head_len or self.requests.wants_exact(req):
+        if split is None or base.device_prefix_len < split.head_len \
+                or self.requests.wants_exact(req):
             return base  # unknown agent head, or asked to: compute it (and be an exact owner)
         key = params.key
         limit = min(len(key), split.shared_end)
@@ -409,8 +410,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
             ns = self.requests.namespace(req)
-            self.pending_owners[req.rid] = PendingOwner(req.rid, ns, self.requests.shared_tokens(req),
-                                                        time.monotonic())
+            self.pending_owners[req.rid] = PendingOwner(
+                req.rid, ns, self.requests.shared_tokens(req), time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
             else None
 
