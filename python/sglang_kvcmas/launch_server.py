@@ -89,9 +89,10 @@ def centroid_argv(options: LauncherOptions, ranks: dict[str, int]) -> list[str]:
     if CENTROID in adapters:
         raise AdapterError(f"--lora-paths: the name {CENTROID!r} is reserved for the centroid")
     folder = build_centroid(list(adapters.values()), KVCMAS_CACHE_DIR.get())
+    rank = sum(ranks.values())
     print(f"[sglang-kvcmas] lora_share=rebase: centroid of {len(adapters)} adapters "
-          f"(rank {sum(ranks.values())}) at {folder}", file=sys.stderr, flush=True)
-    return with_centroid(list(options.sglang_argv), folder, sum(ranks.values()), CENTROID)
+          f"(rank {rank}) at {folder}", file=sys.stderr, flush=True)
+    return with_centroid(list(options.sglang_argv), folder, rank, CENTROID)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,14 +8,14 @@ import asyncio
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_catchup
+from sglang_kvcmas.integration import lora_catchup, prefill_requests
 from sglang_kvcmas.policy.lora_catchup import CatchupPlanner
 from sglang_kvcmas.policy.request_options import RequestOptions
 
 
 @pytest.fixture(autouse=True)
 def catchup_mode(monkeypatch):
-    monkeypatch.setattr(lora_catchup, "_MODE", ["catchup"])
+    monkeypatch.setattr(prefill_requests, "_MODE", ["catchup"])
     monkeypatch.setattr(lora_catchup, "PLANNER", CatchupPlanner())
     monkeypatch.setattr(lora_catchup, "GRACE_S", 0.01)
     monkeypatch.setattr(lora_catchup, "TOTALS", dict.fromkeys(lora_catchup.TOTALS, 0))
@@ -72,7 +72,7 @@ def test_no_catchup_without_a_workflow_or_an_adapter_or_in_another_mode(monkeypa
         return fake
 
     assert len(asyncio.run(run()).served) == 2
-    monkeypatch.setattr(lora_catchup, "_MODE", ["borrow"])
+    monkeypatch.setattr(prefill_requests, "_MODE", ["borrow"])
     assert len(asyncio.run(run()).served) == 2
 
 

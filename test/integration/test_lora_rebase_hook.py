@@ -9,14 +9,14 @@ import asyncio
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_catchup, lora_rebase
+from sglang_kvcmas.integration import lora_rebase, prefill_requests
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
 
 @pytest.fixture(autouse=True)
 def rebase_mode(monkeypatch):
-    monkeypatch.setattr(lora_catchup, "_MODE", ["rebase"])
+    monkeypatch.setattr(prefill_requests, "_MODE", ["rebase"])
     monkeypatch.setattr(lora_rebase, "TOTALS", dict.fromkeys(lora_rebase.TOTALS, 0))
     monkeypatch.setattr(lora_rebase, "_IN_FLIGHT", {})
 
@@ -87,7 +87,7 @@ def test_no_centroid_for_the_base_model_exact_requests_or_other_modes(monkeypatc
     asyncio.run(turn(fake, None))
     asyncio.run(turn(fake, "planner", custom={"kvcmas_exact": True}))
     asyncio.run(turn(fake, CENTROID))
-    monkeypatch.setattr(lora_catchup, "_MODE", ["borrow"])
+    monkeypatch.setattr(prefill_requests, "_MODE", ["borrow"])
     asyncio.run(turn(fake, "planner"))
     assert [w for e, w in fake.log if e == "start"] == [None, "planner", CENTROID, "planner"]
 

@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
-from sglang_kvcmas.integration.prefill_requests import one_token_request, run_counted
+from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
 from sglang_kvcmas.policy.lora_catchup import CatchupPlanner
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -36,16 +36,6 @@ GRACE_S = 0.05
 """How long a catch-up waits for the adapter's own request of the same step (agents that answer
 together arrive within milliseconds of each other)."""
 _TASKS: set[asyncio.Task] = set()
-_MODE: list[str] = []
-
-
-def mode() -> str:
-    """``lora_share`` as the launcher set it (read from the environment once)."""
-    if not _MODE:
-        from sglang_kvcmas.config import ServingConfig
-
-        _MODE.append(ServingConfig.from_env().lora_share)
-    return _MODE[0]
 
 
 def _counter() -> Any:

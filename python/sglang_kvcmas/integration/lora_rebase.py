@@ -24,8 +24,8 @@ import asyncio
 import logging
 from typing import Any
 
-from sglang_kvcmas.integration import lora_catchup, metrics
-from sglang_kvcmas.integration.prefill_requests import one_token_request, run_counted
+from sglang_kvcmas.integration import metrics
+from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -43,7 +43,7 @@ def _counter() -> Any:
 
 
 def _wants_centroid(obj: Any, options: list[RequestOptions | None]) -> bool:
-    if lora_catchup.mode() != "rebase" or len(options) != 1:
+    if mode() != "rebase" or len(options) != 1:
         return False
     adapter = getattr(obj, "lora_path", None)
     if not isinstance(adapter, str) or not adapter or adapter == CENTROID:

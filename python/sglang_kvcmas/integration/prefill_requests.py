@@ -1,5 +1,7 @@
 """One-token prefill requests the HTTP process sends on its own (LoRA ``catchup`` and ``rebase``).
 
+Also the ``lora_share`` mode both hooks act on (:func:`mode`).
+
 Both LoRA modes that prefill a prompt under another adapter do it the same way: a copy of the
 client's prompt (its ids or text, namespace and ``extra_key``) under that adapter with one greedy
 output token, sent through SGLang's unhooked ``generate_request`` and drained, and its prompt and
@@ -11,6 +13,17 @@ from __future__ import annotations
 import copy
 import uuid
 from typing import Any
+
+_MODE: list[str] = []
+
+
+def mode() -> str:
+    """``lora_share`` as the launcher set it (read from the environment once)."""
+    if not _MODE:
+        from sglang_kvcmas.config import ServingConfig
+
+        _MODE.append(ServingConfig.from_env().lora_share)
+    return _MODE[0]
 
 
 def one_token_request(obj: Any, adapter: str, rid_prefix: str, *, keep_custom: bool) -> Any:

@@ -159,7 +159,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.requests = AgentRequests(markers, config.lora_share)
         self.share_context = config.share_context
         self.cache_agent_outputs = config.cache_agent_outputs
-        self.lora_share = config.lora_share
         self.recompute_config = RecomputeConfig.from_serving(config)
         self.leaf_config = LeafConfig.from_serving(config)
         self.turn_config = TurnConfig.from_serving(config)

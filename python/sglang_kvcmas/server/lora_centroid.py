@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,7 +121,9 @@ def build_centroid(paths: list[str | Path], cache_dir: str | Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / WEIGHTS))
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-    if not folder.exists():  # another launch may have written it meanwhile: the same bytes
+    if folder.exists():  # another launch wrote it meanwhile: the same bytes
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
         tmp.replace(folder)
     return folder
 
