@@ -308,7 +308,7 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
     return out
 
 
-def catchup_prefilled(url: str) -> int:
+def background_prefilled(url: str) -> int:
     """Tokens the server prefilled for other adapters than the request's own: background
     catch-ups (``kvcmas:lora_catchup_tokens``) and centroid prefills
     (``kvcmas:lora_centroid_tokens``)."""
@@ -438,7 +438,7 @@ def main() -> int:
             turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens)
             peak = sampler.stop()
             extra = lowrank_bytes(server.url) if arm != "stock" else 0
-            runs[arm] = (turns, makespan, peak, extra, catchup_prefilled(server.url))
+            runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s "
                   f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
             if arm != "stock":
