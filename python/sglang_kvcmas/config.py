@@ -236,11 +236,14 @@ class ServingConfig:
     leaf_mode: str = _knob(
         "exact", "What a reader keeps of the borrowed tokens it recomputes: 'exact' (exact "
         "leaves), 'lowrank' (a per-agent low-rank correction of every other borrowed token, "
-        "fitted on them; no exact leaves) or 'lowrank+exact' (both).", kind=str,
-        choices=("exact", "lowrank", "lowrank+exact"), per_request=True)
+        "fitted on them; no exact leaves), 'lowrank+exact' (both) or 'factored' (their "
+        "deviation from the owner's KV as rank-r factors: leaves about head_dim / r times "
+        "smaller than exact ones, read approximately).", kind=str,
+        choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
     lowrank_rank: int = _knob(
         8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "
-        "'lowrank', 'lowrank+exact').", kind=int, low=1, high=64, per_request=True)
+        "'lowrank', 'lowrank+exact'), or of its factored leaves ('factored').", kind=int,
+        low=1, high=64, per_request=True)
     lowrank_chain: float = _knob(
         1.0, "Leaf mode 'lowrank+exact': how much a reader's stored low-rank correction weighs "
         "when it refits on a later turn: its earlier pairs count this much each against the "

@@ -19,7 +19,8 @@ def test_labels_are_bounded_and_gone_agents_read_zero():
     got = g.values({"a": {"exact": 10, "lowrank": 1}, "b": {"exact": 5, "lowrank": 0},
                     "c": {"exact": 7, "lowrank": 2}, "d": {"exact": 1, "lowrank": 0}})
     assert got == {("a", "exact"): 10, ("a", "lowrank"): 1, ("b", "exact"): 5,
-                   ("b", "lowrank"): 0, (OTHER, "exact"): 8, (OTHER, "lowrank"): 2}
+                   ("b", "lowrank"): 0, (OTHER, "exact"): 8, (OTHER, "lowrank"): 2,
+                   ("a", "factored"): 0, ("b", "factored"): 0, (OTHER, "factored"): 0}
     later = g.values({"b": {"exact": 3, "lowrank": 0}})
     assert later[("a", "exact")] == 0 and later[(OTHER, "lowrank")] == 0
     assert later[("b", "exact")] == 3

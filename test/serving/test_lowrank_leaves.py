@@ -86,7 +86,8 @@ def test_lowrank_reader_fits_reads_corrected_and_keeps_factors_not_tokens():
     stats = h.cache.shared_stats()
     assert stats["lowrank_leaves"] == 1 and stats["lowrank_bytes"] == lc.nbytes()
     (agent,) = stats["leaf_bytes_by_agent"]
-    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0, "lowrank": lc.nbytes()}
+    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0, "lowrank": lc.nbytes(),
+                                                  "factored": 0}
 
     b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # its next turn reads the stored factors
     spans3, _ = h.serve(b3, 4)

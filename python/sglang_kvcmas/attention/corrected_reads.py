@@ -10,7 +10,12 @@
   (shift, corrected) (:func:`grouped_marked`); a corrected group scores with the corrected
   query ``q + (q·B)·Aᵀ`` rotated by the group's shift, plus ``(q·B)·c``; values are corrected
   on the output, ``y + (y·A + (Σp)·c)·Bᵀ`` over the corrected groups' ``y = Σp·v``.
-- :func:`gather_pairs`: the fit's inputs at one layer, from the pool.
+- :func:`gather_pairs`: the fit's inputs at one layer, from the pool (for the affine fit and
+  for factored leaves alike).
+
+A row with factored leaves (``attention/leaf_factors.py``) adds each such token's deviation to
+its gathered key and value: ``correct_rows`` in extend, and in decode too (its keys gathered and
+re-positioned as extend does; the grouped decode above serves the affine factors only).
 
 A row or layer without factors never comes here: the backend takes today's path, bit for bit.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_kvcmas.attention.leaf_factors import LeafFactorFit
 from sglang_kvcmas.attention.lowrank import CorrectionFit, LayerCorrection
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.span_reads import rotate_keys
@@ -38,8 +44,9 @@ def reference_corrected_attention(
         v: [n, H_kv, d] values.
         q_pos, k_pos: [n_q], [n] true positions (a query sees keys at positions <= its own).
         key_shift: [n] int64 shift of each key (0: own).
-        corrected: [n] bool keys (and values) read corrected.
-        lc: the layer's correction (None: re-positioned only).
+        corrected: [n] bool keys (and values) read through the affine factors.
+        lc: the layer's correction (None: re-positioned only); its ``tokens`` deviations are
+            added to their rows (after the affine factors, if a row has both).
     Returns:
         [n_q, H, d] float32.
     """
@@ -52,6 +59,11 @@ def reference_corrected_attention(
         if lc is not None and bool(corrected[j]):
             kj = lc.k.apply(kj) if lc.k is not None else kj
             vj = lc.v.apply(vj) if lc.v is not None else vj
+        if lc is not None and lc.tokens is not None:
+            at = torch.nonzero(lc.tokens.rows == j).flatten()[:1]
+            if at.numel():  # a factored leaf's token: its deviation, the key's at its position
+                kj = kj + apply_rope(lc.tokens.k[at], lc.tokens.positions[at], rope)
+                vj = vj + lc.tokens.v[at]
         keys.append(kj)
         vals.append(vj)
     kk, vv = torch.cat(keys), torch.cat(vals)  # [n, H_kv, d]
@@ -62,23 +74,29 @@ def reference_corrected_attention(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv)
 
 
-def correct_rows(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 lc: LayerCorrection) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows ``mask`` of a gathered row corrected (new tensors; the others as given).
+def correct_rows(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, lc: LayerCorrection,
+                 rope: ShiftRope | torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``mask`` of a gathered row corrected by the affine factors, and the rows of
+    ``lc.tokens`` by their deviations (new tensors; the others as given).
 
     Args:
         k, v: [n, H_kv, d] keys (re-positioned) and values in row order.
         mask: [n] bool.
+        rope: the model's rotary (needed where ``lc.tokens`` is set: their key deviations are
+            rotated to their positions).
     """
     idx = torch.nonzero(mask.to(k.device)).flatten()
-    if not idx.numel():
-        return k, v
-    if lc.k is not None:
+    if idx.numel() and lc.k is not None:
         k = k.clone()
         k[idx] = lc.k.apply(k[idx])
-    if lc.v is not None:
+    if idx.numel() and lc.v is not None:
         v = v.clone()
         v[idx] = lc.v.apply(v[idx])
+    if lc.tokens is not None:
+        if rope is None:
+            raise ValueError("factored leaves are read with the model's rotary")
+        k, v = lc.tokens.apply(k, v, rope)
     return k, v
 
 
@@ -157,7 +175,7 @@ def corrected_grouped_decode(
 
 
 def gather_pairs(k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
-                 fit: CorrectionFit, rope: ShiftRope | torch.Tensor
+                 fit: CorrectionFit | LeafFactorFit, rope: ShiftRope | torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's fit inputs: (owner K re-positioned, reader's exact K, owner V, exact V),
     each [p, H_kv, d] float32.

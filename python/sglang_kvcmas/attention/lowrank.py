@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_kvcmas.attention.leaf_factors import LeafFactorFit, LeafReads, TokenDeltas
+
 MIN_PAIRS = 16
 """Fewest recomputed (foreign) tokens a fit needs; with fewer, no factors are fitted."""
 RIDGE = 0.05
@@ -128,16 +130,24 @@ class Factors:
 
 @dataclass(frozen=True)
 class LayerCorrection:
-    """One layer's key and value factors (either may be None: not corrected)."""
+    """One layer's key and value factors (either may be None: not corrected), and the
+    deviations of the row's tokens read through factored leaves (``attention/leaf_factors.py``;
+    None: none)."""
 
     k: Factors | None = None
     v: Factors | None = None
+    tokens: TokenDeltas | None = None
 
     def nbytes(self) -> int:
         return sum(f.nbytes() for f in (self.k, self.v) if f is not None)
 
     @property
     def active(self) -> bool:
+        return self.affine or (self.tokens is not None and bool(self.tokens.rows.numel()))
+
+    @property
+    def affine(self) -> bool:
+        """Whether the affine factors correct something (rank > 0)."""
         return any(f is not None and f.rank > 0 for f in (self.k, self.v))
 
 
@@ -322,25 +332,38 @@ class RowCorrection:
         stored: the agent's correction from the tree (earlier turns), or None.
         fit: the fit this row's extend makes from its recomputed tokens, or None; a layer it
             fitted wins over ``stored``.
+        leaves: the row's tokens read through the agent's factored leaves
+            (``attention/leaf_factors.py``), or None.
+        factor: the factoring of the tokens this row's extend recomputes and keeps as factored
+            leaves, or None (it changes nothing this request reads).
     """
 
     mask: torch.Tensor
     stored: LowRankCorrection | None = None
     fit: CorrectionFit | None = None
+    leaves: LeafReads | None = None
+    factor: LeafFactorFit | None = None
 
     def layer(self, layer_id: int) -> LayerCorrection | None:
         """This layer's correction (None: read as uncorrected; rank-0 factors included)."""
         if self.fit is not None and layer_id in self.fit.layers:
             lc = self.fit.layers[layer_id]
-            return lc if lc.active else None
-        return self.stored.layer(layer_id) if self.stored is not None else None
+        else:
+            lc = self.stored.layer(layer_id) if self.stored is not None else None
+        tokens = self.leaves.layer(layer_id) if self.leaves is not None and len(
+            self.leaves) else None
+        if tokens is not None:
+            lc = LayerCorrection(lc.k if lc is not None else None,
+                                 lc.v if lc is not None else None, tokens)
+        return lc if lc is not None and lc.active else None
 
     @property
     def corrects(self) -> bool:
-        """Whether some borrowed token will be read corrected (for accounting)."""
+        """Whether every foreign borrowed token (``mask``) will be read through the affine
+        correction (for accounting; factored leaves are counted by the tree's walk)."""
         return bool(self.mask.any()) and (
             (self.fit is not None and self.fit.fits)
-            or (self.stored is not None and any(lc.active for lc in self.stored.layers.values())))
+            or (self.stored is not None and any(lc.affine for lc in self.stored.layers.values())))
 
     def mask_upto(self, n: int) -> torch.Tensor:
         """[n] bool ``mask`` cut or padded with False."""

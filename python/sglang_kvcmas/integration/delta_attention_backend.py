@@ -45,6 +45,12 @@ its recomputed tokens give (their exact K/V just written, the owner's K/V re-pos
 (shift, corrected) (``corrected_reads.corrected_grouped_decode``). A row or layer without
 factors (none, or rank 0) takes the path above unchanged, bit for bit.
 
+Factored leaves (leaf mode ``factored``, ``attention/leaf_factors.py``): a row's extend factors,
+at each layer, the deviation of the recomputed tokens it keeps from the same pairs (read nothing
+differently: this request reads them exact); a later row reads those tokens as the owner's
+slots, re-positioned, plus their deviation, in extend and in decode (keys gathered, re-positioned
+and corrected, then SDPA).
+
 GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
 batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
 there the delta kernels read them (above).
@@ -185,16 +191,20 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
 
     def _fit_corrections(self, k_cache, v_cache, req_to_token, req_pool_indices,
                          seq_lens) -> None:
-        """Fit this layer's factors for every row whose extend carries recomputed pairs."""
+        """Fit this layer's factors for every row whose extend carries recomputed pairs: the
+        affine correction's, and the factored leaves' of the tokens it keeps."""
         for i in range(req_pool_indices.shape[0]):
             entry = self._entry(i)
             row = entry.spans if entry is not None else None
-            fit = row.correction.fit if row is not None and row.correction is not None else None
-            if fit is None or not fit.fits or self._layer_id in fit.layers:
-                continue
-            slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])]
-            fit.fit_layer(self._layer_id,
-                          *gather_pairs(k_cache, v_cache, slots, fit, self.shift_rope))
+            corr = row.correction if row is not None else None
+            for fit in (corr.fit, corr.factor) if corr is not None else ():
+                if fit is None or not fit.fits or self._layer_id in fit.layers:
+                    continue
+                slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])]
+                rope = (self.shift_rope,) if fit is corr.factor else ()
+                fit.fit_layer(self._layer_id,
+                              *gather_pairs(k_cache, v_cache, slots, fit, self.shift_rope),
+                              *rope)
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -282,7 +292,14 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             q = q_all[:, i : i + 1, :]
             row = rows[i]
             lc = self._layer_correction(row)
-            if lc is not None:
+            if lc is not None and lc.tokens is not None:
+                # Factored leaves: keys gathered, re-positioned and corrected as extend reads.
+                k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, row)
+                out = scaled_dot_product_attention(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                    enable_gqa=enable_gqa, scale=scaling,
+                ).squeeze(0)
+            elif lc is not None:
                 # Keys grouped by (shift, corrected); the corrected query rotated per shift.
                 tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
                                                       req_pool_indices[i], marked=True)
@@ -393,7 +410,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             k = rotate_keys(k, row.key_shifts, self.shift_rope)
             lc = self._layer_correction(row)
             if lc is not None:
-                k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc)
+                k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc, self.shift_rope)
         return k.movedim(0, 1), v.movedim(0, 1)
 
 

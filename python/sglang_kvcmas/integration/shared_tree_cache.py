@@ -98,6 +98,7 @@ from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.template_markers import TemplateMarkers
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
+    adopt_factored,
     adopt_recomputed,
     borrowed_spans,
     row_spans,
@@ -269,13 +270,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
-        if recompute and not leaf.keeps_exact:
+        if recompute and not leaf.keeps_leaves:
             keep = ()  # lowrank: the recomputed tokens feed the fit, then are freed
         stored = (self.shared.lowrank.get(ns, split.agent)
                   if leaf.lowrank_rank and handle.use_leaves else None)
         handle = replace(handle, recompute=recompute, keep=keep,
                          lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
-                         lowrank_chain=leaf.lowrank_chain)
+                         lowrank_chain=leaf.lowrank_chain, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
@@ -286,9 +287,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         leaves afterwards (None: all of them)."""
         path = handle.borrowed()
 
+        factored = path.factored_mask()  # held by a factored leaf: never picked again
+
         def select(c: RecomputeConfig) -> tuple[int, ...]:
-            return select_recompute_arrays(spans, path.offsets, path.foreign, path.from_leaf,
-                                           path.mass, c)
+            return select_recompute_arrays(spans, path.offsets, path.foreign & ~factored,
+                                           path.from_leaf | factored, path.mass, c)
 
         offsets = select(config)
         if not offsets:
@@ -386,7 +389,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             path = handle.borrowed()
             repositioned = int(path.foreign[kept].sum())
             corrected = repositioned if spans.correction is not None and \
-                spans.correction.corrects else 0
+                spans.correction.corrects else int(path.factored_mask()[kept].sum())
             repositioned -= corrected
             from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
@@ -491,14 +494,22 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
         the shared nodes (its later turns read them exactly, without recomputing); the row's
         protected prefix then covers them, and the other recomputed slots and those a leaf
-        already held are freed at release."""
+        already held are freed at release. Under leaf mode ``factored`` the leaves are the
+        factors its extend made of them, and every recomputed slot is freed at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[handle.prefix_len : start].to(torch.int64).cpu()
-        left = adopt_recomputed(self.shared, handle, slots, self.kv_bytes_per_token)
+        if handle.factor_rank > 0:  # factored leaves: the slots go with the request
+            spans = req.kvcmas_row.spans if getattr(req, "kvcmas_row", None) else None
+            factor = spans.correction.factor if spans is not None and spans.correction else None
+            if factor is not None:
+                adopt_factored(self.shared, handle, factor)
+            left = slots
+        else:
+            left = adopt_recomputed(self.shared, handle, slots, self.kv_bytes_per_token)
         if left.numel():
             req._kvcmas_release_slots = left
         req.last_node = handle.without_recompute()
@@ -608,5 +619,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "delta_bytes": self.shared.delta_nbytes(),
             "lowrank_leaves": len(self.shared.lowrank),
             "lowrank_bytes": self.shared.lowrank.nbytes(),
+            "factored_tokens": sum(len(f) for n in nodes for f in n.factors.values()),
+            "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
             "leaf_bytes_by_agent": self.shared.leaf_bytes_by_agent(),
         }

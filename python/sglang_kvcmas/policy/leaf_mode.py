@@ -10,7 +10,12 @@ exact tokens can be kept two ways, alone or together:
   corrected in this request's extend and decode and on the agent's later turns; the recomputed
   slots are freed with the request (every turn recomputes and refits on all of them);
 - ``lowrank+exact``: both; a later turn recomputes only the new picks, and its refit starts
-  from the stored correction (chained along the workflow, ``chain``).
+  from the stored correction (chained along the workflow, ``chain``);
+- ``factored``: as the agent's factored leaves (``attention/leaf_factors.py``,
+  ``tree/factor_leaves.py``): the same tokens as ``exact`` keeps, but only their deviation from
+  the owner's KV, cut to rank ``rank`` per layer and KV head (host memory, about ``d / rank``
+  times smaller than their exact leaves); later turns read them as the owner's KV re-positioned
+  plus that deviation; the recomputed slots are freed with the request.
 
 Pure Python.
 """
@@ -22,7 +27,7 @@ from typing import Any
 
 from sglang_kvcmas.config import ServingConfig
 
-LEAF_MODES = ("exact", "lowrank", "lowrank+exact")
+LEAF_MODES = ("exact", "lowrank", "lowrank+exact", "factored")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class LeafConfig:
 
     Attributes:
         mode: one of :data:`LEAF_MODES`.
-        rank: rank of the factors fitted (``lowrank`` modes only).
+        rank: rank of the factors fitted (``lowrank`` modes) or kept (``factored``).
         chain: weight of the agent's stored correction when it refits (0: from scratch;
             ``attention.lowrank.chain_weight``); applied under ``lowrank+exact`` only
             (:attr:`lowrank_chain`).
@@ -55,12 +60,22 @@ class LeafConfig:
     @property
     def keeps_exact(self) -> bool:
         """Whether recomputed tokens become exact leaves."""
+        return self.mode in ("exact", "lowrank+exact")
+
+    @property
+    def keeps_leaves(self) -> bool:
+        """Whether recomputed tokens become leaves of either kind (exact or factored)."""
         return self.mode != "lowrank"
 
     @property
     def lowrank_rank(self) -> int:
-        """Rank of the correction to fit and read (0: none)."""
-        return self.rank if self.mode != "exact" else 0
+        """Rank of the affine correction to fit and read (0: none)."""
+        return self.rank if self.mode in ("lowrank", "lowrank+exact") else 0
+
+    @property
+    def factor_rank(self) -> int:
+        """Rank of the factored leaves to keep (0: none)."""
+        return self.rank if self.mode == "factored" else 0
 
     @property
     def lowrank_chain(self) -> float:

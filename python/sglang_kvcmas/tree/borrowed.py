@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_kvcmas.attention.leaf_factors import LeafFactorFit, LeafReads
 from sglang_kvcmas.attention.lowrank import CorrectionFit, RowCorrection
 from sglang_kvcmas.attention.spans import KeyShifts, RecomputedTokens, RowSpans
 from sglang_kvcmas.policy.recompute import BorrowedSpan, BorrowedToken
@@ -60,6 +61,8 @@ class SharedPrefixHandle:
             ``attention.lowrank.LowRankCorrection``), or None.
         lowrank_chain: weight of ``stored_correction`` in the request's refit (0: from
             scratch; ``attention.lowrank.chain_weight``).
+        factor_rank: rank of the factored leaves the request keeps of the tokens it
+            recomputes (0: none; leaf mode ``factored``).
     """
 
     radix_node: Any
@@ -76,6 +79,7 @@ class SharedPrefixHandle:
     lowrank_rank: int = 0
     stored_correction: Any = field(default=None, repr=False)
     lowrank_chain: float = 0.0
+    factor_rank: int = 0
 
     @property
     def prefix_len(self) -> int:
@@ -108,6 +112,10 @@ class BorrowedPath:
         foreign: bool, read from another context (another owner, or a non-zero shift).
         from_leaf: bool, read from the reader agent's own exact leaf.
         mass: float32 owner head mass (0 where none was recorded).
+        factored: bool, read through the reader agent's own factored leaf (the owner's slot
+            re-positioned, plus the token's deviation; foreign).
+        factor_parts: (path indices [j] int64, their ``TokenFactors``) per factored-leaf part
+            read.
     """
 
     offsets: np.ndarray
@@ -116,6 +124,8 @@ class BorrowedPath:
     foreign: np.ndarray
     from_leaf: np.ndarray
     mass: np.ndarray
+    factored: np.ndarray | None = None
+    factor_parts: tuple[tuple[np.ndarray, Any], ...] = ()
 
     @classmethod
     def walk(cls, handle: SharedPrefixHandle) -> BorrowedPath:
@@ -123,6 +133,9 @@ class BorrowedPath:
         slots written over them."""
         head, agent = handle.split.head_len, handle.split.agent
         slots, shift, foreign, leaf_mask, mass = [], [], [], [], []
+        factored: list[np.ndarray] = []
+        parts: list[tuple[np.ndarray, Any]] = []
+        at_path = 0
         for piece in SharedTree.path(handle.shared_node):
             node = piece.node
             lo = max(piece.offset, handle.shared_begin) - piece.offset
@@ -143,6 +156,20 @@ class BorrowedPath:
                 inside = (at >= lo) & (at < hi)
                 i = at[inside] - lo
                 s[i], sh[i], fo[i], fl[i] = leaf.slots.numpy()[inside], 0, False, True
+            fa = np.zeros(n, dtype=bool)
+            fleaf = node.factors.get(agent) if handle.use_leaves else None
+            if fleaf is not None and fleaf.reader_start == head + piece.offset:
+                for part in fleaf.parts:
+                    at = part.offsets.numpy()
+                    inside = (at >= lo) & (at < hi)
+                    inside[inside] &= ~fl[at[inside] - lo]  # an exact leaf wins
+                    if inside.any():
+                        i = at[inside] - lo
+                        fa[i] = True
+                        parts.append((at_path + i, part.factors if inside.all() else
+                                      part.factors.select(torch.from_numpy(inside))))
+            at_path += n
+            factored.append(fa)
             slots.append(s)
             shift.append(sh)
             foreign.append(fo)
@@ -155,13 +182,18 @@ class BorrowedPath:
                        np.zeros(0, dtype=np.float32))
         out = cls(np.arange(handle.shared_begin, handle.shared_end, dtype=np.int64),
                   np.concatenate(slots), np.concatenate(shift), np.concatenate(foreign),
-                  np.concatenate(leaf_mask), np.concatenate(mass))
+                  np.concatenate(leaf_mask), np.concatenate(mass), np.concatenate(factored),
+                  tuple(parts))
         if out.slots.shape[0] != b:
             raise RuntimeError(f"borrowed path walked {out.slots.shape[0]} tokens, expected {b}")
         return out
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
+
+    def factored_mask(self) -> np.ndarray:
+        """[B] bool ``factored`` (all False when the walk read no factored leaf)."""
+        return self.factored if self.factored is not None else np.zeros(len(self), dtype=bool)
 
     def kept(self, recompute: Sequence[int]) -> np.ndarray:
         """[B] bool: the tokens read borrowed (not in ``recompute``)."""
@@ -268,26 +300,54 @@ def row_spans(rid: str, prompt_ids: Sequence[int], handle: SharedPrefixHandle
 
 def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
                    ) -> RowCorrection | None:
-    """The row's low-rank correction (None when the request reads none): its foreign borrowed
-    tokens corrected, with the agent's stored factors and a fit from the foreign tokens it
-    recomputes (their owner slots and shifts, and the row indices where the row computes them:
-    after the borrowed ones, in ``handle.recompute`` order; see :func:`row_spans`), chained
-    from the stored factors by ``handle.lowrank_chain``."""
+    """The row's corrections (None when the request reads and keeps none).
+
+    Affine (``handle.lowrank_rank``): its foreign borrowed tokens corrected, with the agent's
+    stored factors and a fit from the foreign tokens it recomputes (their owner slots and
+    shifts, and the row indices where the row computes them: after the borrowed ones, in
+    ``handle.recompute`` order; see :func:`row_spans`), chained from the stored factors by
+    ``handle.lowrank_chain``. Factored leaves: the tokens the walk found in the agent's
+    factored leaves, at their row indices (:class:`LeafReads`), and (``handle.factor_rank``)
+    the factoring of the recomputed foreign tokens it keeps.
+    """
+    n_before = handle.radix_len + int(kept.sum())
+    at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
+    rows = n_before + np.arange(at.shape[0], dtype=np.int64)
+    fit = factor = leaves = None
+    if handle.factor_rank > 0 and handle.recompute and handle.use_leaves:
+        keep = path.foreign[at].copy()
+        if handle.keep is not None:
+            keep &= np.isin(path.offsets[at], np.asarray(handle.keep, dtype=np.int64))
+        if keep.any():
+            factor = LeafFactorFit(torch.from_numpy(path.slots[at][keep].copy()),
+                                   torch.from_numpy(path.shift[at][keep].copy()),
+                                   torch.from_numpy(rows[keep]),
+                                   torch.from_numpy(path.offsets[at][keep].copy()),
+                                   torch.from_numpy(path.offsets[at][keep] + handle.split.head_len),
+                                   handle.factor_rank)
+    if path.factor_parts:
+        row_of = handle.radix_len + np.cumsum(kept) - 1  # path index -> row index, if kept
+        parts = []
+        for idx, factors in path.factor_parts:
+            read = kept[idx]  # factored tokens are never recomputed; a guard all the same
+            parts.append((torch.from_numpy(row_of[idx][read]),
+                          torch.from_numpy(path.offsets[idx][read] + handle.split.head_len),
+                          factors if read.all() else factors.select(torch.from_numpy(read))))
+        leaves = LeafReads(parts)
     if handle.lowrank_rank <= 0:
-        return None
+        if factor is None and leaves is None:
+            return None
+        return RowCorrection(torch.zeros(handle.radix_len + int(kept.sum()), dtype=torch.bool),
+                             leaves=leaves, factor=factor)
     mask = torch.from_numpy(np.concatenate([np.zeros(handle.radix_len, dtype=bool),
                                             path.foreign[kept]]))
-    fit = None
     if handle.recompute:
-        at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
         foreign = path.foreign[at]
-        n_before = handle.radix_len + int(kept.sum())
-        rows = n_before + np.arange(at.shape[0], dtype=np.int64)
         fit = CorrectionFit(torch.from_numpy(path.slots[at][foreign].copy()),
                             torch.from_numpy(path.shift[at][foreign].copy()),
                             torch.from_numpy(rows[foreign]), handle.lowrank_rank,
                             prior=handle.stored_correction, chain=handle.lowrank_chain)
-    return RowCorrection(mask, handle.stored_correction, fit)
+    return RowCorrection(mask, handle.stored_correction, fit, leaves, factor)
 
 
 def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.Tensor,
@@ -319,3 +379,25 @@ def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.
                 head + piece.offset, bytes_per_token,
             ))
     return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+
+
+def adopt_factored(tree: SharedTree, handle: SharedPrefixHandle, fit: LeafFactorFit) -> int:
+    """Keep a reader's factored tokens (``fit``, made during its extend) as its factored leaves
+    on the shared nodes they belong to; its later turns read them through their deviation.
+
+    Returns:
+        tokens kept.
+    """
+    result = fit.result()
+    if result is None or not handle.use_leaves:
+        return 0
+    offsets, head, kept = fit.offsets, handle.split.head_len, 0
+    for piece in SharedTree.path(handle.shared_node):
+        mine = (offsets >= piece.offset) & (offsets < piece.offset + len(piece.node))
+        if bool(mine.any()):
+            local = offsets[mine] - piece.offset
+            order = torch.argsort(local)
+            kept += tree.add_factors(piece.node, handle.split.agent, local[order],
+                                     result.select(torch.nonzero(mine).flatten()[order]),
+                                     head + piece.offset)
+    return kept

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from sglang_kvcmas.tokens import as_token_array, common_prefix
+from sglang_kvcmas.tree.factor_leaves import FactorLeaf
 from sglang_kvcmas.tree.lowrank_leaves import LowRankLeaves
 from sglang_kvcmas.tree.pool_overrides import PoolOverrides
 
@@ -62,6 +63,8 @@ class SharedNode:
         owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
         anchor: radix node protecting ``slots`` (anchored) or None (the tree owns them).
         deltas: agent -> delta leaf (:class:`PoolOverrides`) over this node's tokens.
+        factors: agent -> factored leaf (:class:`FactorLeaf`: low-rank deviations, host
+            memory) over this node's tokens.
         head_mass: [len] float32 attention mass each token put on its owner's head in the
             owner's pass (0 where not recorded); readers recompute the largest first.
     """
@@ -76,6 +79,7 @@ class SharedNode:
     lock_ref: int = 0
     last_access: float = field(default_factory=time.monotonic)
     deltas: dict[str, PoolOverrides] = field(default_factory=dict)
+    factors: dict[str, FactorLeaf] = field(default_factory=dict)
     alive: bool = True
     head_mass: torch.Tensor | None = None
     segment_start: bool = True
@@ -269,6 +273,9 @@ class SharedTree:
         parts = {a: d.split(n) for a, d in node.deltas.items()}
         head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
         node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
+        halves = {a: f.split(n) for a, f in node.factors.items()}
+        head.factors = {a: h for a, (h, _) in halves.items() if len(h)}
+        node.factors = {a: t for a, (_, t) in halves.items() if len(t)}
         if node.head_mass is not None:
             head.head_mass, node.head_mass = node.head_mass[:n].clone(), node.head_mass[n:].clone()
         head.parent.children[head.first] = head
@@ -323,6 +330,7 @@ class SharedTree:
                 self.leaf_size -= len(leaf)
                 freed.append(leaf.slots)
             n.deltas = {}
+            n.factors = {}
             if n.owns_slots:
                 self.owned_size -= len(n)
                 freed.append(n.slots)
@@ -429,6 +437,30 @@ class SharedTree:
             self.owned_locked_size += adopted
         return rejected
 
+    def add_factors(self, node: SharedNode, agent: str, offsets: torch.Tensor, factors,
+                    reader_start: int) -> int:
+        """Keep an agent's factored tokens of ``node`` (``tree/factor_leaves.py``).
+
+        Args:
+            offsets: [k] int64 node-local offsets, sorted and distinct.
+            factors: their ``attention.leaf_factors.TokenFactors``.
+            reader_start: the agent's position of the node's first token.
+        Returns:
+            tokens kept (0: the node is gone, the agent read it at another position, or its
+            leaf already holds them).
+        """
+        if not node.alive or node.parent is None:
+            return 0
+        leaf = node.factors.get(agent) or FactorLeaf(reader_start)
+        if leaf.reader_start != reader_start:
+            return 0
+        leaf, added = leaf.with_part(offsets.to(torch.int64), factors)
+        leaf.last_access = time.monotonic()
+        node.factors[agent] = leaf
+        if added:
+            self.version += 1  # cached walks of this node miss the new tokens
+        return added
+
     def delta_tokens(self) -> int:
         """Pool slots held by delta leaves (walked; :attr:`leaf_size` is the running count)."""
         return sum(n.delta_tokens for n in self.nodes())
@@ -444,19 +476,25 @@ class SharedTree:
         ``bytes_per_token``, low-rank leaves count too (their bytes in tokens of KV, rounded up)
         and go in the same order. Only leaves go, never the shared nodes: a reader that loses
         its leaf recomputes or re-positions those tokens (or refits its correction) on its next
-        turn. Returns the tokens of KV freed (pool slots and low-rank bytes alike)."""
+        turn. Factored leaves count and go like low-rank ones (on unlocked nodes only, as exact
+        leaves). Returns the tokens of KV freed (pool slots and low-rank bytes alike)."""
         lowrank = self.lowrank.items() if bytes_per_token > 0 else []
+        factored = ([(n, agent, leaf) for n in self.nodes() for agent, leaf in n.factors.items()]
+                    if bytes_per_token > 0 else [])
 
         def tokens_of(leaf) -> int:
             return -(-leaf.nbytes() // bytes_per_token)
 
-        held = self.leaf_size + sum(tokens_of(leaf) for _, leaf in lowrank)
+        held = (self.leaf_size + sum(tokens_of(leaf) for _, leaf in lowrank)
+                + sum(tokens_of(leaf) for _, _, leaf in factored))
         excess = held - max(0, max_tokens)
         if excess <= 0:
             return 0
         candidates = sorted([(leaf.last_access, 0, n, agent, leaf) for n in self._unlocked_nodes()
                              for agent, leaf in n.deltas.items()]
-                            + [(leaf.last_access, 1, key, None, leaf) for key, leaf in lowrank],
+                            + [(leaf.last_access, 1, key, None, leaf) for key, leaf in lowrank]
+                            + [(leaf.last_access, 2, n, agent, leaf) for n, agent, leaf
+                               in factored if n.lock_ref == 0],
                             key=lambda c: c[:2])
         freed = dropped = 0
         for _, kind, where, agent, leaf in candidates:
@@ -465,6 +503,11 @@ class SharedTree:
             if kind == 1:  # a low-rank leaf: (namespace, agent)
                 freed += tokens_of(leaf)
                 self.lowrank.drop(*where)
+                continue
+            if kind == 2:  # a factored leaf: host memory
+                where.factors.pop(agent)
+                freed += tokens_of(leaf)
+                dropped += 1
                 continue
             where.deltas.pop(agent)
             self.owned_size -= len(leaf)
@@ -491,14 +534,19 @@ class SharedTree:
 
     def leaf_bytes_by_agent(self) -> dict[str, dict[str, int]]:
         """agent -> bytes of its leaves by type (``exact``: pool slots of its exact leaves;
-        ``lowrank``: its factors)."""
+        ``lowrank``: its correction factors; ``factored``: its factored leaves)."""
         out: dict[str, dict[str, int]] = {}
+
+        def entry(agent: str) -> dict[str, int]:
+            return out.setdefault(agent, {"exact": 0, "lowrank": 0, "factored": 0})
+
         for n in self.nodes():
             for agent, leaf in n.deltas.items():
-                entry = out.setdefault(agent, {"exact": 0, "lowrank": 0})
-                entry["exact"] += int(leaf.nbytes())
+                entry(agent)["exact"] += int(leaf.nbytes())
+            for agent, leaf in n.factors.items():
+                entry(agent)["factored"] += int(leaf.nbytes())
         for agent, nbytes in self.lowrank.bytes_by_agent().items():
-            out.setdefault(agent, {"exact": 0, "lowrank": 0})["lowrank"] += nbytes
+            entry(agent)["lowrank"] += nbytes
         return out
 
     def check_invariants(self) -> list[str]:
@@ -520,6 +568,11 @@ class SharedTree:
             if n.owns_slots:
                 slots.append(n.slots)
             slots += [leaf.slots for leaf in n.deltas.values()]
+            for leaf in n.factors.values():
+                at = leaf.offsets()
+                if at.numel() and (int(at.min()) < 0 or int(at.max()) >= len(n)
+                                   or torch.unique(at).numel() != at.numel()):
+                    problems.append("a factored leaf holds an offset twice or off its node")
         if owned != self.owned_size:
             problems.append(f"owned_size {self.owned_size} but nodes own {owned}")
         leaves = sum(n.delta_tokens for n in self.nodes())

@@ -1,0 +1,246 @@
+"""A reader's recomputed tokens kept as low-rank factors of their deviation: factored leaves.
+
+A reader recomputes some borrowed tokens in its own context (``policy/recompute.py``). Exact
+leaves keep their full K/V (``tree/pool_overrides.py``: one pool slot each). Factored leaves keep
+only what differs from the owner's KV it already shares, compressed: per layer and KV head, the
+deviation of the recomputed tokens from the owner's re-positioned K/V (the pairs the extend
+already holds, ``corrected_reads.gather_pairs``), cut to rank ``r`` by a truncated SVD::
+
+    D = y − x ≈ C·Bᵀ        D: [p, d] per layer and KV head;  C: [p, r];  B: [d, r]
+
+Keys before RoPE: each token's key deviation is rotated back from its position (``R(−p)·D``)
+before the cut and forward again when read, so one basis serves tokens at every position (the
+values have no RoPE). A later turn reads such a token as the owner's slot, re-positioned, plus
+its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, with no fitted map
+that has to generalize to tokens it never saw (the affine correction of ``attention/lowrank.py``
+does, and loses to naive re-positioning in the server). The lab measured the frame
+(``benchmark/lab/delta_growth_study.py``, Qwen2.5-Coder-0.5B, rank 8, 256–4096 tokens): KL
+recovered 0.63 before RoPE against 0.60 in the reader's frame, on average.
+
+Bytes: a token costs ``2·L·H_kv·r`` floats (K and V coefficients) instead of ``2·L·H_kv·d``, plus
+one basis ``2·L·H_kv·d·r`` per fit shared by all the tokens of that fit (every node a turn's
+picks fall on), so ``p`` tokens cost ``r·(p + d) / (p·d)`` of their exact leaves: about ``d / r``
+smaller for a turn's hundreds of picks.
+
+- :func:`factor_deviation`: the truncated SVD per KV head;
+- :class:`LeafFactorFit`: the fit, layer by layer, during the reader's extend;
+- :class:`TokenFactors` / :class:`FactorBasis`: the stored factors (tokens' coefficients; one
+  basis per fit);
+- :class:`LeafReads`: a row's tokens read through factored leaves, materialized one layer at a
+  time as :class:`TokenDeltas` (``[m, H_kv, d]`` added to the gathered rows: extend and decode,
+  ``corrected_reads.correct_rows``); ``corrected_reads.reference_corrected_attention`` is the
+  naive reference (one key at a time).
+
+Pure torch; no SGLang import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_kvcmas.attention.rope import ShiftRope, apply_rope
+
+
+def factor_deviation(dev: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the rank-``rank`` truncated SVD of a deviation.
+
+    Args:
+        dev: [p, H_kv, d] deviation of ``p`` tokens.
+        rank: r >= 1; directions past ``min(p, d)`` are zero.
+    Returns:
+        (coef [p, H_kv, r], basis [H_kv, d, r]) float32 with ``dev[:, h] ≈ coef[:, h] @
+        basis[h].T``, the best rank-r approximation in Frobenius norm (basis columns
+        orthonormal, singular values in ``coef``).
+    """
+    p, h, d = dev.shape
+    coef = torch.zeros(p, h, rank, dtype=torch.float32)
+    basis = torch.zeros(h, d, rank, dtype=torch.float32)
+    if p == 0:
+        return coef, basis
+    u, s, vh = torch.linalg.svd(dev.to(torch.float64).transpose(0, 1), full_matrices=False)
+    r = min(rank, s.shape[-1])
+    coef[:, :, :r] = (u[..., :r] * s[:, None, :r]).transpose(0, 1).float()
+    basis[:, :, :r] = vh[:, :r, :].transpose(1, 2).float()
+    return coef, basis
+
+
+@dataclass(frozen=True, eq=False)
+class FactorBasis:
+    """The right factors one fit made, for every layer; shared by its tokens' coefficients.
+
+    Attributes:
+        k, v: [L, H_kv, d, r] float32.
+        tokens: tokens the fit factored (a part of them carries that share of the bytes).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    tokens: int
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+@dataclass(frozen=True, eq=False)
+class TokenFactors:
+    """Coefficients of ``m`` tokens under one :class:`FactorBasis`, every layer.
+
+    Attributes:
+        k, v: [L, m, H_kv, r] float32.
+        basis: the fit's basis.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    basis: FactorBasis
+
+    def __post_init__(self) -> None:
+        if self.k.shape != self.v.shape or self.k.ndim != 4 or \
+                self.k.shape[0] != self.basis.k.shape[0] or \
+                self.k.shape[-1] != self.basis.k.shape[-1]:
+            raise ValueError(f"coefficients {tuple(self.k.shape)} / {tuple(self.v.shape)} do not "
+                             f"match basis {tuple(self.basis.k.shape)}")
+
+    def __len__(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def rank(self) -> int:
+        return int(self.k.shape[-1])
+
+    def select(self, idx: torch.Tensor) -> TokenFactors:
+        """The tokens ``idx`` ([j] int64 or bool), same basis."""
+        return TokenFactors(self.k[:, idx].contiguous(), self.v[:, idx].contiguous(), self.basis)
+
+    def nbytes(self) -> int:
+        """Coefficient bytes plus these tokens' share of the basis (its bytes over the fit's
+        tokens): the parts of one fit add up to what it holds, however the tree splits them."""
+        own = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return own + -(-self.basis.nbytes() * len(self) // max(1, self.basis.tokens))
+
+    def deltas(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([m, H_kv, d], [m, H_kv, d]) float32: the tokens' K (before RoPE) and V deviations
+        at ``layer``."""
+        b = self.basis
+        return (torch.einsum("mhr,hdr->mhd", self.k[layer], b.k[layer]),
+                torch.einsum("mhr,hdr->mhd", self.v[layer], b.v[layer]))
+
+
+@dataclass(eq=False)
+class LeafFactorFit:
+    """Factors a reader's kept recomputed tokens layer by layer during its extend.
+
+    At each layer the attention backend gathers the pairs (the reader's exact K/V of the tokens,
+    just written to the pool; the owner's K/V of the same tokens, re-positioned:
+    ``corrected_reads.gather_pairs``) and calls :meth:`fit_layer`. The request reads its own
+    exact tokens meanwhile; at its checkpoint the tree keeps :meth:`result` as the agent's
+    factored leaves and the recomputed slots are freed with the request.
+
+    Attributes:
+        owner_slots: [p] int64 pool slots of the owner's KV of the tokens.
+        owner_shifts: [p] int64 their shifts (reader position − owner position).
+        exact_rows: [p] int64 row indices of the reader's exact KV of the same tokens.
+        offsets: [p] int64 their shared offsets (where the tree keeps them).
+        positions: [p] int64 their positions in the reader's sequence (the key deviations are
+            factored before RoPE: rotated back from there).
+        rank: r.
+        layers: layer id → (K coef, K basis, V coef, V basis), filled during the extend.
+    """
+
+    owner_slots: torch.Tensor
+    owner_shifts: torch.Tensor
+    exact_rows: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
+    rank: int
+    layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    @property
+    def pairs(self) -> int:
+        return int(self.owner_slots.numel())
+
+    @property
+    def fits(self) -> bool:
+        return self.pairs > 0 and self.rank > 0
+
+    def fit_layer(self, layer_id: int, x_k: torch.Tensor, y_k: torch.Tensor,
+                  x_v: torch.Tensor, y_v: torch.Tensor, rope: ShiftRope | torch.Tensor) -> None:
+        """Factor one layer's deviations. x_*, y_*: [p, H_kv, d] base and exact (keys in the
+        reader's frame, after RoPE at ``positions``)."""
+        dev_k = apply_rope(y_k.float() - x_k.float(), -self.positions, rope)
+        self.layers[layer_id] = (*factor_deviation(dev_k, self.rank),
+                                 *factor_deviation(y_v.float() - x_v.float(), self.rank))
+
+    def result(self) -> TokenFactors | None:
+        """Every layer's factors stacked, or None unless layers ``0 .. L-1`` were all fitted."""
+        if not self.layers or sorted(self.layers) != list(range(len(self.layers))):
+            return None
+        ck, bk, cv, bv = (torch.stack([self.layers[i][j] for i in range(len(self.layers))])
+                          for j in range(4))
+        return TokenFactors(ck, cv, FactorBasis(bk, bv, self.pairs))
+
+
+@dataclass(frozen=True, eq=False)
+class TokenDeltas:
+    """One layer's deviations of a row's factored tokens, in row coordinates.
+
+    Attributes:
+        rows: [m] int64 row indices.
+        positions: [m] int64 their positions in the reader's sequence.
+        k: [m, H_kv, d] float32 key deviations before RoPE (rotated to ``positions`` when
+            added).
+        v: [m, H_kv, d] float32 value deviations.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def apply(self, k: torch.Tensor, v: torch.Tensor, rope: ShiftRope | torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [n, H_kv, d] a gathered row (a copy, re-positioned); rows ``>= n`` are skipped.
+        Returns new tensors in the inputs' dtypes."""
+        keep = self.rows < k.shape[0]
+        rows = self.rows[keep].to(k.device)
+        if not rows.numel():
+            return k, v
+        dk = apply_rope(self.k[keep], self.positions[keep], rope)
+        k, v = k.clone(), v.clone()
+        k[rows] = (k[rows].to(torch.float32) + dk.to(k.device)).to(k.dtype)
+        v[rows] = (v[rows].to(torch.float32) + self.v[keep].to(v.device)).to(v.dtype)
+        return k, v
+
+
+class LeafReads:
+    """A row's tokens read through its agent's factored leaves.
+
+    Args:
+        parts: (row indices [j] int64, their positions [j] int64, their
+            :class:`TokenFactors`) per stored part.
+    """
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, TokenFactors]]):
+        self.parts = [(rows, pos, f) for rows, pos, f in parts if rows.numel()]
+        empty = torch.empty(0, dtype=torch.int64)
+        self.rows = torch.cat([p[0] for p in self.parts]) if self.parts else empty
+        self.positions = torch.cat([p[1] for p in self.parts]) if self.parts else empty
+        self._last: tuple[int, TokenDeltas] | None = None
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+    def layer(self, layer_id: int) -> TokenDeltas | None:
+        """The layer's deltas, or None where every factor is zero (the row then reads as it
+        would without them, bit for bit). The last layer's are kept: every read of one layer
+        reuses them, and no more than one layer's is ever held."""
+        if self._last is not None and self._last[0] == layer_id:
+            return self._last[1]
+        out = None
+        if any(bool(f.k[layer_id].any() or f.v[layer_id].any()) for _, _, f in self.parts):
+            ks, vs = zip(*(f.deltas(layer_id) for _, _, f in self.parts))
+            out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
+        self._last = (layer_id, out)
+        return out

@@ -1,0 +1,151 @@
+"""Factored leaves in the tree and the tree cache (no server): a reader under ``factored`` keeps
+the factors its extend made of the tokens it recomputed (no exact leaves, its recomputed slots
+freed), byte-counted per agent; its next turn reads those tokens through them (counted
+``reused_corrected``) and never recomputes them; a node's split, the leaf budget and the
+invariants hold them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+from sglang_kvcmas.attention.leaf_factors import factor_deviation  # noqa: E402
+from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
+from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
+from sglang_kvcmas.tree.factor_leaves import FactorLeaf  # noqa: E402
+from sglang_kvcmas.tree.shared_tree import SharedTree  # noqa: E402
+
+from test_leaf_factors import _factors  # noqa: E402
+from test_shared_tree_cache import (  # noqa: E402
+    END,
+    SUFFIX,
+    T1,
+    T2,
+    Harness,
+    Req,
+    assert_slots_conserved,
+    head,
+)
+
+K = 20  # boundary tokens recomputed
+HKV, D, RANK = 2, 16, 4
+
+
+def _harness(mode: str = "factored") -> Harness:
+    """A harness whose readers' extend 'factors' layer 0 (the backend's job) from a made-up
+    deviation of the pairs it recomputes."""
+    h = Harness(boundary=K)
+    h.cache.recompute_config = RecomputeConfig(boundary_tokens=K, min_borrowed=0,
+                                               max_fraction=1.0)
+    h.cache.leaf_config = LeafConfig(mode, RANK)
+    hand = h.cache.maybe_hand_to_session
+
+    def hand_and_factor(req):
+        hand(req)
+        row = getattr(req, "kvcmas_row", None)
+        corr = row.spans.correction if row is not None and row.spans is not None else None
+        if corr is not None and corr.factor is not None:
+            dev = torch.randn(corr.factor.pairs, HKV, D)
+            corr.factor.layers[0] = (*factor_deviation(dev, RANK), *factor_deviation(-dev, RANK))
+
+    h.cache.maybe_hand_to_session = hand_and_factor
+    return h
+
+
+def _turns(h: Harness):
+    a, b = head(50, 20), head(60, 8)
+    for rid, hd, row in (("a1", a, 0), ("b1", b, 1)):
+        h.serve(Req(rid, hd + T1 + SUFFIX), row)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)  # a owns T2
+    b2 = Req("b2", b + T1 + T2 + SUFFIX)
+    spans, _ = h.serve(b2, 3)
+    return b, b2, spans
+
+
+def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
+    h = _harness()
+    b, b2, spans = _turns(h)
+    fit = spans.correction.factor
+    at = len(b) + len(T1)
+    borrowed = len(T2) + END - K
+    assert fit is not None and fit.pairs == K and fit.rank == RANK
+    assert fit.exact_rows.tolist() == list(range(at + borrowed, at + borrowed + K))
+    assert spans.correction.leaves is None and spans.correction.layer(0) is None  # reads exact
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert (rec["reused_corrected"], rec["reused_repositioned"]) == (0, borrowed)
+    assert h.cache.shared.delta_tokens() == 0  # no exact leaves: the recomputed slots freed
+    assert_slots_conserved(h)
+    stats = h.cache.shared_stats()
+    assert stats["factored_tokens"] == K and stats["factored_bytes"] > 0
+    (agent,) = stats["leaf_bytes_by_agent"]
+    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0, "lowrank": 0,
+                                                  "factored": stats["factored_bytes"]}
+    assert not h.cache.shared.check_invariants()
+
+    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # its next turn reads the factored tokens
+    spans3, _ = h.serve(b3, 4)
+    assert spans3.recomputed is None  # nothing left to recompute: the picks are held
+    leaves = spans3.correction.leaves
+    assert sorted(leaves.rows.tolist()) == list(range(at, at + K))
+    rec3 = b3.customized_info["kvcmas_reuse"][0]
+    assert (rec3["reused_corrected"], rec3["reused_repositioned"]) == (K, borrowed)
+    deltas = spans3.correction.layer(0).tokens
+    assert deltas.k.shape == (K, HKV, D)
+    assert_slots_conserved(h)
+
+
+def test_exact_mode_keeps_no_factors():
+    h = _harness("exact")
+    _, _, spans = _turns(h)
+    assert spans.correction is None and h.cache.shared.delta_tokens() == K
+    assert h.cache.shared_stats()["factored_tokens"] == 0
+
+
+def _tree_with_node(n: int = 30):
+    freed = []
+    tree = SharedTree(freed.append)
+    ns = ("k", None)
+    _, node = tree.insert(ns, np.arange(n, dtype=np.int64), 0, torch.arange(n), "a", 5,
+                          anchor=None)
+    return tree, node, freed
+
+
+def test_a_node_split_keeps_each_factored_token_on_its_half_under_its_basis():
+    tree, node, _ = _tree_with_node()
+    f = _factors(1, 6, HKV, D, RANK, seed=2)
+    assert tree.add_factors(node, "b", torch.tensor([1, 4, 10, 11, 20, 29]), f, 12) == 6
+    assert tree.add_factors(node, "b", torch.tensor([4, 5]), f.select(torch.arange(2)), 12) == 1
+    assert tree.add_factors(node, "b", torch.tensor([7]), f.select(torch.arange(1)), 13) == 0
+    whole = node.factors["b"].nbytes()
+    dk_before = f.deltas(0)[0]
+    tree.match(("k", None), np.arange(11, dtype=np.int64), split=True)  # split after 11 tokens
+    head_node = node.parent
+    first, rest = head_node.factors["b"], node.factors["b"]
+    assert first.offsets().tolist() == [1, 4, 10, 5] and rest.offsets().tolist() == [0, 9, 18]
+    assert (first.reader_start, rest.reader_start) == (12, 23)
+    assert abs(first.nbytes() + rest.nbytes() - whole) <= 3
+    torch.testing.assert_close(rest.parts[0].factors.deltas(0)[0], dk_before[3:])
+    assert not tree.check_invariants()
+
+
+def test_the_leaf_budget_drops_factored_leaves_least_recently_used_first():
+    tree, node, freed = _tree_with_node()
+    f = _factors(1, 6, HKV, D, RANK, seed=2)
+    tree.add_factors(node, "b", torch.arange(6), f, 12)
+    tree.add_factors(node, "c", torch.arange(6), f, 40)
+    node.factors["b"].last_access, node.factors["c"].last_access = 1.0, 2.0
+    per = -(-node.factors["b"].nbytes() // 100)
+    assert tree.trim_leaves(per, bytes_per_token=100) == per  # one leaf goes: b, the older
+    assert list(node.factors) == ["c"] and not freed  # host memory: no pool slot freed
+    assert tree.leaf_bytes_by_agent()["c"]["factored"] == node.factors["c"].nbytes()
+
+
+def test_a_factored_leaf_merges_only_new_offsets():
+    f = _factors(2, 4, HKV, D, RANK, seed=5)
+    leaf, added = FactorLeaf(7).with_part(torch.tensor([0, 2, 4, 6]), f)
+    leaf2, added2 = leaf.with_part(torch.tensor([2, 3]), f.select(torch.arange(2)))
+    assert (added, added2, len(leaf2)) == (4, 1, 5)
+    assert leaf2.parts[1].offsets.tolist() == [3]

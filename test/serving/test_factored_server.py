@@ -1,0 +1,58 @@
+"""End to end on SGLang's server under ``--kvcmas-leaf-mode factored``: a reader keeps the tokens
+it recomputes as factored leaves (their deviation from the owner's KV at rank r: ``/server_info``
+and the ``kvcmas:leaf_bytes`` gauge; no exact leaves, no pool slots), and its next turn reads
+them through those factors (``reused_corrected`` in its usage), in extend and decode."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from test_lowrank_server import _gauge, _tree  # noqa: E402
+from test_shared_server import SA, SB, T1, T2, chat  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from benchmark.serving.server_arms import ArmServer
+
+    log = tmp_path_factory.mktemp("kvcmas_factored") / "server.log"
+    with ArmServer("kvcmas", log, ["--kvcmas-leaf-mode", "factored",
+                                   "--kvcmas-lowrank-rank", "8"]) as s:
+        yield s
+
+
+def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
+    chat(server, SA, T1)
+    chat(server, SB, T1)  # both heads cached now
+    chat(server, SA, T2)
+    out = chat(server, SB, T2)
+    reader = out["usage"]["prompt_tokens_details"]
+    picks = reader["kvcmas_recomputed_borrowed"]
+    assert picks > 0 and reader["kvcmas_reused_corrected"] == 0, reader
+    assert out["choices"][0]["message"]["content"]
+    tree = _tree(server)
+    assert tree["invariants"] == [] and tree["delta_tokens"] == 0, tree
+    assert tree["factored_tokens"] == picks and tree["factored_bytes"] > 0, tree
+    assert any(b["factored"] == tree["factored_bytes"]
+               for b in tree["leaf_bytes_by_agent"].values())
+    again = chat(server, SB, T2 + " Once more.")
+    used = again["usage"]["prompt_tokens_details"]
+    # the picks are held as factored leaves: read through them, not recomputed again (the
+    # transcript's last tokens tokenize differently before the new text: a few fall outside)
+    assert picks - 4 <= used["kvcmas_reused_corrected"] <= picks, used
+    assert used["kvcmas_exact_from_leaves"] == 0
+    assert again["choices"][0]["message"]["content"]  # decode read them too
+    time.sleep(1.2)  # the gauge is set at most once a second, after a checkpoint
+    chat(server, SA, T1)
+    factored = {k: v for k, v in _gauge(server, "kvcmas:leaf_bytes").items()
+                if 'type="factored"' in k}
+    assert _tree(server)["factored_bytes"] in factored.values(), factored
