@@ -19,26 +19,35 @@ answer) once per arm, one server at a time, the same KV pool for every arm:
 - ``lowrank8+exact_perturn``: ``lowrank8+exact`` with ``--kvcmas-lowrank-chain 0`` (each turn
   fitted from scratch, not from the agent's stored correction: the chaining ablation; the
   ``alone`` probe shows it, the in-turn probe reads no stored state; ``lowrank`` never chains);
-- ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation).
+- ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation);
+- ``factored<r>``: the defaults' recomputed tokens kept as factored leaves (leaf mode
+  ``factored``: their deviation from the owner's KV at rank ``r``, per layer and KV head);
+  ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks.
 
 Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
 teacher-forced over the greedy answer of an exact prefill on the same server, as
-``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is
-radix's, non-owner median TTFT vs radix, peak KV (pool slots held, plus low-rank factor bytes
-in tokens of KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the
-prompt tokens each arm computed (prefill, recomputed borrowed tokens included: no arm prefills a
-reference). The probe runs after the workload and reads each probed reader twice: as in its
-turn (``KL_rec``: from the owner's KV, recomputing what the arm's policy gave it there, its
-split of the segment share among the round's waiting readers included; no leaves of its earlier
-turns, which the turn had) and alone as served after the workload (``alone``: its leaves plus
-the whole 10% share, the figure of runs before this column). The pick and the headline use the
-first. The targets of a 16-agent deployment: KL
-recovered ≥ 0.6, non-owner TTFT ≥ 2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than
-exact-sparse; the report names, per agent count, the arm with the highest KL recovered among
-those meeting the others.
+``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is radix's,
+non-owner median TTFT vs radix, peak KV (pool slots held, plus low-rank factor bytes in tokens of
+KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the prompt tokens each
+arm computed (prefill, recomputed borrowed tokens included: no arm prefills a reference). The probe
+runs after the workload and reads each probed reader twice: as in its turn (``KL_rec``: from the
+owner's KV, recomputing what the arm's policy gave it there, its split of the segment share among
+the round's waiting readers included; no leaves of its earlier turns, which the turn had) and alone
+as served after the workload (``alone``: its leaves plus the whole 10% share, the figure of runs
+before this column). The pick and the headline use the first, but for the ``factored`` arms: the
+in-turn probe reads no leaves, and theirs are what they approximate, so theirs is the reader alone
+over its factored leaves. The targets of a 16-agent deployment: KL recovered ≥ 0.6, non-owner TTFT ≥
+2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than exact-sparse; the report names, per
+agent count, the arm with the highest KL recovered among those meeting the others.
+
+A factored arm also reports ``same_x``: the leaf bytes of the exact arm that keeps the same
+tokens, over its own (``factored8`` against ``exact``, ``factored<r>_per_reader`` against
+``exact_per_reader``). Its reader-alone probe recomputes the whole 10% share over its leaves:
+for ``factored8``, more than its turns did at the defaults' split.
 
     python benchmark/serving/frontier.py --quick   # 16 agents, 4 arms (< 15 min on 2 cores)
     python benchmark/serving/frontier.py           # 3, 8 and 16 agents, every arm (~75 min)
+    python benchmark/serving/frontier.py --report results/frontier.json   # re-render only
 
 The document is 1024 tokens by default (``--doc``): long enough that every reader borrows
 it, short enough that the radix arm of 16 agents takes about two minutes on 2 cores;
@@ -84,6 +93,13 @@ ARMS: dict[str, list[str]] = {
     "lowrank8+exact_perturn": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank",
                                "8", "--kvcmas-lowrank-chain", "0"],
     "exact_fifo": ["--kvcmas-turn-order", "fifo"],
+    "factored8": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "8"],
+    "factored4_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+                             "--kvcmas-recompute-segment-share", ""],
+    "factored8_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "8",
+                             "--kvcmas-recompute-segment-share", ""],
+    "factored16_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "16",
+                              "--kvcmas-recompute-segment-share", ""],
 }
 """Sharing arm -> the flags its kvcmas server adds to the defaults."""
 QUICK_ARMS = ("naive", "exact", "exact_per_reader", "lowrank8")
@@ -118,12 +134,14 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     fid = p.get("fidelity") or {}
     by_agent = p.get("leaf_bytes_by_agent") or {}
     leaf = leaf_bytes_per_agent(by_agent)
-    lowrank = sum(t.get("lowrank", 0) for t in by_agent.values())
+    lowrank = sum(t.get("lowrank", 0) + t.get("factored", 0) for t in by_agent.values())
     peak = p["peak_kv_tokens"] + lowrank / kv_bytes_per_token
     no = nonowner_ttft(panel, name) if "radix" in panel else {}
     same = same_answers(panel, name) if "radix" in panel else None
     doc_turns = [t for t in p["turns"] if t["round"] > 0]
-    turn = "kl_recovered_turn" in fid
+    # A factored arm's in-turn probe would read its leaves' tokens exact: the reader alone
+    # over its factored leaves is the served read.
+    turn = "kl_recovered_turn" in fid and "factored" not in p.get("flags", [])
     return {
         "flags": p.get("flags", []),
         # The reader as in its turn (its split of the segment share) where probed so; the
@@ -147,14 +165,25 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     }
 
 
+SAME_PICKS = {"factored8": "exact", "factored4_per_reader": "exact_per_reader",
+              "factored8_per_reader": "exact_per_reader",
+              "factored16_per_reader": "exact_per_reader"}
+"""A factored arm -> the exact arm that recomputes and keeps the same tokens exactly."""
+
+
 def with_leaf_ratios(rows: dict[str, dict]) -> dict[str, dict]:
-    """Adds ``leaf_bytes_ratio_vs_exact`` (exact-sparse leaf bytes / the arm's; inf for an arm
-    that keeps none) where the ``exact`` arm ran."""
+    """Adds ``leaf_bytes_ratio_vs_exact`` (exact-sparse leaf bytes at the defaults / the arm's;
+    inf for an arm that keeps none) where the ``exact`` arm ran, and for a factored arm whose
+    exact counterpart ran (:data:`SAME_PICKS`), ``leaf_bytes_ratio_vs_same_picks``: the same
+    tokens kept exact / kept factored."""
     exact = rows.get(DEFAULT_ARM, {}).get("leaf_bytes_per_agent")
-    for row in rows.values():
+    for name, row in rows.items():
         mine = row["leaf_bytes_per_agent"]
         row["leaf_bytes_ratio_vs_exact"] = (None if exact is None else
                                             exact / mine if mine else float("inf"))
+        same = rows.get(SAME_PICKS.get(name, ""), {}).get("leaf_bytes_per_agent")
+        if same is not None and mine:
+            row["leaf_bytes_ratio_vs_same_picks"] = same / mine
     return rows
 
 
@@ -178,17 +207,18 @@ def pick(rows: dict[str, dict], targets: dict[str, float] = TARGETS) -> str | No
 
 def table(agents: int, rows: dict[str, dict], doc: int) -> list[str]:
     lines = [f"{agents} agents, {doc}-token document:",
-             f"{'arm':>15} {'KL_rec':>7} {'alone':>6} {'top1':>6} {'same':>5} {'TTFTx':>6} "
-             f"{'KV/ideal':>8} {'leaf_KiB':>8} {'leaf_x':>7} {'computed':>8} {'recomp':>7} "
-             f"{'makespan':>8}"]
+             f"{'arm':>21} {'KL_rec':>7} {'alone':>6} {'top1':>6} {'same':>5} {'TTFTx':>6} "
+             f"{'KV/ideal':>8} {'leaf_KiB':>8} {'leaf_x':>7} {'same_x':>6} {'computed':>8} "
+             f"{'recomp':>7} {'makespan':>8}"]
     for name, r in rows.items():
         ratio = r.get("leaf_bytes_ratio_vs_exact")
         lines.append(
-            f"{name:>15} {fmt(r['kl_recovered'], 3):>7} {fmt(r.get('kl_recovered_alone'), 2):>6} "
+            f"{name:>21} {fmt(r['kl_recovered'], 3):>7} {fmt(r.get('kl_recovered_alone'), 2):>6} "
             f"{fmt(r['top1'], 4):>6} "
             f"{fmt(r['same_answer_as_radix'], 2):>5} {fmt(r['ttft_speedup_vs_radix'], 2):>6} "
             f"{r['kv_vs_ideal']:>8.3f} {r['leaf_bytes_per_agent'] / 1024:>8.0f} "
-            f"{'inf' if ratio == float('inf') else fmt(ratio, 2):>7} {r['computed_tokens']:>8} "
+            f"{'inf' if ratio == float('inf') else fmt(ratio, 2):>7} "
+            f"{fmt(r.get('leaf_bytes_ratio_vs_same_picks'), 2):>6} {r['computed_tokens']:>8} "
             f"{r['recomputed_tokens']:>7} {r['makespan_s']:>7.1f}s")
     best = pick(rows)
     lines.append(f"  best meeting the targets (KV <= {TARGETS['kv_vs_ideal']}x, TTFT >= "
@@ -252,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
     ap.add_argument("--out", type=Path, default=None,
                     help="results stem (default: results/frontier[_quick][_<model>])")
+    ap.add_argument("--report", type=Path, default=None, metavar="JSON",
+                    help="re-render a saved result's .txt and .png (runs nothing)")
     add_model_arg(ap)
     args = ap.parse_args(argv)
+    if args.report is not None:
+        print(rewrite(args.report))
+        return 0
     if args.quick:
         args.agents, args.arms = "16", ",".join(QUICK_ARMS)
     model = model_from_args(ap, args)
@@ -271,9 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         **run_header("benchmark/serving/frontier.py", argv, model),
         "pool_tokens": args.pool, "doc_tokens": args.doc, "answer_tokens": args.answer_tokens,
-        "targets": TARGETS, "by_agents": {},
+        "probe": args.probe, "targets": TARGETS, "by_agents": {},
     }
-    lines: list[str] = []
     for n in agent_counts:
         panel: dict[str, dict] = {}
         for i, name in enumerate(["radix", *arms]):
@@ -290,33 +324,54 @@ def main(argv: list[str] | None = None) -> int:
         rows = with_leaf_ratios({a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms})
         result["by_agents"][n] = {"arms": rows, "best": pick(rows),
                                   "radix_makespan_s": panel["radix"]["makespan_s"],
+                                  "radix_peak_kv_vs_ideal": panel["radix"]["peak_kv_tokens"]
+                                  / panel["radix"]["one_copy_ideal_tokens"],
                                   "one_copy_ideal_tokens": panel["radix"]["one_copy_ideal_tokens"],
                                   "radix_computed_tokens": sum(t.get("computed", 0) for t in
                                                                panel["radix"]["turns"])}
-        lines += table(n, rows, args.doc)
-        radix = panel["radix"]
-        lines.append(f"  radix: makespan {radix['makespan_s']:.1f} s, computed "
-                     f"{result['by_agents'][n]['radix_computed_tokens']} tokens, peak KV / "
-                     f"ideal {radix['peak_kv_tokens'] / radix['one_copy_ideal_tokens']:.3f}")
-        print("\n".join(lines[-(len(rows) + 4):]), flush=True)
+        print("\n".join(agents_lines(n, result["by_agents"][n], args.doc)), flush=True)
     result["seconds"] = round(time.monotonic() - t_start, 1)
-    head_n = 16 if 16 in agent_counts else max(agent_counts)
-    d = result["by_agents"][head_n]["arms"].get(DEFAULT_ARM)
+    print(write(result, out))
+    return 0
+
+
+def agents_lines(n: int, block: dict, doc: int) -> list[str]:
+    """The report of one agent count (``result["by_agents"][n]``)."""
+    return [*table(n, block["arms"], doc),
+            f"  radix: makespan {block['radix_makespan_s']:.1f} s, computed "
+            f"{block['radix_computed_tokens']} tokens, peak KV / ideal "
+            f"{fmt(block.get('radix_peak_kv_vs_ideal'), 3)}"]
+
+
+def write(result: dict, out: Path) -> str:
+    """Writes ``out.{json,txt,png}`` from a result; returns the headline."""
+    by = {int(n): b for n, b in result["by_agents"].items()}
+    head_n = 16 if 16 in by else max(by)
+    d = by[head_n]["arms"].get(DEFAULT_ARM)
     headline = (f"HEADLINE agents={head_n} kl_recovered={fmt(d and d['kl_recovered'], 3)} "
                 f"ttft_speedup_vs_radix={fmt(d and d['ttft_speedup_vs_radix'], 2)} "
                 f"kv_vs_ideal={fmt(d and d['kv_vs_ideal'], 3)} "
                 f"leaf_bytes_ratio_vs_exact={fmt(d and d['leaf_bytes_ratio_vs_exact'], 2)}")
+    body = [line for n in sorted(by) for line in agents_lines(n, by[n], result["doc_tokens"])]
     lines = [f"# {result['command']}",
              f"# {result['model']}, commit {result['commit']}, {result['machine']}, pool "
-             f"{args.pool} tokens, {args.answer_tokens}-token answers, {args.probe} readers "
-             f"probed per arm, {result['seconds']:.0f} s", *lines,
-             f"default arm: {DEFAULT_ARM}", headline]
+             f"{result['pool_tokens']} tokens, {result['answer_tokens']}-token answers, "
+             f"{result.get('probe', 4)} readers probed per arm, {result['seconds']:.0f} s",
+             *body, f"default arm: {DEFAULT_ARM}", headline]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     plot(result, out.with_suffix(".png"))
-    print(headline)
-    return 0
+    return headline
+
+
+def rewrite(path: Path) -> str:
+    """Re-renders a saved result (``--report``) with this version's derived columns."""
+    result = json.loads(path.read_text())
+    for block in result["by_agents"].values():
+        block["arms"] = with_leaf_ratios(block["arms"])
+        block["best"] = pick(block["arms"])
+    return write(result, path.with_suffix(""))
 
 
 if __name__ == "__main__":

@@ -87,3 +87,46 @@ def test_bad_arms_and_agent_counts_are_refused(capsys):
         assert e.value.code == 2
         assert "--arms of" in capsys.readouterr().err
     assert "exact" in ARMS and ARMS["exact"] == []
+
+
+def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():
+    panel = {"radix": panel_run(4.0, 3000),
+             "factored8": panel_run(1.0, 1100, {"b": {"exact": 0, "factored": 6_400}}, 0.5)}
+    panel["factored8"]["flags"] = ARMS["factored8"]
+    panel["factored8"]["fidelity"] |= {"kl_recovered_turn": 0.9, "top1_turn": 1.0}
+    row = arm_row(panel, "factored8", kv_bytes_per_token=640)
+    assert row["kv_vs_ideal"] == pytest.approx((1100 + 6_400 / 640) / 1000)
+    # the in-turn probe reads its picks exact: the factored arm is judged over its leaves
+    assert (row["kl_recovered"], row["top1"]) == (0.5, 0.99)
+    rows = with_leaf_ratios({"exact": {"leaf_bytes_per_agent": 8_000},
+                             "exact_per_reader": {"leaf_bytes_per_agent": 40_000},
+                             "factored8_per_reader": {"leaf_bytes_per_agent": 5_000}})
+    f = rows["factored8_per_reader"]
+    assert (f["leaf_bytes_ratio_vs_exact"], f["leaf_bytes_ratio_vs_same_picks"]) == (1.6, 8.0)
+
+
+def test_a_saved_result_is_re_rendered_with_the_derived_columns(tmp_path):
+    import json
+
+    from benchmark.serving.frontier import rewrite
+
+    arm = {"kl_recovered": 0.7, "kl_recovered_alone": 0.7, "top1": 0.99,
+           "same_answer_as_radix": 0.5, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.2,
+           "leaf_bytes_per_agent": 4_000, "computed_tokens": 10, "recomputed_tokens": 2,
+           "makespan_s": 5.0}
+    result = {"command": "x", "model": "m", "commit": "c", "machine": "cpu", "pool_tokens": 9,
+              "answer_tokens": 3, "doc_tokens": 64, "seconds": 1.0, "by_agents": {"16": {
+                  "arms": {"exact": dict(arm, leaf_bytes_per_agent=20_000),
+                           "exact_per_reader": dict(arm, leaf_bytes_per_agent=32_000),
+                           "factored8_per_reader": arm},
+                  "radix_makespan_s": 9.0, "radix_computed_tokens": 90,
+                  "one_copy_ideal_tokens": 10}}}
+    path = tmp_path / "frontier_x.json"
+    path.write_text(json.dumps(result))
+    headline = rewrite(path)
+    assert headline.startswith("HEADLINE agents=16 kl_recovered=0.700")
+    text = (tmp_path / "frontier_x.txt").read_text()
+    assert "factored8_per_reader" in text and " 8.00 " in text  # 32000 / 4000, same picks
+    assert "by KL recovered: factored8_per_reader" in text  # 5x smaller than the defaults'
+    saved = json.loads(path.read_text())["by_agents"]["16"]
+    assert saved["best"] == "factored8_per_reader"
