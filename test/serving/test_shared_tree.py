@@ -1,6 +1,7 @@
 """Property test of the shared-context tree: random insert / match / lock / evict / drop sequences
 keep its invariants (no slot freed twice, nothing freed while locked, sizes add up, matches return
-exactly the slots inserted for those tokens)."""
+exactly the slots inserted for those tokens), with exact and factored leaves held to the leaf
+budget (every factored token keeps the factors adopted for its token path)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_kvcmas.attention.leaf_factors import FactorBasis, TokenFactors
 from sglang_kvcmas.tree.shared_tree import SharedTree
 
 NS = ("ns", None)
@@ -23,6 +25,9 @@ ops = st.lists(
         st.tuples(st.just("leaf"), st.lists(st.integers(0, 3), min_size=1, max_size=12),
                   st.integers(0, 2), st.lists(st.integers(0, 11), min_size=1, max_size=6)),
         st.tuples(st.just("trim"), st.integers(0, 12)),
+        st.tuples(st.just("factor"), st.lists(st.integers(0, 3), min_size=1, max_size=12),
+                  st.integers(0, 2), st.lists(st.integers(0, 11), min_size=1, max_size=6)),
+        st.tuples(st.just("trim_bytes"), st.integers(0, 12)),
     ),
     max_size=60,
 )
@@ -37,6 +42,7 @@ def test_shared_tree_invariants(sequence):
     truth: dict[tuple[int, ...], int] = {}  # token path -> slot, for every live token
     anchors = [object() for _ in range(6)]
     locks = []
+    factored: dict[tuple[str, tuple[int, ...]], float] = {}  # (agent, token path) -> its factor
 
     def fresh(n):
         s = torch.arange(next_slot[0], next_slot[0] + n)
@@ -70,6 +76,31 @@ def test_shared_tree_invariants(sequence):
                 slots = fresh(len(offsets))
                 left = tree.add_overrides(node, f"r{op[2]}", offsets, slots, 100 + op[2])
                 freed.extend(int(x) for x in left)  # the caller frees what was not adopted
+        elif op[0] == "factor":  # a reader keeps factored tokens of a node (one fit)
+            n, node = tree.match(NS, op[1], split=True)
+            if node is not None:
+                agent, offsets = f"r{op[2]}", sorted({o % len(node) for o in op[3]})
+                ids = torch.arange(len(offsets), dtype=torch.float32) + 1 + len(factored) * 16
+                f = TokenFactors(ids.reshape(1, -1, 1, 1), -ids.reshape(1, -1, 1, 1),
+                                 FactorBasis(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1),
+                                             len(offsets)))
+                old = node.factors.get(agent)
+                held = set(old.offsets().tolist()) if old is not None else set()
+                start = 100 + op[2] + n - len(node)  # the reader's position of the node's start
+                added = tree.add_factors(node, agent, torch.tensor(offsets), f, start)
+                if added:
+                    prefix = [t for p in SharedTree.path(node) for t in p.node.key][: n - len(node)]
+                    for o, i in zip(offsets, ids.tolist()):
+                        if o not in held:
+                            factored[(agent, tuple(prefix + list(node.key[: o + 1])))] = i
+                    assert added == len(set(offsets) - held)
+        elif op[0] == "trim_bytes":  # the budget over both types, factors in tokens of 4 bytes
+            tree.trim_leaves(op[1], bytes_per_token=4)
+            unlocked = [leaf for n in tree.nodes() if n.lock_ref == 0
+                        for leaf in (*n.deltas.values(), *n.factors.values())]
+            held_tokens = tree.leaf_size + sum(-(-leaf.nbytes() // 4) for n in tree.nodes()
+                                               for leaf in n.factors.values())
+            assert held_tokens <= op[1] or not unlocked
         elif op[0] == "trim":
             held = {n for locked, _ in locks for n in _path_nodes(locked)}
             before = {id(n): {a: leaf.slots.tolist() for a, leaf in n.deltas.items()}
@@ -103,6 +134,12 @@ def test_shared_tree_invariants(sequence):
                 assert not set(leaf.slots.tolist()) & set(freed), "a leaf's slot was freed"
         assert 0 <= tree.owned_locked_size <= tree.owned_size
         assert all(n.lock_ref >= 0 for n in live)
+        for n in live:  # every factored token keeps its own factors, however nodes split
+            prefix = [t for p in SharedTree.path(n) for t in p.node.key][: -len(n)]
+            for agent, leaf in n.factors.items():
+                for part in leaf.parts:
+                    for o, c in zip(part.offsets.tolist(), part.factors.k[0, :, 0, 0].tolist()):
+                        assert factored[(agent, tuple(prefix + list(n.key[: o + 1])))] == c
         for n in live:  # every live token's slot is what was inserted for its token path
             path = [t for p in SharedTree.path(n) for t in p.node.key]
             slots = SharedTree.path_slots(n).tolist()

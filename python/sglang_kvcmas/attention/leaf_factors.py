@@ -15,7 +15,7 @@ its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, wi
 that has to generalize to tokens it never saw (the affine correction of ``attention/lowrank.py``
 does, and loses to naive re-positioning in the server). The lab measured the frame
 (``benchmark/lab/delta_growth_study.py``, Qwen2.5-Coder-0.5B, rank 8, 256–4096 tokens): KL
-recovered 0.63 before RoPE against 0.60 in the reader's frame, on average.
+recovered 0.64 before RoPE against 0.60 in the reader's frame, on average.
 
 Bytes: a token costs ``2·L·H_kv·r`` floats (K and V coefficients) instead of ``2·L·H_kv·d``, plus
 one basis ``2·L·H_kv·d·r`` per fit shared by all the tokens of that fit (every node a turn's
@@ -207,7 +207,7 @@ class TokenDeltas:
         rows = self.rows[keep].to(k.device)
         if not rows.numel():
             return k, v
-        dk = apply_rope(self.k[keep], self.positions[keep], rope)
+        dk = apply_rope(self.k[keep].to(k.device), self.positions[keep], rope)
         k, v = k.clone(), v.clone()
         k[rows] = (k[rows].to(torch.float32) + dk.to(k.device)).to(k.dtype)
         v[rows] = (v[rows].to(torch.float32) + self.v[keep].to(v.device)).to(v.dtype)
