@@ -22,7 +22,10 @@ answer) once per arm, one server at a time, the same KV pool for every arm:
 - ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation);
 - ``factored<r>``: the defaults' recomputed tokens kept as factored leaves (leaf mode
   ``factored``: their deviation from the owner's KV at rank ``r``, per layer and KV head);
-  ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks.
+  ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks;
+  ``factored4_per_reader_run4``: with SGLang's ``--max-running-requests 4``, so that at most 4
+  readers hold the slots of the tokens they recompute at once (the transient a turn's recompute
+  adds to peak KV, whatever the leaf type).
 
 Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
 teacher-forced over the greedy answer of an exact prefill on the same server, as
@@ -103,6 +106,9 @@ ARMS: dict[str, list[str]] = {
                              "--kvcmas-recompute-segment-share", ""],
     "factored16_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "16",
                               "--kvcmas-recompute-segment-share", ""],
+    "factored4_per_reader_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+                                  "--kvcmas-recompute-segment-share", "",
+                                  "--max-running-requests", "4"],
 }
 """Sharing arm -> the flags its kvcmas server adds to the defaults."""
 QUICK_ARMS = ("naive", "exact", "exact_per_reader", "lowrank8")
@@ -170,6 +176,7 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
 
 
 SAME_PICKS = {"factored8": "exact", "factored4_per_reader": "exact_per_reader",
+              "factored4_per_reader_run4": "exact_per_reader",
               "factored8_per_reader": "exact_per_reader",
               "factored16_per_reader": "exact_per_reader"}
 """A factored arm -> the exact arm that recomputes and keeps the same tokens exactly."""
