@@ -237,8 +237,8 @@ class ServingConfig:
         "exact", "What a reader keeps of the borrowed tokens it recomputes: 'exact' (exact "
         "leaves), 'lowrank' (a per-agent low-rank correction of every other borrowed token, "
         "fitted on them; no exact leaves), 'lowrank+exact' (both) or 'factored' (their "
-        "deviation from the owner's KV as rank-r factors: leaves about head_dim / r times "
-        "smaller than exact ones, read approximately).", kind=str,
+        "deviation from the owner's KV as rank-r factors: leaves up to head_dim / r times "
+        "smaller than exact ones, less a basis per turn, read approximately).", kind=str,
         choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
     lowrank_rank: int = _knob(
         8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "

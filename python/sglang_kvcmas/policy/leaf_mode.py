@@ -13,8 +13,8 @@ exact tokens can be kept two ways, alone or together:
   from the stored correction (chained along the workflow, ``chain``);
 - ``factored``: as the agent's factored leaves (``attention/leaf_factors.py``,
   ``tree/factor_leaves.py``): the same tokens as ``exact`` keeps, but only their deviation from
-  the owner's KV, cut to rank ``rank`` per layer and KV head (host memory, about ``d / rank``
-  times smaller than their exact leaves); later turns read them as the owner's KV re-positioned
+  the owner's KV, cut to rank ``rank`` per layer and KV head (host memory: up to ``d / rank``
+  times smaller than their exact leaves, less a basis per fit); later turns read them as the owner's KV re-positioned
   plus that deviation; the recomputed slots are freed with the request.
 
 Pure Python.
