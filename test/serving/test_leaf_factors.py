@@ -19,7 +19,7 @@ from sglang_kvcmas.attention.lowrank import LayerCorrection, LowRankCorrection, 
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
 from sglang_kvcmas.attention.spans import BatchRow, KeyShifts, RowSpans
 
-from test_lowrank import ROPE, _backend, _layer, _pool, _row_case
+from test_lowrank import ROPE, _backend, _layer, _pool, _reads_of_row, _row_case
 
 
 def _factors(layers: int, m: int, hkv: int, d: int, r: int, seed: int,
@@ -150,24 +150,8 @@ def test_zero_factors_read_bit_for_bit_as_today():
                          leaves=LeafReads([(torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5]),
                                              f)]))
     q, qe = torch.randn(1, h, d, generator=g), torch.randn(7, h, d, generator=g)
-    outs = []
-    for corr in (None, zero):
-        row = RowSpans("r", ks, correction=corr)
-        res = []
-        for layer in (0, 1):
-            be = _backend()
-            be._layer_id, be._batch_rows = layer, (BatchRow(row),)
-            out = torch.empty_like(q)
-            be._run_sdpa_forward_decode(q, out, k_cache, v_cache, req_to_token,
-                                        torch.tensor([2]), torch.tensor([n_kv]),
-                                        scaling=d**-0.5, enable_gqa=True)
-            oute = torch.empty_like(qe)
-            be._run_sdpa_forward_extend(qe, oute, k_cache, v_cache, req_to_token,
-                                        torch.tensor([2]), torch.tensor([n_kv]),
-                                        torch.tensor([n_kv - 7]), torch.tensor([7]),
-                                        scaling=d**-0.5, enable_gqa=True, causal=True)
-            res += [out, oute]
-        outs.append(res)
+    outs = [_reads_of_row(RowSpans("r", ks, correction=corr), q, qe, k_cache, v_cache,
+                          req_to_token, n_kv) for corr in (None, zero)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 

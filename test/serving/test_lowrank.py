@@ -226,6 +226,25 @@ def _pool(n_kv: int, hkv: int, d: int, seed: int):
     req_to_token[2, :n_kv] = torch.randperm(160, generator=g)[:n_kv]
     return k_cache, v_cache, req_to_token, g
 
+def _reads_of_row(row: RowSpans, q: torch.Tensor, qe: torch.Tensor, k_cache, v_cache,
+                  req_to_token, n_kv: int) -> list[torch.Tensor]:
+    """Pool row 2 read by the backend at layers 0 and 1: decode of ``q`` over its ``n_kv`` keys,
+    then extend of ``qe`` as its last tokens."""
+    d, n_q, res = q.shape[-1], qe.shape[0], []
+    for layer in (0, 1):
+        be = _backend()
+        be._layer_id, be._batch_rows = layer, (BatchRow(row),)
+        out = torch.empty_like(q)
+        be._run_sdpa_forward_decode(q, out, k_cache, v_cache, req_to_token, torch.tensor([2]),
+                                    torch.tensor([n_kv]), scaling=d**-0.5, enable_gqa=True)
+        oute = torch.empty_like(qe)
+        be._run_sdpa_forward_extend(qe, oute, k_cache, v_cache, req_to_token, torch.tensor([2]),
+                                    torch.tensor([n_kv]), torch.tensor([n_kv - n_q]),
+                                    torch.tensor([n_q]), scaling=d**-0.5, enable_gqa=True,
+                                    causal=True)
+        res += [out, oute]
+    return res
+
 
 @pytest.mark.parametrize("n_kv,h,hkv,runs", [
     (37, 6, 2, [(9, -7), (5, 0), (11, 13)]),
@@ -274,24 +293,8 @@ def test_zero_factors_read_bit_for_bit_as_today():
     ks = KeyShifts.of_row(0, shift[:m])
     zero = RowCorrection(mask[:m], LowRankCorrection.zero(2, hkv, d))
     q, qe = torch.randn(1, h, d, generator=g), torch.randn(7, h, d, generator=g)
-    outs = []
-    for corr in (None, zero):
-        row = RowSpans("r", ks, correction=corr)
-        res = []
-        for layer in (0, 1):
-            be = _backend()
-            be._layer_id, be._batch_rows = layer, (BatchRow(row),)
-            out = torch.empty_like(q)
-            be._run_sdpa_forward_decode(q, out, k_cache, v_cache, req_to_token,
-                                        torch.tensor([2]), torch.tensor([n_kv]),
-                                        scaling=d**-0.5, enable_gqa=True)
-            oute = torch.empty_like(qe)
-            be._run_sdpa_forward_extend(qe, oute, k_cache, v_cache, req_to_token,
-                                        torch.tensor([2]), torch.tensor([n_kv]),
-                                        torch.tensor([n_kv - 7]), torch.tensor([7]),
-                                        scaling=d**-0.5, enable_gqa=True, causal=True)
-            res += [out, oute]
-        outs.append(res)
+    outs = [_reads_of_row(RowSpans("r", ks, correction=corr), q, qe, k_cache, v_cache,
+                          req_to_token, n_kv) for corr in (None, zero)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 

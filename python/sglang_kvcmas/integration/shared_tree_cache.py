@@ -46,7 +46,7 @@ radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: about 600 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: about 620 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
 call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
 may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
@@ -74,6 +74,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sglang_kvcmas.attention.lowrank import RowCorrection
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
@@ -287,7 +288,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         leaves afterwards (None: all of them)."""
         path = handle.borrowed()
 
-        factored = path.factored_mask()  # held by a factored leaf: never picked again
+        factored = path.factored  # held by a factored leaf: never picked again
 
         def select(c: RecomputeConfig) -> tuple[int, ...]:
             return select_recompute_arrays(spans, path.offsets, path.foreign & ~factored,
@@ -389,7 +390,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             path = handle.borrowed()
             repositioned = int(path.foreign[kept].sum())
             corrected = repositioned if spans.correction is not None and \
-                spans.correction.corrects else int(path.factored_mask()[kept].sum())
+                spans.correction.corrects else int(path.factored[kept].sum())
             repositioned -= corrected
             from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
@@ -479,8 +480,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _keep_correction(self, req: Req, handle: SharedPrefixHandle) -> None:
         """Keep the low-rank factors a reader's extend fitted as its agent's low-rank leaf
         (its later turns read them; a request with its own knobs keeps nothing)."""
-        row: BatchRow | None = getattr(req, "kvcmas_row", None)
-        corr = row.spans.correction if row is not None and row.spans is not None else None
+        corr = _row_correction(req)
         if corr is None or corr.fit is None or not handle.use_leaves or getattr(
                 req, "_kvcmas_fit_kept", False):
             return
@@ -503,10 +503,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[handle.prefix_len : start].to(torch.int64).cpu()
         if handle.factor_rank > 0:  # factored leaves: the slots go with the request
-            spans = req.kvcmas_row.spans if getattr(req, "kvcmas_row", None) else None
-            factor = spans.correction.factor if spans is not None and spans.correction else None
-            if factor is not None:
-                adopt_factored(self.shared, handle, factor)
+            corr = _row_correction(req)
+            if corr is not None and corr.factor is not None:
+                adopt_factored(self.shared, handle, corr.factor)
             left = slots
         else:
             left = adopt_recomputed(self.shared, handle, slots, self.kv_bytes_per_token)
@@ -623,3 +622,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
             "leaf_bytes_by_agent": self.shared.leaf_bytes_by_agent(),
         }
+
+
+def _row_correction(req: Req) -> RowCorrection | None:
+    """The corrections the request's row was handed (``req.kvcmas_row``), or None."""
+    row: BatchRow | None = getattr(req, "kvcmas_row", None)
+    return row.spans.correction if row is not None and row.spans is not None else None

@@ -124,7 +124,7 @@ class BorrowedPath:
     foreign: np.ndarray
     from_leaf: np.ndarray
     mass: np.ndarray
-    factored: np.ndarray | None = None
+    factored: np.ndarray
     factor_parts: tuple[tuple[np.ndarray, Any], ...] = ()
 
     @classmethod
@@ -178,8 +178,8 @@ class BorrowedPath:
         b = handle.shared_end - handle.shared_begin
         if not slots:
             empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty, empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=bool),
-                       np.zeros(0, dtype=np.float32))
+            none = np.zeros(0, dtype=bool)
+            return cls(empty, empty, empty, none, none, np.zeros(0, dtype=np.float32), none)
         out = cls(np.arange(handle.shared_begin, handle.shared_end, dtype=np.int64),
                   np.concatenate(slots), np.concatenate(shift), np.concatenate(foreign),
                   np.concatenate(leaf_mask), np.concatenate(mass), np.concatenate(factored),
@@ -190,10 +190,6 @@ class BorrowedPath:
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
-
-    def factored_mask(self) -> np.ndarray:
-        """[B] bool ``factored`` (all False when the walk read no factored leaf)."""
-        return self.factored if self.factored is not None else np.zeros(len(self), dtype=bool)
 
     def kept(self, recompute: Sequence[int]) -> np.ndarray:
         """[B] bool: the tokens read borrowed (not in ``recompute``)."""

@@ -18,7 +18,8 @@ hold a reader agent's exact KV for some of a node's tokens (the boundary tokens 
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
 the leaf (least recently used first) or its node is evicted. A reader agent's low-rank leaf (its
 correction factors, one per namespace, not pool slots) is kept in ``lowrank``
-(``tree/lowrank_leaves.py``).
+(``tree/lowrank_leaves.py``); its factored leaves (``factors``: the deviations of tokens it
+recomputed, host memory) on the nodes, like exact ones (``tree/factor_leaves.py``).
 
 Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
 transcript matches in microseconds, not one Python step per token.
@@ -27,11 +28,12 @@ NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descen
 and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
 
-NOTE: just over 500 lines because ``SharedTree`` keeps one set of invariants (node map, lock
-counts, owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
-``check_invariants`` and ``trim_leaves`` walk together; the
-borrowed-path walks live in ``tree/borrowed.py``, the leaves in ``pool_overrides.py`` and
-``lowrank_leaves.py``.
+NOTE: about 590 lines because ``SharedTree`` keeps one set of invariants (node map, lock
+counts, owned and leaf sizes, eviction order, the leaf budget over all three leaf types) that
+``check_invariants`` and ``trim_leaves`` walk together; the borrowed-path walks live in
+``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py``, ``lowrank_leaves.py`` and
+``factor_leaves.py`` (only their adoption, budget and byte counts are here, beside the sizes they
+change).
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ class SharedTree:
             self.roots[ns] = root
         return root
 
-    def match(self, ns: Namespace, tokens: Sequence[int], split: bool = True) -> tuple[int, SharedNode | None]:
+    def match(self, ns: Namespace, tokens: Sequence[int], split: bool = True
+              ) -> tuple[int, SharedNode | None]:
         """Longest prefix of ``tokens`` in the tree.
 
         Args:
