@@ -59,6 +59,7 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.mem_cache.radix_cache", "RadixKey"): ("token_ids", "extra_key"),
     ("sglang.srt.model_executor.model_runner", "ModelRunner"): None,
     ("sglang.srt.runtime_context", "get_server_args"): (),
+    ("sglang.srt.runtime_context", "get_schedule"): (),
     ("sglang.srt.server_args", "ATTENTION_BACKEND_CHOICES"): None,
     ("sglang.srt.server_args", "add_attention_backend_choices"): ("iterable",),
     # the shift's rotary from SGLang's own modules (rope_shift.py)

@@ -25,7 +25,10 @@ answer) once per arm, one server at a time, the same KV pool for every arm:
   ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks;
   ``factored4_per_reader_run4``: with SGLang's ``--max-running-requests 4``, so that at most 4
   readers hold the slots of the tokens they recompute at once (the transient a turn's recompute
-  adds to peak KV, whatever the leaf type).
+  adds to peak KV, whatever the leaf type); ``factored<r>_per_reader_cap256``: with
+  ``--kvcmas-recompute-batch-tokens 256`` instead, so that the readers released together are
+  prefilled in batches that recompute at most 256 tokens (a factored reader frees its
+  recomputed slots right after its prefill; nothing else is capped).
 
 Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
 teacher-forced over the greedy answer of an exact prefill on the same server, as
@@ -109,6 +112,12 @@ ARMS: dict[str, list[str]] = {
     "factored4_per_reader_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
                                   "--kvcmas-recompute-segment-share", "",
                                   "--max-running-requests", "4"],
+    "factored4_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank",
+                                    "4", "--kvcmas-recompute-segment-share", "",
+                                    "--kvcmas-recompute-batch-tokens", "256"],
+    "factored8_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank",
+                                    "8", "--kvcmas-recompute-segment-share", "",
+                                    "--kvcmas-recompute-batch-tokens", "256"],
 }
 """Sharing arm -> the flags its kvcmas server adds to the defaults."""
 QUICK_ARMS = ("naive", "exact", "exact_per_reader", "lowrank8")
@@ -178,7 +187,9 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
 SAME_PICKS = {"factored8": "exact", "factored4_per_reader": "exact_per_reader",
               "factored4_per_reader_run4": "exact_per_reader",
               "factored8_per_reader": "exact_per_reader",
-              "factored16_per_reader": "exact_per_reader"}
+              "factored16_per_reader": "exact_per_reader",
+              "factored4_per_reader_cap256": "exact_per_reader",
+              "factored8_per_reader_cap256": "exact_per_reader"}
 """A factored arm -> the exact arm that recomputes and keeps the same tokens exactly."""
 
 

@@ -229,6 +229,12 @@ class ServingConfig:
     recompute_tail: int = _knob(
         0, "A reader recomputes the last N foreign borrowed tokens before its own suffix.",
         kind=int, low=0, per_request=True)
+    recompute_batch_tokens: int | None = _knob(
+        None, "Most borrowed tokens the readers of one prefill batch recompute together; a "
+        "reader that would pass it waits for the next batch (one reader is always admitted). "
+        "Under leaf mode 'factored' a reader's recomputed slots are freed right after its "
+        "prefill, so this bounds the KV they hold at once (unset: no cap).", kind=int, low=1,
+        optional=True)
     leaf_mass_fraction: float | None = _knob(
         None, "Share of its borrowed tokens, by owner head mass, that a reader keeps as exact "
         "leaves after recomputing them (unset: all it recomputes); the rest is recomputed "

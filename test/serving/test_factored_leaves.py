@@ -97,6 +97,48 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     assert_slots_conserved(h)
 
 
+def test_the_picks_are_read_through_the_leaves_right_after_the_prefill():
+    """At the prefill's checkpoint the reader's recomputed slots are freed and its row points
+    at the owner's slots in shared order, read (decode) through the factored leaves just kept;
+    while a launched batch may still read the row (overlap scheduler on an accelerator), the
+    slots stay until release and the row does not change."""
+    for in_flight in (False, True):
+        h = _harness()
+        h.cache._overlap = in_flight  # ``rows_in_flight``
+        seen, checkpoint = {}, h.cache.checkpoint
+
+        def spy(req, *, up_to, **kw):
+            first = req.rid == "b2" and not seen
+            before = h.pool.req_to_token[3].clone()
+            checkpoint(req, up_to=up_to, **kw)
+            if first:
+                seen.update(before=before, after=h.pool.req_to_token[3].clone(),
+                            row=req.kvcmas_row, freed=list(h.alloc.freed),
+                            release=getattr(req, "_kvcmas_release_slots", None))
+
+        h.cache.checkpoint = spy
+        at_a = len(head(50, 20)) + len(T1)
+        b, _, spans = _turns(h)
+        at, n = len(b) + len(T1), len(T2) + END
+        owner = h.pool.req_to_token[2, at_a : at_a + n]
+        picks = seen["before"][at + n - K : at + n]  # the extend's recomputed slots
+        assert spans.recomputed is not None and len(spans.recomputed.token_ids) == K
+        assert torch.equal(seen["before"][at : at + n - K], owner[K:])
+        if in_flight:  # nothing changes under a launched batch: the slots go at release
+            assert torch.equal(seen["after"], seen["before"])
+            assert seen["row"].spans.recomputed is not None
+            assert not set(picks.tolist()) & set(seen["freed"])
+            assert torch.equal(seen["release"], picks.to(torch.int64))
+        else:
+            assert torch.equal(seen["after"][at : at + n], owner)  # the picks: a's slots too
+            assert set(picks.tolist()) <= set(seen["freed"]) and seen["release"] is None
+            new_spans = seen["row"].spans
+            assert new_spans.recomputed is None
+            assert sorted(new_spans.correction.leaves.rows.tolist()) == list(range(at, at + K))
+            assert new_spans.correction.layer(0).tokens.k.shape == (K, HKV, D)
+        assert_slots_conserved(h)
+
+
 def test_exact_mode_keeps_no_factors():
     h = _harness("exact")
     _, _, spans = _turns(h)

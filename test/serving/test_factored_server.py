@@ -1,6 +1,7 @@
 """End to end on SGLang's server under ``--kvcmas-leaf-mode factored``: a reader keeps the tokens
 it recomputes as factored leaves (their deviation from the owner's KV at rank r: ``/server_info``
-and the ``kvcmas:leaf_bytes`` gauge; no exact leaves, no pool slots), and its next turn reads
+and the ``kvcmas:leaf_bytes`` gauge; no exact leaves, no pool slots; its recomputed slots freed
+right after its prefill, its decode reading them through the leaves), and its next turn reads
 them through those factors (``reused_corrected`` in its usage), in extend and decode."""
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     tree = _tree(server)
     assert tree["invariants"] == [] and tree["delta_tokens"] == 0, tree
     assert tree["factored_tokens"] == picks and tree["factored_bytes"] > 0, tree
+    # no overlap scheduler on CPU: its recomputed slots went right after its prefill, and its
+    # decode read the picks through the leaves it had just kept
+    assert tree["factored_rows_reread"] == 1, tree
     assert any(b["factored"] == tree["factored_bytes"]
                for b in tree["leaf_bytes_by_agent"].values())
     again = chat(server, SB, T2 + " Once more.")

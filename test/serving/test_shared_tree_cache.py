@@ -650,6 +650,43 @@ def test_a_reader_that_recomputes_is_admitted_whole_or_not_at_all():
     assert calls == [before, before, before, before + k]
 
 
+def test_readers_past_the_recompute_batch_cap_wait_for_the_next_batch():
+    """``--kvcmas-recompute-batch-tokens``: a reader whose recomputed tokens would take the
+    batch's past the cap ends the batch before it; the batch's first reader always goes, and
+    a reader that recomputes nothing, or a batch without readers, is never held."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sglang_kvcmas.integration.admission_hook import admission_around
+
+    k = 4
+    h = Harness(boundary=k)
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    readers = [Req(f"b{i}", b + T1 + T2 + SUFFIX + [i]) for i in range(2, 5)]
+    for r in readers:
+        h.match(r)
+    assert [h.cache.recomputed_tokens(r) for r in readers] == [k] * 3
+
+    def select(adder, req):
+        return "admitted"
+
+    def admit(cap, batch, req):
+        h.cache.config = h.cache.config.with_values(recompute_batch_tokens=cap)
+        return admission_around(select, SimpleNamespace(tree_cache=h.cache,
+                                                        can_run_list=batch), req)
+
+    assert admit(2 * k, [], readers[0]) == "admitted"  # the first reader always goes
+    assert admit(k - 1, [], readers[0]) == "admitted"
+    assert admit(2 * k, readers[:1], readers[1]) == "admitted"
+    assert admit(2 * k, readers[:2], readers[2]) is AddReqResult.OTHER
+    assert admit(None, readers[:2], readers[2]) == "admitted"  # no cap
+    plain = Req("c1", head(70, 8) + T1 + SUFFIX)
+    assert admit(1, readers[:2], plain) == "admitted"  # recomputes nothing
+    assert admit(1, ["exact request"], readers[0]) == "admitted"
+
+
 def test_a_fault_in_our_match_serves_the_request_exactly_and_stops_sharing_there(monkeypatch):
     """An internal error of ours inside the scheduler fails (here: exactly serves) one request
     and turns sharing off for its namespace, instead of raising through the event loop."""

@@ -102,6 +102,7 @@ from sglang_kvcmas.tree.borrowed import (
     adopt_factored,
     adopt_recomputed,
     borrowed_spans,
+    factored_reread,
     row_spans,
 )
 from sglang_kvcmas.tree.shared_tree import SharedTree
@@ -168,6 +169,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.pending_owners: dict[str, PendingOwner] = {}
         self.broken_namespaces: set[tuple] = set()
         self.faults = 0
+        self._overlap: bool | None = None  # ``rows_in_flight``, looked up once
+        self.rows_reread = 0  # factored readers' rows re-pointed right after their prefill
         self._extra_freed = 0
         self.leaf_gauge = LeafGauge()
         super().__init__(params)
@@ -310,8 +313,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     @staticmethod
     def recomputes(req: Req) -> bool:
         """Whether the request's matched prefix leaves borrowed tokens for it to recompute."""
-        handle = req.last_node
-        return isinstance(handle, SharedPrefixHandle) and bool(handle.recompute)
+        return KvcmasSharedTreeCache.recomputed_tokens(req) > 0
+
+    @staticmethod
+    def recomputed_tokens(req: Req) -> int:
+        """How many borrowed tokens the request's matched prefix leaves for it to recompute."""
+        handle = getattr(req, "last_node", None)
+        return len(handle.recompute) if isinstance(handle, SharedPrefixHandle) else 0
 
     @staticmethod
     def drop_recompute(req: Req) -> None:
@@ -495,25 +503,64 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         the shared nodes (its later turns read them exactly, without recomputing); the row's
         protected prefix then covers them, and the other recomputed slots and those a leaf
         already held are freed at release. Under leaf mode ``factored`` the leaves are the
-        factors its extend made of them, and every recomputed slot is freed at release."""
+        factors its extend made of them, and every recomputed slot is freed: now, with the row
+        re-pointed at the owners' slots read through those leaves
+        (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may
+        still read the row (``rows_in_flight``) or some recomputed token has no leaf; else at
+        release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        slots = row[handle.prefix_len : start].to(torch.int64).cpu()
-        if handle.factor_rank > 0:  # factored leaves: the slots go with the request
+        slots = row[handle.prefix_len : start].to(torch.int64).cpu().clone()
+        after = handle.without_recompute()
+        if handle.factor_rank > 0:  # factored leaves: the slots go now, or with the request
             corr = _row_correction(req)
             if corr is not None and corr.factor is not None:
                 adopt_factored(self.shared, handle, corr.factor)
+            fresh = factored_reread(handle) if not self.rows_in_flight else None
+            if fresh is not None:
+                self._reread_factored(req, fresh, row)
+                self._free_slots(slots)
+                self.rows_reread += 1
+                after, slots = fresh, slots[:0]
             left = slots
         else:
             left = adopt_recomputed(self.shared, handle, slots, self.kv_bytes_per_token)
         if left.numel():
             req._kvcmas_release_slots = left
-        req.last_node = handle.without_recompute()
+        req.last_node = after
         req.kv.cache_protected_len = start
         self._trim_leaves()
+
+    @staticmethod
+    def _reread_factored(req: Req, fresh: SharedPrefixHandle, row: torch.Tensor) -> None:
+        """Point the row's borrowed part at ``fresh``'s slots in shared order (the recomputed
+        tokens' slots replaced by their owners') and hand it the spans that read them through
+        the reader's factored leaves: its decode no longer needs the recomputed slots."""
+        path = fresh.borrowed()
+        row[fresh.radix_len : fresh.radix_len + len(path)] = torch.from_numpy(path.slots).to(row)
+        spans, _ = row_spans(req.rid, req.origin_input_ids, fresh)
+        old: BatchRow | None = getattr(req, "kvcmas_row", None)
+        req.kvcmas_row = BatchRow(spans, old.probe if old is not None else None)
+
+    @property
+    def rows_in_flight(self) -> bool:
+        """Whether a launched batch may still be reading rows while the previous batch's
+        results are processed (then a row must not change there): SGLang's overlap scheduler
+        on an accelerator, whose forward runs on its own stream and whose write-after-read
+        fence covers its own metadata reads, not ours during the layers. On CPU a forward has
+        ended when it returns. Unknown counts as yes."""
+        if self._overlap is None:
+            try:
+                from sglang.srt.runtime_context import get_schedule
+
+                overlap = not bool(get_schedule().disable_overlap_schedule)
+                self._overlap = overlap and torch.device(self.device).type != "cpu"
+            except Exception:  # no scheduler context (unit tests): assume the cautious case
+                self._overlap = True
+        return self._overlap
 
     def _trim_leaves(self) -> None:
         """Hold readers' leaves, exact and low-rank, to ``--kvcmas-leaf-budget`` (tokens of KV,
@@ -620,6 +667,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "lowrank_bytes": self.shared.lowrank.nbytes(),
             "factored_tokens": sum(len(f) for n in nodes for f in n.factors.values()),
             "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
+            "factored_rows_reread": self.rows_reread,
             "leaf_bytes_by_agent": self.shared.leaf_bytes_by_agent(),
         }
 

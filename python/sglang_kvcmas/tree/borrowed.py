@@ -11,7 +11,8 @@ holds it, as arrays (one slice per tree node, no per-token Python work). Selecti
 - :func:`borrowed_spans`: runs of one owner and one shift (what selection needs);
 - :func:`borrowed_tokens`: the same tokens one object each: the reference that tests compare
   :class:`BorrowedPath` against;
-- :func:`row_spans`: the reader's row in row coordinates for the attention backend.
+- :func:`row_spans`: the reader's row in row coordinates for the attention backend;
+- :func:`factored_reread`: the same row once its recomputed tokens are factored leaves.
 
 Bookkeeping over plain values and CPU tensors; no SGLang import (the radix node is opaque).
 """
@@ -375,6 +376,21 @@ def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.
                 head + piece.offset, bytes_per_token,
             ))
     return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+
+
+def factored_reread(handle: SharedPrefixHandle) -> SharedPrefixHandle | None:
+    """The handle a factored reader's row reads after its extend has kept its recomputed
+    tokens as factored leaves (:func:`adopt_factored`): no recompute, its path walked afresh,
+    so those tokens read as the owner's KV re-positioned plus their deviation, in shared order
+    (row index = position). None when a recomputed token would then read worse than the exact
+    KV the row holds: a foreign one that no factored leaf keeps (not in ``handle.keep``, or
+    the fit kept nothing)."""
+    if not handle.recompute:
+        return None
+    fresh = replace(handle, recompute=(), keep=None, path=None).walked()
+    at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
+    path = fresh.borrowed()
+    return fresh if bool((path.factored[at] | ~path.foreign[at]).all()) else None
 
 
 def adopt_factored(tree: SharedTree, handle: SharedPrefixHandle, fit: LeafFactorFit) -> int:
