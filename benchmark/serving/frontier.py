@@ -3,7 +3,9 @@
 What a reader keeps of the tokens it recomputes (its leaves) trades fidelity for memory. This
 benchmark serves ``scale.py``'s panel (N agents with their own system prompts introduce
 themselves, then review one essay document in two rounds, the second reading every first-round
-answer) once per arm, one server at a time, the same KV pool for every arm:
+answer) once per arm, one server at a time, the same KV pool for every arm. Every sharing arm's
+second round reads radix's first-round answers (replayed), not its own, so that the arms read
+identical prompts there and their fidelity probes compare:
 
 - ``radix``: SGLang's own prefix cache (each agent computes its own copy: the exact reference
   of TTFT and answers);
@@ -311,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"sharing arms, comma-separated, of: {', '.join(ARMS)}")
     ap.add_argument("--doc", type=int, default=1024, help="document tokens")
     ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--probe", type=int, default=4, help="round-2 readers probed per arm")
+    ap.add_argument("--probe", type=int, default=None,
+                    help="round-2 readers probed per arm (default 8; --quick: 4)")
     ap.add_argument("--pool", type=int, default=40000, help="KV pool tokens of every arm")
     ap.add_argument("--out", type=Path, default=None,
                     help="results stem (default: results/frontier[_quick][_<model>])")
@@ -324,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.agents, args.arms = "16", ",".join(QUICK_ARMS)
+    if args.probe is None:
+        args.probe = 4 if args.quick else 8
     model = model_from_args(ap, args)
     agent_counts = [int(a) for a in args.agents.split(",") if a]
     arms = [a for a in args.arms.split(",") if a]
@@ -339,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         **run_header("benchmark/serving/frontier.py", argv, model),
         "pool_tokens": args.pool, "doc_tokens": args.doc, "answer_tokens": args.answer_tokens,
-        "probe": args.probe, "targets": TARGETS, "by_agents": {},
+        "probe": args.probe, "replayed": True, "targets": TARGETS, "by_agents": {},
     }
     for n in agent_counts:
         panel: dict[str, dict] = {}
@@ -353,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 panel[name] = panel_arm(f"{name}_{n}", tok, n, args.doc, args.answer_tokens,
                                         args.pool, logs, model.server_args,
                                         server_arm="kvcmas", flags=ARMS[name], probe=args.probe,
-                                        probe_turn=turn_selection(ARMS[name], n))
+                                        probe_turn=turn_selection(ARMS[name], n),
+                                        replay=panel["radix"]["round1_answers"])
         rows = with_leaf_ratios({a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms})
         result["by_agents"][n] = {"arms": rows, "best": pick(rows),
                                   "radix_makespan_s": panel["radix"]["makespan_s"],
@@ -389,7 +395,9 @@ def write(result: dict, out: Path) -> str:
     lines = [f"# {result['command']}",
              f"# {result['model']}, commit {result['commit']}, {result['machine']}, pool "
              f"{result['pool_tokens']} tokens, {result['answer_tokens']}-token answers, "
-             f"{result.get('probe', 4)} readers probed per arm, {result['seconds']:.0f} s",
+             f"{result.get('probe', 4)} readers probed per arm"
+             f"{', radix round-1 answers replayed' if result.get('replayed') else ''}, "
+             f"{result['seconds']:.0f} s",
              *body, f"default arm: {DEFAULT_ARM}", headline]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

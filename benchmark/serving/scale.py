@@ -216,12 +216,15 @@ def leaf_bytes_per_agent(by_agent: dict[str, dict[str, int]] | None) -> list[int
 def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
               flags: list[str] | None = None, probe: int = 0,
-              probe_turn: tuple[int, float, int] | None = None) -> dict:
+              probe_turn: tuple[int, float, int] | None = None,
+              replay: list[str] | None = None) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
     one server (``model_args``: as in :func:`decode_arm`). ``arm`` names the run; the server
     is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant). ``probe``:
     after the workload (outside its timings), :func:`probe_readers` on that many of the last
-    round's readers, spread over the panel (``probe_turn``: its ``turn`` selection)."""
+    round's readers, spread over the panel (``probe_turn``: its ``turn`` selection).
+    ``replay``: the first document round's answers the second round reads instead of this
+    run's own (another arm's ``round1_answers``), so that arms read identical prompts there."""
     heads = [system_prompt(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
@@ -244,8 +247,9 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
                 runs = list(pool_.map(lambda p: stream(server.url, p, new), prompts))
             for a, (p, r) in enumerate(zip(prompts, runs)):
                 turns.append({"round": rnd, "agent": a, "prompt_len": len(p), **r})
-            if rnd:
-                answers = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
+            if rnd == 1:
+                round1 = [f"{PERSONAS[a]}: {r['text'].strip()}" for a, r in enumerate(runs)]
+                answers = list(replay) if replay is not None else round1
         makespan = time.perf_counter() - t0
         peak = sampler.stop()
         stats = shared_tree_stats(server.url) if (server_arm or arm) == "kvcmas" else {}
@@ -265,7 +269,8 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         f"{ideal}), first document round TTFT median "
         f"{statistics.median(t['ttft'] for t in first_round):.2f} s")
     return {"makespan_s": makespan, "peak_kv_tokens": peak, "one_copy_ideal_tokens": ideal,
-            "flags": flags or [], "fidelity": fidelity,
+            "flags": flags or [], "fidelity": fidelity, "round1_answers": round1,
+            "replayed": replay is not None,
             "delta_tokens": stats.get("delta_tokens"), "delta_bytes": stats.get("delta_bytes"),
             "leaf_bytes_by_agent": stats.get("leaf_bytes_by_agent"),
             "turns": [turn_record(t) for t in turns],
@@ -285,7 +290,8 @@ def nonowner_ttft(panel: dict[str, dict], ours: str = "kvcmas") -> dict[str, flo
 def same_answers(panel: dict[str, dict], ours: str) -> dict[str, float]:
     """Share of turns whose greedy answer text is radix's (exact prefill), per document round:
     round 1 reads the same prompts in both arms; round 2 reads round 1's answers, so a round-1
-    difference also changes its prompts."""
+    difference also changes its prompts, unless the arm replayed radix's (``panel_arm``'s
+    ``replay``)."""
     radix = {(t["round"], t["agent"]): t["text"] for t in panel["radix"]["turns"]}
     out = {}
     for rnd in (1, 2):
