@@ -31,6 +31,7 @@ TAKE_MODEL_PATH = [
     "benchmark/lab/owner_mass_study.py",
     "benchmark/lab/precache_drift_study.py",
     "benchmark/lab/precache_lab.py",
+    "benchmark/lab/shared_basis_study.py",
     "benchmark/serving/backend_parity.py",
     "benchmark/serving/behaviour_check.py",
     "benchmark/serving/consistency_frontier.py",

@@ -46,6 +46,8 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     # no overlap scheduler on CPU: its recomputed slots went right after its prefill, and its
     # decode read the picks through the leaves it had just kept
     assert tree["factored_rows_reread"] == 1, tree
+    # the high-water mark of slots held counts them while they were held
+    assert tree["peak_held_tokens"] > 0, tree
     assert any(b["factored"] == tree["factored_bytes"]
                for b in tree["leaf_bytes_by_agent"].values())
     again = chat(server, SB, T2 + " Once more.")

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.serving.frontier import (  # noqa: E402
     ARMS, TARGETS, arm_row, main, meets, pick, turn_selection, with_leaf_ratios,
+    with_pooled_kl,
 )
 
 
@@ -130,3 +131,21 @@ def test_a_saved_result_is_re_rendered_with_the_derived_columns(tmp_path):
     assert "by KL recovered: factored8_per_reader" in text  # 5x smaller than the defaults'
     saved = json.loads(path.read_text())["by_agents"]["16"]
     assert saved["best"] == "factored8_per_reader"
+
+
+def test_arms_on_identical_prompts_are_judged_over_naive_pooled_across_them():
+    """Each arm's naive KL comes from its own tree; pooled over the arms, KL recovered ranks
+    them as their KL against the exact prefill does, and each arm's own figure stays."""
+    rows = {"exact": {"kl20_read": 0.003, "kl20_turn": 0.003, "kl20": 0.002,
+                      "kl20_naive": 0.005, "kl_recovered": 0.4, "flags": []},
+            "factored8": {"kl20_turn": 0.0025, "kl20": 0.002, "kl20_naive": 0.015,
+                          "kl_recovered": 0.87, "flags": ARMS["factored8"]}}
+    with_pooled_kl(rows)
+    e, f = rows["exact"], rows["factored8"]
+    assert e["kl20_naive_pooled"] == pytest.approx(0.01)
+    assert e["kl_recovered"] == pytest.approx(0.7) and e["kl_recovered_own"] == 0.4
+    assert f["kl20_read"] == 0.002  # saved without it: a factored arm reads through its leaves
+    assert f["kl_recovered"] == pytest.approx(0.8) and f["kl_recovered_own"] == 0.87
+    assert f["kl_recovered_turn"] == pytest.approx(0.75)
+    with_pooled_kl(rows)  # re-rendering keeps the own figures
+    assert f["kl_recovered_own"] == 0.87

@@ -171,6 +171,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.faults = 0
         self._overlap: bool | None = None  # ``rows_in_flight``, looked up once
         self.rows_reread = 0  # factored readers' rows re-pointed right after their prefill
+        self.peak_held = 0  # most pool slots held right after a row's allocation (``_note_held``)
         self._extra_freed = 0
         self.leaf_gauge = LeafGauge()
         super().__init__(params)
@@ -378,6 +379,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         super().maybe_hand_to_session(req)
         if not self.share_context:
             return
+        self._note_held()
         try:
             self._hand_off(req)
         except Exception:  # the row already holds borrowed slots: fail this one request
@@ -425,6 +427,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 req.rid, ns, self.requests.shared_tokens(req), time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
             else None
+
+    def _note_held(self) -> None:
+        """Raise the high-water mark of pool slots held (by requests or cached), taken after
+        each row of a prefill batch is allocated: the batch's transient peak. SGLang's gauges
+        are read after the batch's results are processed, when a factored reader's recomputed
+        slots are already freed (``_adopt_recomputed``)."""
+        allocator = self.token_to_kv_pool_allocator
+        try:
+            held = int(allocator.size) - int(allocator.available_size())
+        except (AttributeError, TypeError):  # simulated pools in unit tests
+            return
+        self.peak_held = max(self.peak_held, held)
 
     # ----- checkpoint / release -----
 
@@ -668,6 +682,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "factored_tokens": sum(len(f) for n in nodes for f in n.factors.values()),
             "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
             "factored_rows_reread": self.rows_reread,
+            "peak_held_tokens": self.peak_held,
             "leaf_bytes_by_agent": self.shared.leaf_bytes_by_agent(),
         }
 
