@@ -32,14 +32,16 @@ identical prompts there and their fidelity probes compare:
   prefilled in batches that recompute at most 256 tokens (a factored reader frees its
   recomputed slots right after its prefill; nothing else is capped).
 
-Per arm: KL recovered (``1 − KL20 served / KL20 naive`` over ``--probe`` round-2 readers, each
+Per arm: KL recovered (``1 − KL20 served / KL20 naive``, naive's pooled over the run's arms
+(:func:`with_pooled_kl`; each arm's own beside it), over ``--probe`` round-2 readers, each
 teacher-forced over the greedy answer of an exact prefill on the same server, as
 ``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is radix's,
 non-owner median TTFT vs radix, peak KV (pool slots held: the most of SGLang's gauges, sampled
 every 0.5 s, and of the tree cache's mark after each row's allocation, which holds a prefill
-batch's transient; plus low-rank factor bytes in tokens of KV) over the one-copy ideal, leaf bytes per agent (median over readers), and the prompt tokens each
-arm computed (prefill, recomputed borrowed tokens included: no arm prefills a reference). The probe
-runs after the workload and reads each probed reader twice: as in its turn (``turn``: from the
+batch's transient; plus low-rank factor bytes in tokens of KV) over the one-copy ideal, leaf
+bytes per agent (median over readers), and the prompt tokens each arm computed (prefill,
+recomputed borrowed tokens included: no arm prefills a reference). The probe runs after the
+workload and reads each probed reader twice: as in its turn (``turn``: from the
 owner's KV, recomputing what the arm's policy gave it there, its split of the segment share among
 the round's waiting readers included; no leaves of its earlier turns, which the turn had) and alone
 as served after the workload (``alone``: its leaves plus the whole 10% share, the figure of runs

@@ -136,7 +136,8 @@ class LeafFactorFit:
     just written to the pool; the owner's K/V of the same tokens, re-positioned:
     ``corrected_reads.gather_pairs``) and calls :meth:`fit_layer`. The request reads its own
     exact tokens meanwhile; at its checkpoint the tree keeps :meth:`result` as the agent's
-    factored leaves and the recomputed slots are freed with the request.
+    factored leaves and frees the recomputed slots (right after the prefill where no launched
+    batch can still read the row; else with the request).
 
     Attributes:
         owner_slots: [p] int64 pool slots of the owner's KV of the tokens.

@@ -18,6 +18,8 @@ The ``r`` recomputed tokens are borrowed shared tokens the reader computes in it
 after the borrowed slots in the row and the attention backend gives them their true positions
 (``attention.spans.RecomputedTokens``). After the prefill they become the reader's exact leaves
 on the shared nodes (exact overrides in the pool) and the protected length moves to ``h + L``.
+Under leaf mode ``factored`` they become factored leaves instead: the row's ``r`` slots are then
+pointed at the owners' slots (read through those leaves) and freed right after the prefill.
 Tokens a leaf already holds are read from it (exact, no shift) and not recomputed.
 
 ``req.last_node`` is then a :class:`~sglang_kvcmas.tree.borrowed.SharedPrefixHandle` (radix node
@@ -46,7 +48,7 @@ radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: about 620 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: about 690 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
 call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
 may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
