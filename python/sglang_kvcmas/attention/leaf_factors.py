@@ -233,6 +233,11 @@ class LeafReads:
     def __len__(self) -> int:
         return int(self.rows.numel())
 
+    @property
+    def in_row_order(self) -> bool:
+        """Whether every token sits at its position (the delta kernels read it then)."""
+        return bool(torch.equal(self.rows, self.positions))
+
     def layer(self, layer_id: int) -> TokenDeltas | None:
         """The layer's deltas, or None where every factor is zero (the row then reads as it
         would without them, bit for bit). The last layer's are kept: every read of one layer

@@ -357,6 +357,17 @@ class RowCorrection:
                                  lc.v if lc is not None else None, tokens)
         return lc if lc is not None and lc.active else None
 
+    def kernel_reads(self, layer_id: int) -> bool:
+        """Whether the delta kernels can read the row at this layer: no affine factors here,
+        and its factored tokens (if any) at their positions (``kernel_reads.place_leaves``)."""
+        if self.fit is not None and layer_id in self.fit.layers:
+            lc = self.fit.layers[layer_id]
+        else:
+            lc = self.stored.layer(layer_id) if self.stored is not None else None
+        if lc is not None and lc.affine:
+            return False
+        return self.leaves is None or self.leaves.in_row_order
+
     @property
     def corrects(self) -> bool:
         """Whether every foreign borrowed token (``mask``) will be read through the affine

@@ -24,8 +24,9 @@ rows with a low-rank correction or many owners one at a time, keys grouped by sh
 does. On GPU, for a model whose rotary the kernels tile, one launch of the delta kernel per
 layer reads the whole batch, each KV tile rotated by its run's shift in registers
 (``attention/kernel_reads.py``): every decode, and every extend's new tokens after its
-recomputed ones (those stay in PyTorch, masked by true position); layers with a head-mass probe
-and rows with a low-rank correction keep the torch path.
+recomputed ones (those stay in PyTorch, masked by true position), factored leaves read there
+too; layers with a head-mass probe and rows with an affine low-rank correction keep the torch
+path.
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
@@ -49,7 +50,8 @@ Factored leaves (leaf mode ``factored``, ``attention/leaf_factors.py``): a row's
 at each layer, the deviation of the recomputed tokens it keeps from the same pairs (read nothing
 differently: this request reads them exact); a later row reads those tokens as the owner's
 slots, re-positioned, plus their deviation, in extend and in decode (keys gathered, re-positioned
-and corrected, then SDPA).
+and corrected, then SDPA; on GPU the delta kernels add the deviations in registers, as they
+rotate: ``kernel_reads.place_leaves``).
 
 GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
 batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
@@ -224,8 +226,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                 is_cross_attn, sliding_window_size,
             )
-        if (self.delta_kernel and causal and not any(probes)
-                and not any(self._layer_correction(r) for r in rows)):
+        if self.delta_kernel and causal and not any(probes) and self._kernel_reads(rows):
             return self._kernel_extend(query, output, k_cache, v_cache, req_to_token,
                                        req_pool_indices, seq_lens, extend_prefix_lens,
                                        extend_seq_lens, scaling, enable_gqa, rows)
@@ -274,13 +275,14 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                 encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
             )
-        if self.delta_kernel and not any(self._layer_correction(r) for r in rows):
-            # One launch for the whole batch: tiles rotated by their run's shift in registers.
+        if self.delta_kernel and self._kernel_reads(rows):
+            # One launch for the whole batch: tiles rotated by their run's shift in registers,
+            # factored tokens corrected there.
             planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
                                            k_cache.shape[1])
             output[:] = shifted_attention(query, k_cache, v_cache, planned,
                                           scaling if scaling is not None else
-                                          query.shape[-1] ** -0.5)
+                                          query.shape[-1] ** -0.5, self._layer_id)
             return output
         # Re-positioned rows without a correction: a few batched ops per layer for all of them.
         plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
@@ -341,6 +343,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope)
         return self._groups[key]
 
+    def _kernel_reads(self, rows: list[RowSpans | None]) -> bool:
+        """Whether the delta kernels read this batch at this layer: no row with an affine
+        correction here, every factored token at its position (the kernels rotate a deviation
+        at its row index)."""
+        return not any(r is not None and r.correction is not None
+                       and not r.correction.kernel_reads(self._layer_id) for r in rows)
+
     def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
                      extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:
         """The kernels' plan of this batch, once per forward (every layer reads it); for an
@@ -351,6 +360,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             n = req_pool_indices.shape[0]
             kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] for i in range(n)]
             shifts = [r.key_shifts if r is not None else None for r in rows]
+            leaves = [r.correction.leaves if r is not None and r.correction is not None
+                      else None for r in rows]
             counts, q_rows = None, None
             if extend_seq_lens is not None:
                 n_q = [int(x) for x in extend_seq_lens]
@@ -360,7 +371,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 q_rows = torch.cat([torch.arange(s + m, s + q) for s, q, m in
                                     zip(starts, n_q, n_rec)]).to(req_to_token.device)
             self._groups[key] = (plan_shifted(kv, shifts, num_kv_heads, self.shift_rope,
-                                              req_to_token.device, counts), q_rows)
+                                              req_to_token.device, counts, leaves), q_rows)
         return self._groups[key]
 
     def _kernel_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
@@ -373,7 +384,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         planned, q_rows = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
                                             k_cache.shape[1], extend_seq_lens)
-        output[q_rows] = shifted_attention(query[q_rows], k_cache, v_cache, planned, scale)
+        output[q_rows] = shifted_attention(query[q_rows], k_cache, v_cache, planned, scale,
+                                           self._layer_id)
         start_q = 0
         for i in range(seq_lens.shape[0]):
             n_rec, n_prefix = _recomputed(rows[i]), int(extend_prefix_lens[i])
