@@ -10,9 +10,10 @@ identical prompts there and their fidelity probes compare:
 - ``radix``: SGLang's own prefix cache (each agent computes its own copy: the exact reference
   of TTFT and answers);
 - ``naive``: sharing, nothing recomputed: every borrowed token read re-positioned only;
-- ``exact``: sharing at the deployment's defaults: the first 16 tokens of every borrowed span and
-  10% by owner head mass recomputed and kept as exact leaves (exact-sparse), the readers that
-  wait together for one segment splitting 20% of it by mass (``--kvcmas-recompute-segment-share``);
+- ``exact``: sharing at the deployment's default picks (the first 16 tokens of every borrowed
+  span and 10% by owner head mass recomputed, the readers that wait together for one segment
+  splitting 20% of it by mass: ``--kvcmas-recompute-segment-share``), kept as exact leaves
+  (exact-sparse: leaf mode ``exact``, the reference of the leaf-byte ratio);
 - ``exact_per_reader``: the same with every reader taking its own 10% however many read;
 - ``exact_cap64``: ``exact_per_reader`` with at most 64 tokens chosen by mass per reader;
 - ``lowrank<r>``: the same recomputed tokens fit a rank-``r`` correction of every other borrowed
@@ -21,9 +22,11 @@ identical prompts there and their fidelity probes compare:
 - ``lowrank8+exact_perturn``: ``lowrank8+exact`` with ``--kvcmas-lowrank-chain 0`` (each turn
   fitted from scratch, not from the agent's stored correction: the chaining ablation; the
   ``alone`` probe shows it, the in-turn probe reads no stored state; ``lowrank`` never chains);
-- ``exact_fifo``: the defaults with turn order ``fifo`` (the turn-order ablation);
-- ``factored<r>``: the defaults' recomputed tokens kept as factored leaves (leaf mode
-  ``factored``: their deviation from the owner's KV at rank ``r``, per layer and KV head);
+- ``exact_fifo``, ``factored4_fifo``: ``exact`` and the defaults with turn order ``fifo`` (the
+  turn-order ablation);
+- ``factored<r>``: the default picks kept as factored leaves (leaf mode ``factored``: their
+  deviation from the owner's KV at rank ``r``, per layer and KV head); ``factored4`` is the
+  server's defaults;
   ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks;
   ``factored4_per_reader_run4``: with SGLang's ``--max-running-requests 4``, so that at most 4
   readers hold the slots of the tokens they recompute at once (the transient a turn's recompute
@@ -41,18 +44,19 @@ every 0.5 s, and of the tree cache's mark after each row's allocation, which hol
 batch's transient; plus low-rank factor bytes in tokens of KV) over the one-copy ideal, leaf
 bytes per agent (median over readers), and the prompt tokens each arm computed (prefill,
 recomputed borrowed tokens included: no arm prefills a reference). The probe runs after the
-workload and reads each probed reader twice: as in its turn (``turn``: from the
-owner's KV, recomputing what the arm's policy gave it there, its split of the segment share among
-the round's waiting readers included; no leaves of its earlier turns, which the turn had) and alone
-as served after the workload (``alone``: its leaves plus the whole 10% share, the figure of runs
-before this column). ``KL_rec``, which the pick and the headline use, is the first, but for the
-``factored`` arms: the in-turn probe reads no leaves, and theirs are what they approximate, so
-theirs is the reader alone over its factored leaves. For a ``factored<r>_per_reader`` arm the two
-probes read the same prompts and about the same tokens, exact (``turn``) and through the leaves
-(``alone``): the one comparison of leaf types here that no run-to-run difference of the workload
-moves. The targets of a 16-agent deployment: KL recovered ≥ 0.6, non-owner TTFT ≥
-2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller than exact-sparse; the report names, per
-agent count, the arm with the highest KL recovered among those meeting the others.
+workload and reads each probed reader three times: over what its turn left it (``leaves``: its
+leaves, nothing recomputed: for a ``factored`` arm the picks through their deviations, as its
+decode read them once they were factored; for ``exact`` the same picks exact), as in its turn
+(``turn``: from the owner's KV, recomputing what the arm's policy gave it there, its split of
+the segment share among the round's waiting readers included; no leaves) and alone as served
+after the workload (``alone``: its leaves plus the whole 10% share recomputed anew).
+``KL_rec``, which the pick and the headline use, is the first (runs before it: ``turn``, but
+``alone`` for the ``factored`` arms). For a ``factored`` arm, ``leaves`` against ``turn`` is
+what factoring its picks costs, on the same prompts and picks: the one comparison of leaf types
+here that no run-to-run difference of the workload moves. The targets of a 16-agent deployment:
+KL recovered ≥ 0.6, non-owner TTFT ≥ 2x radix, KV ≤ 1.25x the ideal, leaf bytes ≥ 4x smaller
+than exact-sparse; the report names, per agent count, the arm with the highest KL recovered
+among those meeting the others.
 
 A factored arm also reports ``same_x``: the leaf bytes of the exact arm that keeps the same
 tokens, over its own (``factored8`` against ``exact``, ``factored<r>_per_reader`` against
@@ -68,7 +72,8 @@ it, short enough that the radix arm of 16 agents takes about two minutes on 2 co
 ``scale.py``'s panel runs the same workload over a 7000-token document.
 
 Ends with ``HEADLINE agents=16 kl_recovered=<x> ttft_speedup_vs_radix=<x> kv_vs_ideal=<x>
-leaf_bytes_ratio_vs_exact=<x>`` for the default configuration (``exact``); writes
+leaf_bytes_ratio_vs_exact=<x>`` for the default configuration (``factored4``; ``exact`` in runs
+saved before it became the default); writes
 ``results/frontier[_quick][_<model>].{json,txt,png}``.
 """
 
@@ -93,20 +98,27 @@ from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_ARM = "exact"
+DEFAULT_ARM = "factored4"
+"""The arm that runs the server's defaults (its flags only spell them out: a test checks)."""
+EXACT_ARM = "exact"
+"""Exact-sparse leaves at the default picks: the reference of ``leaf_bytes_ratio_vs_exact``."""
+EXACT = ("--kvcmas-leaf-mode", "exact")
 ARMS: dict[str, list[str]] = {
     "naive": ["--kvcmas-recompute-boundary", "0", "--kvcmas-recompute-mass-fraction", "0"],
-    "exact": [],
-    "exact_per_reader": ["--kvcmas-recompute-segment-share", ""],
-    "exact_cap64": ["--kvcmas-recompute-segment-share", "", "--kvcmas-recompute-mass-max-tokens",
-                    "64"],
+    "exact": [*EXACT],
+    "exact_per_reader": [*EXACT, "--kvcmas-recompute-segment-share", ""],
+    "exact_cap64": [*EXACT, "--kvcmas-recompute-segment-share", "",
+                    "--kvcmas-recompute-mass-max-tokens", "64"],
     "lowrank4": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "4"],
     "lowrank8": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "8"],
     "lowrank16": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "16"],
     "lowrank8+exact": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank", "8"],
     "lowrank8+exact_perturn": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank",
                                "8", "--kvcmas-lowrank-chain", "0"],
-    "exact_fifo": ["--kvcmas-turn-order", "fifo"],
+    "exact_fifo": [*EXACT, "--kvcmas-turn-order", "fifo"],
+    "factored4_fifo": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+                       "--kvcmas-turn-order", "fifo"],
+    "factored4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4"],  # default
     "factored8": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "8"],
     "factored4_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
                              "--kvcmas-recompute-segment-share", ""],
@@ -125,7 +137,7 @@ ARMS: dict[str, list[str]] = {
                                     "--kvcmas-recompute-batch-tokens", "256"],
 }
 """Sharing arm -> the flags its kvcmas server adds to the defaults."""
-QUICK_ARMS = ("naive", "exact", "exact_per_reader", "lowrank8")
+QUICK_ARMS = ("naive", "exact", "factored4", "factored8")
 
 
 TARGETS = {"kl_recovered": 0.6, "ttft_speedup_vs_radix": 2.0, "kv_vs_ideal": 1.25,
@@ -162,22 +174,27 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     no = nonowner_ttft(panel, name) if "radix" in panel else {}
     same = same_answers(panel, name) if "radix" in panel else None
     doc_turns = [t for t in p["turns"] if t["round"] > 0]
-    # A factored arm's in-turn probe would read its leaves' tokens exact: the reader alone
-    # over its factored leaves is the served read.
-    turn = "kl_recovered_turn" in fid and "factored" not in p.get("flags", [])
+    # The read judged: the reader over what its turn left it (its leaves, nothing recomputed:
+    # what its decode read) where probed so; in runs before that probe, the reader as in its
+    # turn (its split of the segment share), but for a factored arm, whose in-turn probe reads
+    # its picks exact: the reader alone over its leaves (and the full share recomputed).
+    if fid.get("kl_recovered_leaves") is not None:
+        read = "_leaves"
+    else:
+        read = "_turn" if "kl_recovered_turn" in fid and \
+            "factored" not in p.get("flags", []) else ""
     return {
         "flags": p.get("flags", []),
-        # The reader as in its turn (its split of the segment share) where probed so; the
-        # reader alone at the full share over its leaves beside it.
-        "kl_recovered": fid.get("kl_recovered_turn" if turn else "kl_recovered"),
+        "kl_recovered": fid.get(f"kl_recovered{read}"),
         "kl_recovered_alone": fid.get("kl_recovered"),
         "kl_recovered_turn": fid.get("kl_recovered_turn"),
-        "top1": fid.get("top1_turn" if turn else "top1"), "top1_alone": fid.get("top1"),
+        "kl_recovered_leaves": fid.get("kl_recovered_leaves"),
+        "top1": fid.get(f"top1{read}"), "top1_alone": fid.get("top1"),
         "turn_selection": fid.get("turn_config"), "kl20": fid.get("kl20"),
-        "kl20_turn": fid.get("kl20_turn"), "kl20_naive": fid.get("kl20_naive"),
-        "kl20_read": fid.get("kl20_turn" if turn else "kl20"),
-        "probes": [{k: a.get(k) for k in ("agent", "served", "naive", "turn", "recomputed",
-                                          "turn_recomputed", "borrowed")}
+        "kl20_turn": fid.get("kl20_turn"), "kl20_leaves": fid.get("kl20_leaves"),
+        "kl20_naive": fid.get("kl20_naive"), "kl20_read": fid.get(f"kl20{read}"),
+        "probes": [{k: a.get(k) for k in ("agent", "served", "naive", "turn", "leaves",
+                                          "recomputed", "turn_recomputed", "borrowed")}
                    for a in fid.get("agents") or []],
         "top1_naive": fid.get("top1_naive"), "probed": len(fid.get("agents") or []),
         "same_answer_as_radix": None if same is None else statistics.fmean(same.values()),
@@ -193,7 +210,8 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     }
 
 
-SAME_PICKS = {"factored8": "exact", "factored4_per_reader": "exact_per_reader",
+SAME_PICKS = {"factored4": "exact", "factored8": "exact", "factored4_fifo": "exact_fifo",
+              "factored4_per_reader": "exact_per_reader",
               "factored4_per_reader_run4": "exact_per_reader",
               "factored8_per_reader": "exact_per_reader",
               "factored16_per_reader": "exact_per_reader",
@@ -207,7 +225,7 @@ def with_leaf_ratios(rows: dict[str, dict]) -> dict[str, dict]:
     inf for an arm that keeps none) where the ``exact`` arm ran, and for a factored arm whose
     exact counterpart ran (:data:`SAME_PICKS`), ``leaf_bytes_ratio_vs_same_picks``: the same
     tokens kept exact / kept factored."""
-    exact = rows.get(DEFAULT_ARM, {}).get("leaf_bytes_per_agent")
+    exact = rows.get(EXACT_ARM, {}).get("leaf_bytes_per_agent")
     for name, row in rows.items():
         mine = row["leaf_bytes_per_agent"]
         row["leaf_bytes_ratio_vs_exact"] = (None if exact is None else
@@ -243,6 +261,7 @@ def with_pooled_kl(rows: dict[str, dict]) -> dict[str, dict]:
         r["kl20_naive_pooled"] = pool
         for key, kl20 in (("kl_recovered", r.get("kl20_read")),
                           ("kl_recovered_turn", r.get("kl20_turn")),
+                          ("kl_recovered_leaves", r.get("kl20_leaves")),
                           ("kl_recovered_alone", r.get("kl20"))):
             r[key] = None if kl20 is None else 1 - kl20 / pool
     return rows
@@ -299,7 +318,12 @@ def table(agents: int, rows: dict[str, dict], doc: int) -> list[str]:
     if pooled is not None:
         lines.append(f"  KL_rec, turn, alone: 1 - KL20 / naive's KL20 pooled over the arms "
                      f"({pooled:.5f}; the prompts are identical); own: over the arm's own naive "
-                     "read; KL20: the read's KL20 against the exact prefill; naive: the arm's")
+                     "read; KL20: the read's KL20 against the exact prefill; naive: the arm's "
+                     "own naive KL20")
+    if any(r.get("kl20_leaves") is not None for r in rows.values()):
+        lines.append("  KL_rec, top1: the reader over what its turn left it (its leaves, "
+                     "nothing recomputed); turn: its turn's picks recomputed exactly; alone: "
+                     "its leaves plus the whole share recomputed")
     best = pick(rows)
     lines.append(f"  best meeting the targets (KV <= {TARGETS['kv_vs_ideal']}x, TTFT >= "
                  f"{TARGETS['ttft_speedup_vs_radix']}x, leaves >= "
@@ -389,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         **run_header("benchmark/serving/frontier.py", argv, model),
         "pool_tokens": args.pool, "doc_tokens": args.doc, "answer_tokens": args.answer_tokens,
-        "probe": args.probe, "replayed": True, "targets": TARGETS, "by_agents": {},
+        "probe": args.probe, "replayed": True, "targets": TARGETS, "default_arm": DEFAULT_ARM,
+        "by_agents": {},
     }
     for n in agent_counts:
         panel: dict[str, dict] = {}
@@ -404,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                                         args.pool, logs, model.server_args,
                                         server_arm="kvcmas", flags=ARMS[name], probe=args.probe,
                                         probe_turn=turn_selection(ARMS[name], n),
-                                        replay=panel["radix"]["round1_answers"])
+                                        replay=panel["radix"]["round1_answers"],
+                                        probe_leaves=True)
         rows = with_pooled_kl(with_leaf_ratios(
             {a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms}))
         result["by_agents"][n] = {"arms": rows, "best": pick(rows),
@@ -432,7 +458,8 @@ def write(result: dict, out: Path) -> str:
     """Writes ``out.{json,txt,png}`` from a result; returns the headline."""
     by = {int(n): b for n, b in result["by_agents"].items()}
     head_n = 16 if 16 in by else max(by)
-    d = by[head_n]["arms"].get(DEFAULT_ARM)
+    default = result.get("default_arm", "exact")  # runs saved before it was named: exact
+    d = by[head_n]["arms"].get(default)
     headline = (f"HEADLINE agents={head_n} kl_recovered={fmt(d and d['kl_recovered'], 3)} "
                 f"ttft_speedup_vs_radix={fmt(d and d['ttft_speedup_vs_radix'], 2)} "
                 f"kv_vs_ideal={fmt(d and d['kv_vs_ideal'], 3)} "
@@ -444,7 +471,7 @@ def write(result: dict, out: Path) -> str:
              f"{result.get('probe', 4)} readers probed per arm"
              f"{', radix round-1 answers replayed' if result.get('replayed') else ''}, "
              f"{result['seconds']:.0f} s",
-             *body, f"default arm: {DEFAULT_ARM}", headline]
+             *body, f"default arm: {default}", headline]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")

@@ -143,17 +143,20 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
 
 
 def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: int,
-                  turn: tuple[int, float, int] | None = None) -> dict:
+                  turn: tuple[int, float, int] | None = None, leaves: bool = False) -> dict:
     """Fidelity of the last round's reader turns, measured in the server after the workload:
     each probed agent's prompt teacher-forced over the greedy answer of an exact computation
     (its own ``cache_salt``: nothing shared), read as served (the deployment's knobs and the
     agent's leaves, the reader alone), by naive re-positioning (nothing recomputed, no leaves)
     and, with ``turn`` (boundary, mass fraction, tail: what the reader recomputed in its turn,
-    e.g. its split of the segment share), read from the owner's KV with that selection.
+    e.g. its split of the segment share), read from the owner's KV with that selection;
+    with ``leaves``, over its leaves alone (``kvcmas_read_leaves``, nothing recomputed: what
+    its turn left it, as its decode read the picks once they were factored).
 
     Returns:
         per-agent records and the pooled ``kl_recovered`` (1 − mean KL20 served / naive), top-1;
-        with ``turn`` also ``kl_recovered_turn`` and ``top1_turn``.
+        with ``turn`` also ``kl_recovered_turn`` and ``top1_turn``; with ``leaves``
+        ``kl_recovered_leaves`` and ``top1_leaves``.
     """
     rows = []
     for a in agents:
@@ -175,6 +178,11 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
             got = forced(url, prompts[a], cont, config=turn)
             row["turn"] = {k: v for k, v in compare(ref, got, cont).items() if k in keep}
             row["turn_recomputed"] = got["reuse"].get("recomputed")
+        if leaves:
+            got = forced(url, prompts[a], cont, config=(0, 0.0, 0),
+                         custom={"kvcmas_read_leaves": True})
+            row["leaves"] = {k: v for k, v in compare(ref, got, cont).items() if k in keep}
+            row["leaves_read"] = got["reuse"]
         rows.append(row)
     if not rows:
         return {"agents": [], "kl_recovered": None, "top1": None, "top1_naive": None}
@@ -189,6 +197,11 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
         out |= {"turn_config": list(turn), "kl20_turn": kl_turn,
                 "kl_recovered_turn": 1 - kl_turn / kl_naive if kl_naive else None,
                 "top1_turn": statistics.fmean(r["turn"]["top1"] for r in rows)}
+    if leaves:
+        kl_leaves = statistics.fmean(r["leaves"]["kl20"] for r in rows)
+        out |= {"kl20_leaves": kl_leaves,
+                "kl_recovered_leaves": 1 - kl_leaves / kl_naive if kl_naive else None,
+                "top1_leaves": statistics.fmean(r["leaves"]["top1"] for r in rows)}
     return out
 
 
@@ -217,12 +230,13 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
               flags: list[str] | None = None, probe: int = 0,
               probe_turn: tuple[int, float, int] | None = None,
-              replay: list[str] | None = None) -> dict:
+              replay: list[str] | None = None, probe_leaves: bool = False) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
     one server (``model_args``: as in :func:`decode_arm`). ``arm`` names the run; the server
     is ``server_arm`` (default: ``arm``) with ``flags`` added (a kvcmas variant). ``probe``:
     after the workload (outside its timings), :func:`probe_readers` on that many of the last
-    round's readers, spread over the panel (``probe_turn``: its ``turn`` selection).
+    round's readers, spread over the panel (``probe_turn``: its ``turn`` selection;
+    ``probe_leaves``: its ``leaves`` read).
     ``replay``: the first document round's answers the second round reads instead of this
     run's own (another arm's ``round1_answers``), so that arms read identical prompts there."""
     heads = [system_prompt(p) for p in PERSONAS[:agents]]
@@ -260,8 +274,8 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
         readers = [t["agent"] for t in turns if t["round"] == 2
                    and of_meta(t["meta"]).get("borrowed", 0)]
         picked = readers[:: max(1, len(readers) // probe)][:probe] if probe and readers else []
-        fidelity = (probe_readers(server.url, prompts, picked, new, probe_turn) if picked
-                    else None)
+        fidelity = (probe_readers(server.url, prompts, picked, new, probe_turn, probe_leaves)
+                    if picked else None)
     first_round = [t for t in turns if t["round"] == 1]
     head_lens = [len(chat_ids(tok, h, [])) - len(tok.encode(
         "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))

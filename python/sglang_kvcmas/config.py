@@ -240,15 +240,16 @@ class ServingConfig:
         "leaves after recomputing them (unset: all it recomputes); the rest is recomputed "
         "every turn, so leaf memory stays bounded.", kind=float, low=0, high=1, optional=True)
     leaf_mode: str = _knob(
-        "exact", "What a reader keeps of the borrowed tokens it recomputes: 'exact' (exact "
-        "leaves), 'lowrank' (a per-agent low-rank correction of every other borrowed token, "
-        "fitted on them; no exact leaves), 'lowrank+exact' (both) or 'factored' (their "
-        "deviation from the owner's KV as rank-r factors: leaves up to head_dim / r times "
-        "smaller than exact ones, less a basis per turn, read approximately).", kind=str,
-        choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
+        "factored", "What a reader keeps of the borrowed tokens it recomputes: 'factored' "
+        "(their deviation from the owner's KV as rank-r factors: host memory, up to "
+        "head_dim / r times smaller than exact leaves less a basis per turn, read "
+        "approximately; the recomputed slots freed right after the prefill), 'exact' (exact "
+        "leaves: pool slots, read exactly), 'lowrank' (a per-agent low-rank correction of "
+        "every other borrowed token, fitted on them; no leaves) or 'lowrank+exact' (both).",
+        kind=str, choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
     lowrank_rank: int = _knob(
-        8, "Rank of a reader's low-rank correction, per layer and KV head (leaf modes "
-        "'lowrank', 'lowrank+exact'), or of its factored leaves ('factored').", kind=int,
+        4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "
+        "('lowrank', 'lowrank+exact'), per layer and KV head.", kind=int,
         low=1, high=64, per_request=True)
     lowrank_chain: float = _knob(
         1.0, "Leaf mode 'lowrank+exact': how much a reader's stored low-rank correction weighs "

@@ -22,6 +22,11 @@ def test_fields_are_typed():
     assert (opts.agent, opts.head_len, opts.shared_end, opts.exact, opts.workflow) == (
         "a", 4, 9, True, "w1")
     assert opts.overrides == {"recompute_boundary": 0, "recompute_mass_fraction": 0.25}
+    assert not opts.reads_leaves  # own knobs: the owner's KV under them
+    assert RequestOptions.parse({"kvcmas_recompute_boundary": 0,
+                                 "kvcmas_read_leaves": True}).reads_leaves
+    assert RequestOptions.parse(None).reads_leaves
+    assert not RequestOptions.parse({"kvcmas_read_leaves": False}).reads_leaves
 
 
 @pytest.mark.parametrize("custom, field", [
@@ -43,6 +48,7 @@ def test_fields_are_typed():
      "custom_params.kvcmas_agent must be 1-128"),
     ({"kvcmas_exact": "yes"}, "custom_params.kvcmas_exact"),
     ({"kvcmas_exact": 1}, "custom_params.kvcmas_exact"),
+    ({"kvcmas_read_leaves": "no"}, "custom_params.kvcmas_read_leaves"),
     ({"kvcmas_recompute_mass_fraction": math.nan}, "custom_params.kvcmas_recompute_mass_fraction"),
     ({"kvcmas_recompute_boundary": 10**30 * -1}, "custom_params.kvcmas_recompute_boundary"),
     ({"kvcmas_workflow": ""}, "custom_params.kvcmas_workflow"),

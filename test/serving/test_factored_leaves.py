@@ -191,3 +191,24 @@ def test_a_factored_leaf_merges_only_new_offsets():
     leaf2, added2 = leaf.with_part(torch.tensor([2, 3]), f.select(torch.arange(2)))
     assert (added, added2, len(leaf2)) == (4, 1, 5)
     assert leaf2.parts[1].offsets.tolist() == [3]
+
+
+def test_a_request_with_its_own_knobs_reads_the_leaves_only_when_it_asks():
+    """Own recompute knobs measure the owner's KV under them (no leaves read, none kept);
+    ``kvcmas_read_leaves`` reads the agent's leaves with them: nothing recomputed, the picks
+    through their factors (the frontier's probe of what a turn left its reader)."""
+    from types import SimpleNamespace
+
+    h = _harness()
+    b, _, _ = _turns(h)
+    borrowed = len(T2) + END - K
+    none = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0}
+    for row, custom, corrected in ((4, none, 0), (5, none | {"kvcmas_read_leaves": True}, K)):
+        req = Req(f"b{row}", b + T1 + T2 + SUFFIX + [row])
+        req.sampling_params = SimpleNamespace(custom_params=custom)
+        h.serve(req, row)
+        rec = req.customized_info["kvcmas_reuse"][0]
+        assert (rec["reused_corrected"], rec["reused_repositioned"], rec["recomputed_borrowed"]
+                ) == (corrected, borrowed + K - corrected, 0), rec
+    assert h.cache.shared_stats()["factored_tokens"] == K  # nothing more kept
+    assert_slots_conserved(h)

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.serving.frontier import (  # noqa: E402
-    ARMS, TARGETS, arm_row, main, meets, pick, turn_selection, with_leaf_ratios,
-    with_pooled_kl,
+    ARMS, DEFAULT_ARM, EXACT_ARM, TARGETS, arm_row, main, meets, pick, turn_selection,
+    with_leaf_ratios, with_pooled_kl,
 )
 
 
@@ -87,7 +87,8 @@ def test_bad_arms_and_agent_counts_are_refused(capsys):
             main(argv)
         assert e.value.code == 2
         assert "--arms of" in capsys.readouterr().err
-    assert "exact" in ARMS and ARMS["exact"] == []
+    assert "exact" in ARMS and ARMS["factored4"] == ["--kvcmas-leaf-mode", "factored",
+                                                     "--kvcmas-lowrank-rank", "4"]
 
 
 def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():
@@ -99,6 +100,13 @@ def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():
     assert row["kv_vs_ideal"] == pytest.approx((1100 + 6_400 / 640) / 1000)
     # the in-turn probe reads its picks exact: the factored arm is judged over its leaves
     assert (row["kl_recovered"], row["top1"]) == (0.5, 0.99)
+    # where the reader was also probed over its leaves alone, every arm is judged so
+    for name in ("factored8", "exact"):
+        panel[name] = panel["factored8"] | {"flags": ARMS[name]}
+        panel[name]["fidelity"] = panel["factored8"]["fidelity"] | {
+            "kl_recovered_leaves": 0.7, "top1_leaves": 0.98, "kl20_leaves": 0.06}
+        row = arm_row(panel, name, kv_bytes_per_token=640)
+        assert (row["kl_recovered"], row["top1"], row["kl20_read"]) == (0.7, 0.98, 0.06)
     rows = with_leaf_ratios({"exact": {"leaf_bytes_per_agent": 8_000},
                              "exact_per_reader": {"leaf_bytes_per_agent": 40_000},
                              "factored8_per_reader": {"leaf_bytes_per_agent": 5_000}})
@@ -149,3 +157,10 @@ def test_arms_on_identical_prompts_are_judged_over_naive_pooled_across_them():
     assert f["kl_recovered_turn"] == pytest.approx(0.75)
     with_pooled_kl(rows)  # re-rendering keeps the own figures
     assert f["kl_recovered_own"] == 0.87
+
+
+def test_the_default_arm_is_the_servers_defaults_and_exact_is_exact_leaves():
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    assert parse_launcher_args(ARMS[DEFAULT_ARM]).config == parse_launcher_args([]).config
+    assert parse_launcher_args(ARMS[EXACT_ARM]).config.leaf_mode == "exact"

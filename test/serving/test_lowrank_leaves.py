@@ -162,7 +162,8 @@ def test_leaf_mode_knob_from_config_environment_and_request():
     from sglang_kvcmas.config import ConfigError, ServingConfig
     from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
 
-    assert LeafConfig.from_serving(ServingConfig()).lowrank_rank == 0  # default: exact, today
+    default = LeafConfig.from_serving(ServingConfig())  # factored leaves at rank 4
+    assert (default.lowrank_rank, default.factor_rank, default.keeps_exact) == (0, 4, False)
     both = LeafConfig.from_serving(ServingConfig.from_env({"KVCMAS_LEAF_MODE": "lowrank+exact",
                                                            "KVCMAS_LOWRANK_RANK": "4"}))
     assert both.keeps_exact and both.lowrank_rank == 4

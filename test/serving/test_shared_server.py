@@ -86,10 +86,12 @@ def test_second_agent_reads_first_agents_transcript(server):
     assert boundary + extra < reader["kvcmas_recomputed"] < 10 + boundary + extra
     assert reader["cached_tokens"] == (reader["kvcmas_reused_exact"]
                                        + reader["kvcmas_reused_repositioned"])
-    again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]  # its exact leaves now
-    assert again["kvcmas_exact_from_leaves"] == boundary + extra
+    # Its factored leaves now (the default leaf mode): the picks read through their factors.
+    again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]
+    assert (again["kvcmas_reused_corrected"], again["kvcmas_exact_from_leaves"]) == (
+        boundary + extra, 0)
     assert again["kvcmas_recomputed"] == reader["kvcmas_recomputed"] - boundary - extra
-    assert again["kvcmas_reused_exact"] == reader["kvcmas_reused_exact"] + boundary + extra
+    assert again["kvcmas_reused_exact"] == reader["kvcmas_reused_exact"]
 
 
 def chat_stream(server, system, user, **extra):

@@ -20,6 +20,7 @@ from sglang_kvcmas.integration.shared_tree_cache import (  # noqa: E402
     KvcmasSharedTreeCache,
     SharedPrefixHandle,
 )
+from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 
 NL = 5
@@ -81,6 +82,9 @@ class Harness:
             markers=CHAT, share_context=share)
         self.cache.recompute_config = RecomputeConfig(boundary_tokens=boundary,
                                                       min_borrowed=min_borrowed)
+        # Exact leaves (the tree's pool-slot invariants these tests check); the factored
+        # default has its own tests (test_factored_leaves.py).
+        self.cache.leaf_config = LeafConfig("exact")
         self.next_slot, self.allocated = 1000, []
 
     def match(self, req):

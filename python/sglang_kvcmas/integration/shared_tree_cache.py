@@ -266,12 +266,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = SharedPrefixHandle(
             base.last_device_node, base.device_prefix_len, node, begin, matched, split, ns
         )
-        own_knobs = self.requests.options(req).overrides
+        options = self.requests.options(req)
+        own_knobs = options.overrides
         spans = borrowed_spans(handle)
         foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
-        handle = replace(handle, use_leaves=not own_knobs).walked()
+        handle = replace(handle, use_leaves=options.reads_leaves).walked()
         config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
                   else self.recompute_config).with_readers(readers_of(req))
         recompute, keep = self._recompute_for(req, handle, config, spans)

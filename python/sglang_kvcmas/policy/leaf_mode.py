@@ -1,21 +1,25 @@
 """What a reader keeps of the borrowed tokens it recomputes: its leaf mode.
 
 A reader recomputes some borrowed tokens in its own context (``policy/recompute.py``). Those
-exact tokens can be kept two ways, alone or together:
+exact tokens can be kept these ways:
 
-- ``exact`` (the default): as exact leaves (``tree/pool_overrides.py``: full-size KV in the pool,
-  read exactly on the agent's later turns);
+- ``exact``: as exact leaves (``tree/pool_overrides.py``: full-size KV in the pool, read exactly
+  on the agent's later turns);
 - ``lowrank``: as the pairs a low-rank correction of every other borrowed token is fitted on
   (``attention/lowrank.py``: factors per layer and KV head, a few hundred KB per agent), read
   corrected in this request's extend and decode and on the agent's later turns; the recomputed
   slots are freed with the request (every turn recomputes and refits on all of them);
 - ``lowrank+exact``: both; a later turn recomputes only the new picks, and its refit starts
   from the stored correction (chained along the workflow, ``chain``);
-- ``factored``: as the agent's factored leaves (``attention/leaf_factors.py``,
-  ``tree/factor_leaves.py``): the same tokens as ``exact`` keeps, but only their deviation from
-  the owner's KV, cut to rank ``rank`` per layer and KV head (host memory: up to ``d / rank``
-  times smaller than their exact leaves, less a basis per fit); later turns read them as the owner's KV re-positioned
-  plus that deviation; the recomputed slots are freed with the request.
+- ``factored`` (the default, at rank 4): as the agent's factored leaves
+  (``attention/leaf_factors.py``, ``tree/factor_leaves.py``): the same tokens as ``exact``
+  keeps, but only their deviation from the owner's KV, cut to rank ``rank`` per layer and KV
+  head (host memory: up to ``d / rank`` times smaller than their exact leaves, less a basis per
+  fit); the request's decode and the agent's later turns read them as the owner's KV
+  re-positioned plus that deviation; the recomputed slots are freed right after the prefill
+  (with the request where a launched batch may still read them). The default because it is
+  the one mode that met every target of a 16-agent panel in the frontier benchmark
+  (``benchmark/serving/frontier.py``; figures in ``docs/results.md``).
 
 Pure Python.
 """
@@ -42,8 +46,8 @@ class LeafConfig:
             (:attr:`lowrank_chain`).
     """
 
-    mode: str = "exact"
-    rank: int = 8
+    mode: str = "factored"
+    rank: int = 4
     chain: float = 1.0
 
     def __post_init__(self) -> None:

@@ -9,6 +9,9 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
 ``kvcmas_shared_end``: int              tokens ``[head_len, shared_end)`` are the shared
                                         transcript (default: the whole prompt)
 ``kvcmas_exact``: bool                  read no other agent's KV (computed exactly, as radix)
+``kvcmas_read_leaves``: bool            read the agent's leaves (and keep what it recomputes
+                                        as new ones) whether or not the request sets its own
+                                        knobs (default: only a request that sets none does)
 ``kvcmas_workflow``: str                the workflow the request belongs to (also the HTTP
                                         header ``X-KVCMAS-Workflow``, or else the router's
                                         ``X-SMG-Routing-Key``); reported with its usage
@@ -42,6 +45,7 @@ EXACT_FIELD = "kvcmas_exact"
 WORKFLOW_FIELD = "kvcmas_workflow"
 BUDGET_TOKENS_FIELD = "kvcmas_budget_tokens"
 BUDGET_ENFORCE_FIELD = "kvcmas_budget_enforce"
+READ_LEAVES_FIELD = "kvcmas_read_leaves"
 WORKFLOW_HEADER = "x-kvcmas-workflow"
 """HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
 server); same meaning as ``custom_params.kvcmas_workflow``."""
@@ -52,7 +56,7 @@ MAX_NAME_CHARS = 128
 """Longest agent or workflow name: names are echoed in usage and logs."""
 
 _OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD,
-               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD)
+               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD, READ_LEAVES_FIELD)
 
 
 class RequestOptionError(ValueError):
@@ -72,6 +76,7 @@ class RequestOptions:
         budget_tokens: the workflow's budget (computed tokens), or None (not given).
         budget_enforce: whether to enforce it, or None (not given).
         knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
+        read_leaves: read the agent's leaves, or None (not given: only without ``knobs``).
     """
 
     agent: str | None = None
@@ -82,6 +87,7 @@ class RequestOptions:
     budget_tokens: int | None = None
     budget_enforce: bool | None = None
     knobs: tuple[tuple[str, Any], ...] = ()
+    read_leaves: bool | None = None
 
     @classmethod
     def parse(cls, custom_params: Any) -> RequestOptions:
@@ -108,6 +114,7 @@ class RequestOptions:
             agent, workflow = _name(ours, AGENT_FIELD), _name(ours, WORKFLOW_FIELD)
             budget_tokens = _field(ours, BUDGET_TOKENS_FIELD, int, low=1)
             budget_enforce = _field(ours, BUDGET_ENFORCE_FIELD, bool)
+            read_leaves = _field(ours, READ_LEAVES_FIELD, bool)
             knobs = tuple((k.name, k.parse(ours[f], f"custom_params.{f}"))
                           for f, k in BY_REQUEST_FIELD.items() if f in ours)
         except ConfigError as e:
@@ -129,7 +136,7 @@ class RequestOptions:
                                      f"{WORKFLOW_HEADER} header)")
         return cls(agent=agent, head_len=head_len, shared_end=shared_end, exact=exact,
                    workflow=workflow, budget_tokens=budget_tokens,
-                   budget_enforce=budget_enforce, knobs=knobs)
+                   budget_enforce=budget_enforce, knobs=knobs, read_leaves=read_leaves)
 
     @classmethod
     def lenient(cls, custom_params: Any) -> RequestOptions | None:
@@ -158,6 +165,12 @@ class RequestOptions:
     @property
     def overrides(self) -> dict[str, Any]:
         return dict(self.knobs)
+
+    @property
+    def reads_leaves(self) -> bool:
+        """Whether the request reads its agent's leaves: as asked, else unless it sets its own
+        knobs (a request that does measures the owner's KV under them)."""
+        return self.read_leaves if self.read_leaves is not None else not self.knobs
 
 
 def _field(ours: Mapping[str, Any], name: str, kind: type, low: int | None = None) -> Any:
