@@ -103,3 +103,53 @@ def test_buckets_bound_the_keys_they_gather():
     sizes = sorted(len(b.rows) for b in plan.buckets)
     assert sizes == [1, 1, 2, 2, 2]  # 2 x 40 <= 100 < 3 x 40; the 300-key row alone
     assert all(b.slots.numel() <= 100 or len(b.rows) == 1 for b in plan.buckets)
+
+
+@pytest.mark.parametrize("rope_name", sorted(ROPES))
+def test_factored_tokens_add_their_deviations_as_the_gathered_rows_do(rope_name):
+    """Rows reading some tokens through factored leaves (two parts of different ranks in one
+    row, one row's factors all zero at a layer, rows without leaves beside them): batched
+    decode with the deviations as additive score and value terms equals the reference that
+    adds them to the gathered, re-positioned keys and values, then attends."""
+    from sglang_kvcmas.attention.leaf_factors import FactorBasis, LeafReads, TokenFactors
+    from sglang_kvcmas.attention.span_reads import rotate_keys
+    from torch.nn.functional import scaled_dot_product_attention
+
+    rope = ROPES[rope_name]
+    lens, n_shifts, h, hkv, d, layers = [40, 45, 50, 130], [2, 1, 0, 3], 6, 2, 64, 2
+    pool, slots, shifts = batch(lens, n_shifts, hkv, seed=17)
+    g = torch.Generator().manual_seed(4)
+
+    def factors(m, r, zero_layer=None):
+        coef = [torch.randn(layers, m, hkv, r, generator=g) for _ in range(2)]
+        if zero_layer is not None:
+            for c in coef:
+                c[zero_layer] = 0
+        basis = [torch.linalg.qr(torch.randn(layers, hkv, d, r, generator=g))[0]
+                 for _ in range(2)]
+        return TokenFactors(coef[0], coef[1], FactorBasis(basis[0], basis[1], m))
+
+    def part(rows, r, moved=0, zero_layer=None):
+        rows = torch.tensor(rows)
+        return rows, rows + moved, factors(len(rows), r, zero_layer)
+
+    leaves = [LeafReads([part([1, 5, 30], 4), part([7, 31], 8)]),
+              LeafReads([part([0, 2, 3], 4, zero_layer=1)]),
+              None,
+              LeafReads([part([100, 101], 4, moved=3)])]  # positions not the row indices
+    k_cache, v_cache = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    query = torch.randn(len(lens), h, d)
+    plan = plan_batched_decode(slots, shifts, rope, leaves=leaves)
+    assert not plan.rest
+    for layer in range(layers):
+        out = torch.full_like(query, float("nan"))
+        batched_shift_decode(query, k_cache, v_cache, plan, rope, d**-0.5, out, layer)
+        for i, (sl, ks, lr) in enumerate(zip(slots, shifts, leaves)):
+            k = rotate_keys(k_cache[sl], ks or KeyShifts.none(), rope)
+            v = v_cache[sl]
+            if lr is not None and lr.layer(layer) is not None:
+                k, v = lr.layer(layer).apply(k, v, rope)
+            want = scaled_dot_product_attention(
+                query[i][:, None][None], k.movedim(0, 1)[None], v.movedim(0, 1)[None],
+                enable_gqa=True)[0, :, 0]
+            torch.testing.assert_close(out[i], want, atol=3e-6, rtol=1e-5)

@@ -244,6 +244,9 @@ def test_backend_decode_and_extend_read_factored_rows_through_the_kernel():
                 query.to(DEV), out, k_cache, v_cache, req_to_token, idx,
                 torch.tensor(n_kv, device=DEV), torch.tensor(n_prefix, device=DEV),
                 torch.tensor(n_q, device=DEV), scaling=d ** -0.5, enable_gqa=True, causal=True)
+        if decode and not kernel:  # the torch path: the factored row in the batched read
+            plan = next(v for key, v in be._groups.items() if key[0] == "decode")
+            assert 2 not in plan.rest and 2 in torch.cat([b.rows for b in plan.buckets])
         return out, any(key[0] == "kernel" for key in be._groups)
 
     rows = (None, BatchRow(RowSpans.of_reads("b", (SharedSpan(3, 40, -7),))), factored(at, at))

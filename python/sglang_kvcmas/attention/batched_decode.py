@@ -15,7 +15,13 @@ length, and each layer reads a bucket in one flat gather and a handful of batche
 query rotated by the key's shift equals the score against the key re-positioned. Scoring every
 key against all S rotated queries costs S times the products of plain attention, so rows with
 more than ``max_shifts`` distinct shifts are left to the per-row path, as are rows the caller
-does not hand over (low-rank corrections, rows read exactly by SDPA).
+does not hand over (affine low-rank corrections, rows read exactly by SDPA).
+
+A row's tokens read through factored leaves (``attention/leaf_factors.py``: the owner's key
+re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)
+are additive terms: ``q · (R(δ)·k + R(p)·Δk) = score + q · R(p)·Δk`` and, after the softmax,
+``out += prob · Δv``, for those few keys only (the per-row path adds the deviations to the
+gathered rows instead).
 
 The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
 the keys); ``test/serving/test_batched_decode.py`` compares them over awkward batches, and
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
+from sglang_kvcmas.attention.leaf_factors import LeafReads
+from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts
 
 MAX_SHIFTS = 4
@@ -53,6 +60,7 @@ class DecodeBucket:
         shift_index: [R, L] int64 each key's index into its row's shifts (padding: 0).
         pad_bias: [R, 1, 1, L] float32, 0 for a key, -inf for padding.
         cos, sin: [R, S, rotary_dim // 2] float32 of each row's shifts negated (padding: 0).
+        leaves: (bucket row, its factored-leaf tokens) for the rows that read some.
     """
 
     rows: torch.Tensor
@@ -61,6 +69,7 @@ class DecodeBucket:
     pad_bias: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    leaves: tuple[tuple[int, LeafReads], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ def plan_batched_decode(
     max_shifts: int = MAX_SHIFTS,
     max_pad: float = MAX_PAD,
     max_keys: int = MAX_BUCKET_KEYS,
+    leaves: list[LeafReads | None] | None = None,
 ) -> BatchedDecodePlan:
     """Bucket a decode batch's rows, once per forward.
 
@@ -90,6 +100,7 @@ def plan_batched_decode(
         max_shifts: see :data:`MAX_SHIFTS`.
         max_pad: see :data:`MAX_PAD`.
         max_keys: see :data:`MAX_BUCKET_KEYS`.
+        leaves: per row, the tokens it reads through factored leaves (None: none).
     Returns:
         the plan; its buckets hold every other row exactly once.
     """
@@ -109,12 +120,13 @@ def plan_batched_decode(
             if n > max_pad * shortest or (end - start + 1) * n > max_keys:
                 break
             end += 1
-        buckets.append(_bucket(mine[start:end], kv_slots, shifts, table, rope))
+        buckets.append(_bucket(mine[start:end], kv_slots, shifts, table, rope, leaves))
         start = end
     return BatchedDecodePlan(tuple(buckets), rest)
 
 
-def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope) -> DecodeBucket:
+def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope,
+            leaves: list[LeafReads | None] | None) -> DecodeBucket:
     device = kv_slots[rows[0]].device
     lens = [kv_slots[i].numel() for i in rows]
     n_max, s_max = max(lens), max(table[i].numel() for i in rows)
@@ -138,7 +150,28 @@ def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope) -> Decode
         pad_bias=bias[:, None, None, :].to(device),
         cos=cos.view(len(rows), s_max, half).to(device),
         sin=sin.view(len(rows), s_max, half).to(device),
+        leaves=tuple((r, leaves[i]) for r, i in enumerate(rows)
+                     if leaves is not None and leaves[i] is not None and len(leaves[i])),
     )
+
+
+def _leaf_terms(b: DecodeBucket, layer: int, rope: ShiftRope, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The bucket's factored tokens at ``layer``: (bucket rows [T], key indices [T], key
+    deviations rotated to their positions [T, H_kv, d], value deviations [T, H_kv, d]), or
+    None where there are none (or all are zero there)."""
+    rows, keys, dks, dvs = [], [], [], []
+    for r, lr in b.leaves:
+        td = lr.layer(layer)
+        if td is None:
+            continue
+        rows.append(torch.full((td.rows.numel(),), r, dtype=torch.int64))
+        keys.append(td.rows)
+        dks.append(apply_rope(td.k, td.positions, rope))
+        dvs.append(td.v)
+    if not rows:
+        return None
+    return tuple(torch.cat(t).to(device) for t in (rows, keys, dks, dvs))
 
 
 def batched_shift_decode(
@@ -149,6 +182,7 @@ def batched_shift_decode(
     rope: ShiftRope | torch.Tensor,
     scale: float,
     output: torch.Tensor,
+    layer: int = 0,
 ) -> None:
     """Decode attention of the plan's bucketed rows, written into ``output``.
 
@@ -159,6 +193,7 @@ def batched_shift_decode(
         rope: the model's rotary (as in the plan).
         scale: softmax scale.
         output: [B, H, d]; the bucketed rows are written, ``plan.rest`` left as they are.
+        layer: the layer whose factored-leaf deviations the rows read.
     """
     rope = as_shift_rope(rope)
     h, d, hkv = query.shape[1], query.shape[2], k_cache.shape[1]
@@ -180,6 +215,14 @@ def batched_shift_decode(
         else:  # each key's score against its own shift's query
             pick = b.shift_index[:, None, None, None, :].expand(r, hkv, 1, g, n_kv)
             scores = every.gather(2, pick).squeeze(2)  # [R, H_kv, g, L]
+        terms = _leaf_terms(b, layer, rope, k.device) if b.leaves else None
+        if terms is not None:  # factored tokens: + q · R(p)·Δk on their scores
+            t_rows, t_keys, dk, dv = terms
+            q_t = q[t_rows] * scale  # [T, H_kv, g, d]
+            scores[t_rows, :, :, t_keys] += torch.einsum("thgd,thd->thg", q_t, dk.float())
         probs = torch.softmax(scores + b.pad_bias, dim=-1)
         out = torch.stack([probs[:, j] @ v[:, :, j] for j in range(hkv)], dim=1)
+        if terms is not None:  # ... and + prob · Δv on the output
+            p_t = probs[t_rows, :, :, t_keys]  # [T, H_kv, g]
+            out.index_add_(0, t_rows, p_t[..., None] * dv.float()[:, :, None, :])
         output[b.rows] = out.reshape(r, h, d).to(output.dtype)

@@ -357,16 +357,19 @@ class RowCorrection:
                                  lc.v if lc is not None else None, tokens)
         return lc if lc is not None and lc.active else None
 
-    def kernel_reads(self, layer_id: int) -> bool:
-        """Whether the delta kernels can read the row at this layer: no affine factors here,
-        and its factored tokens (if any) at their positions (``kernel_reads.place_leaves``)."""
+    def affine_at(self, layer_id: int) -> bool:
+        """Whether the row's affine correction changes something at this layer."""
         if self.fit is not None and layer_id in self.fit.layers:
             lc = self.fit.layers[layer_id]
         else:
             lc = self.stored.layer(layer_id) if self.stored is not None else None
-        if lc is not None and lc.affine:
-            return False
-        return self.leaves is None or self.leaves.in_row_order
+        return lc is not None and lc.affine
+
+    def kernel_reads(self, layer_id: int) -> bool:
+        """Whether the delta kernels can read the row at this layer: no affine factors here,
+        and its factored tokens (if any) at their positions (``kernel_reads.place_leaves``)."""
+        return not self.affine_at(layer_id) and (self.leaves is None
+                                                 or self.leaves.in_row_order)
 
     @property
     def corrects(self) -> bool:

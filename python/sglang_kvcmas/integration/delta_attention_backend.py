@@ -284,10 +284,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                           scaling if scaling is not None else
                                           query.shape[-1] ** -0.5, self._layer_id)
             return output
-        # Re-positioned rows without a correction: a few batched ops per layer for all of them.
+        # Re-positioned rows without an affine correction (factored tokens as additive terms):
+        # a few batched ops per layer for all of them.
         plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
         batched_shift_decode(query, k_cache, v_cache, plan, self.shift_rope,
-                             scaling if scaling is not None else query.shape[-1] ** -0.5, output)
+                             scaling if scaling is not None else query.shape[-1] ** -0.5, output,
+                             self._layer_id)
         q_all = query.movedim(0, query.dim() - 2)
         for i in plan.rest:
             n_kv = int(seq_lens[i])
@@ -329,18 +331,23 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         return output
 
     def _decode_plan(self, req_to_token, req_pool_indices, seq_lens, rows) -> BatchedDecodePlan:
-        """The batch's re-positioned rows without a correction at this layer, bucketed once
-        per forward and correction pattern (``attention/batched_decode.py``); every other row
-        (plain rows read exactly by SDPA, corrected rows, rows of many owners) is the plan's
-        ``rest``. A row whose factors are zero here reads as one without a correction."""
-        take = [r is not None and r.reads_transformed and self._layer_correction(r) is None
+        """The batch's re-positioned rows without an affine correction at this layer (their
+        factored tokens read as additive terms), bucketed once per forward and correction
+        pattern (``attention/batched_decode.py``); every other row (plain rows read exactly by
+        SDPA, rows with an affine correction, rows of many owners) is the plan's ``rest``. A
+        row whose factors are zero here reads as one without a correction."""
+        take = [r is not None and (r.reads_transformed or _factored(r))
+                and (r.correction is None or not r.correction.affine_at(self._layer_id))
                 for r in rows]
         key = ("decode", tuple(take))
         if key not in self._groups:
             slots = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] if t else None
                      for i, t in enumerate(take)]
             shifts = [r.key_shifts if t else None for r, t in zip(rows, take)]
-            self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope)
+            leaves = [r.correction.leaves if t and r.correction is not None else None
+                      for r, t in zip(rows, take)]
+            self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope,
+                                                    leaves=leaves)
         return self._groups[key]
 
     def _kernel_reads(self, rows: list[RowSpans | None]) -> bool:
@@ -424,6 +431,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             if lc is not None:
                 k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc, self.shift_rope)
         return k.movedim(0, 1), v.movedim(0, 1)
+
+
+def _factored(row: RowSpans) -> bool:
+    """Whether the row reads some tokens through factored leaves."""
+    return row.correction is not None and row.correction.leaves is not None and bool(
+        len(row.correction.leaves))
 
 
 def _recomputed(row: RowSpans | None) -> int:
