@@ -193,15 +193,12 @@ def probe_readers(url: str, prompts: list[list[int]], agents: list[int], new: in
            "top1": statistics.fmean(r["served"]["top1"] for r in rows),
            "top1_naive": statistics.fmean(r["naive"]["top1"] for r in rows)}
     if turn is not None:
-        kl_turn = statistics.fmean(r["turn"]["kl20"] for r in rows)
-        out |= {"turn_config": list(turn), "kl20_turn": kl_turn,
-                "kl_recovered_turn": 1 - kl_turn / kl_naive if kl_naive else None,
-                "top1_turn": statistics.fmean(r["turn"]["top1"] for r in rows)}
-    if leaves:
-        kl_leaves = statistics.fmean(r["leaves"]["kl20"] for r in rows)
-        out |= {"kl20_leaves": kl_leaves,
-                "kl_recovered_leaves": 1 - kl_leaves / kl_naive if kl_naive else None,
-                "top1_leaves": statistics.fmean(r["leaves"]["top1"] for r in rows)}
+        out["turn_config"] = list(turn)
+    for name in [n for n, on in (("turn", turn is not None), ("leaves", leaves)) if on]:
+        kl_read = statistics.fmean(r[name]["kl20"] for r in rows)
+        out |= {f"kl20_{name}": kl_read,
+                f"kl_recovered_{name}": 1 - kl_read / kl_naive if kl_naive else None,
+                f"top1_{name}": statistics.fmean(r[name]["top1"] for r in rows)}
     return out
 
 

@@ -73,6 +73,18 @@ def test_which_models_the_kernel_serves():
     assert not kernel_serves(ShiftRope.full(rope_inv_freq(80, 1e4)))  # head_dim 80
 
 
+def pooled_rows(n_kv: list[int], hkv: int, d: int):
+    """A random pool and a ``req_to_token`` whose rows 1.. hold ``n_kv[i]`` scattered slots."""
+    pool = sum(n_kv) + 3
+    k_cache, v_cache = torch.randn(pool, hkv, d, device=DEV), torch.randn(pool, hkv, d, device=DEV)
+    req_to_token = torch.zeros(len(n_kv) + 1, 128, dtype=torch.int64, device=DEV)
+    slots, at = torch.randperm(pool, device=DEV), 0
+    for i, n in enumerate(n_kv):
+        req_to_token[i + 1, :n] = slots[at : at + n]
+        at += n
+    return k_cache, v_cache, req_to_token
+
+
 def test_backend_extend_through_the_kernel_equals_its_torch_path():
     """A batch of a plain row, a re-positioned row and a reader whose recomputed tokens lead its
     extend (row order != position order): the kernel path (new tokens after the recomputed ones
@@ -93,13 +105,7 @@ def test_backend_extend_through_the_kernel_equals_its_torch_path():
                                        RecomputedTokens(prefix_c, (1, 2, 3), moved),
                                        torch.tensor(order[: prefix_c + len(moved)]))))
     n_kv, n_prefix = [37, 90, len(order)], [30, 80, prefix_c]
-    pool = sum(n_kv) + 3
-    k_cache, v_cache = torch.randn(pool, hkv, d, device=DEV), torch.randn(pool, hkv, d, device=DEV)
-    req_to_token = torch.zeros(4, 128, dtype=torch.int64, device=DEV)
-    slots, at = torch.randperm(pool, device=DEV), 0
-    for i, n in enumerate(n_kv):
-        req_to_token[i + 1, :n] = slots[at : at + n]
-        at += n
+    k_cache, v_cache, req_to_token = pooled_rows(n_kv, hkv, d)
     n_q = [k - p for k, p in zip(n_kv, n_prefix)]
     query = torch.randn(sum(n_q), h, d, device=DEV)
 
@@ -217,13 +223,7 @@ def test_backend_decode_and_extend_read_factored_rows_through_the_kernel():
                                                           leaves=leaves)))
 
     n_kv, n_prefix = [37, 90, 80], [30, 80, 75]
-    pool = sum(n_kv) + 3
-    k_cache, v_cache = torch.randn(pool, hkv, d, device=DEV), torch.randn(pool, hkv, d, device=DEV)
-    req_to_token = torch.zeros(4, 128, dtype=torch.int64, device=DEV)
-    slots, start = torch.randperm(pool, device=DEV), 0
-    for i, n in enumerate(n_kv):
-        req_to_token[i + 1, :n] = slots[start : start + n]
-        start += n
+    k_cache, v_cache, req_to_token = pooled_rows(n_kv, hkv, d)
     n_q = [k - p for k, p in zip(n_kv, n_prefix)]
     idx = torch.tensor([1, 2, 3], device=DEV)
 

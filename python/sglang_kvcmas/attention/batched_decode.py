@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvcmas.attention.leaf_factors import LeafReads
-from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, as_shift_rope, rope_cos_sin, rotate
+from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts
 
 MAX_SHIFTS = 4
@@ -167,7 +167,7 @@ def _leaf_terms(b: DecodeBucket, layer: int, rope: ShiftRope, device: torch.devi
             continue
         rows.append(torch.full((td.rows.numel(),), r, dtype=torch.int64))
         keys.append(td.rows)
-        dks.append(apply_rope(td.k, td.positions, rope))
+        dks.append(td.k_at_positions(rope))
         dvs.append(td.v)
     if not rows:
         return None

@@ -165,22 +165,15 @@ def row_runs(shifts: KeyShifts | None, prefix_len: int,
              leaf_rows: torch.Tensor | None = None) -> tuple[SharedSpan, ...]:
     """A row's runs of one non-zero shift inside its first ``prefix_len`` keys, and the runs of
     shift 0 there that hold one of ``leaf_rows`` ([j] int64 row indices of factored tokens)."""
-    if leaf_rows is None or not leaf_rows.numel():
-        if shifts is None:
-            return ()
-        runs = []
-        for span in shifts.spans():
-            end = min(span.end, prefix_len)
-            if end > span.start:
-                runs.append(SharedSpan(span.start, end - span.start, span.shift))
-        return tuple(runs)
-    if prefix_len <= 0:
+    no_leaves = leaf_rows is None or not leaf_rows.numel()
+    if prefix_len <= 0 or (shifts is None and no_leaves):
         return ()
     idx = (shifts.index_upto(prefix_len) if shifts is not None
            else torch.zeros(prefix_len, dtype=torch.int64))
     values = shifts.shifts.tolist() if shifts is not None else [0]
     held = torch.zeros(prefix_len + 1, dtype=torch.int64)
-    held[1:][leaf_rows[leaf_rows < prefix_len]] = 1
+    if not no_leaves:
+        held[1:][leaf_rows[leaf_rows < prefix_len]] = 1
     held = held.cumsum(0).tolist()  # held[b] - held[a]: leaf rows in [a, b)
     cut = (torch.nonzero(idx[1:] != idx[:-1]).flatten() + 1).tolist()
     starts, ends = [0, *cut], [*cut, prefix_len]

@@ -200,6 +200,10 @@ class TokenDeltas:
     k: torch.Tensor
     v: torch.Tensor
 
+    def k_at_positions(self, rope: ShiftRope | torch.Tensor) -> torch.Tensor:
+        """[m, H_kv, d] the key deviations rotated to the tokens' positions."""
+        return apply_rope(self.k, self.positions, rope)
+
     def apply(self, k: torch.Tensor, v: torch.Tensor, rope: ShiftRope | torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [n, H_kv, d] a gathered row (a copy, re-positioned); rows ``>= n`` are skipped.
@@ -208,7 +212,7 @@ class TokenDeltas:
         rows = self.rows[keep].to(k.device)
         if not rows.numel():
             return k, v
-        dk = apply_rope(self.k[keep].to(k.device), self.positions[keep], rope)
+        dk = self.k_at_positions(rope)[keep].to(k.device)
         k, v = k.clone(), v.clone()
         k[rows] = (k[rows].to(torch.float32) + dk.to(k.device)).to(k.dtype)
         v[rows] = (v[rows].to(torch.float32) + self.v[keep].to(v.device)).to(v.dtype)
