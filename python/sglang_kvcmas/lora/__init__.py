@@ -1,0 +1,1 @@
+"""LoRA deltas computed without an accelerator (pure PyTorch; SGLang's backend wraps them)."""
