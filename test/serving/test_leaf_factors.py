@@ -14,6 +14,7 @@ from sglang_kvcmas.attention.leaf_factors import (
     LeafReads,
     TokenFactors,
     factor_deviation,
+    factor_deviation_reference,
 )
 from sglang_kvcmas.attention.lowrank import LayerCorrection, LowRankCorrection, RowCorrection
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
@@ -31,7 +32,8 @@ def _factors(layers: int, m: int, hkv: int, d: int, r: int, seed: int,
                         torch.randn(layers, m, hkv, r, generator=g) * scale, basis)
 
 
-@pytest.mark.parametrize("p,hkv,d,rank", [(40, 2, 64, 8), (5, 3, 16, 8), (1, 1, 8, 4)])
+@pytest.mark.parametrize("p,hkv,d,rank", [(40, 2, 64, 8), (5, 3, 16, 8), (1, 1, 8, 4),
+                                          (64, 2, 64, 4), (130, 3, 64, 4), (7, 2, 64, 16)])
 def test_factor_deviation_is_the_best_rank_r_approximation(p, hkv, d, rank):
     g = torch.Generator().manual_seed(p)
     dev = torch.randn(p, hkv, d, generator=g)
@@ -46,6 +48,20 @@ def test_factor_deviation_is_the_best_rank_r_approximation(p, hkv, d, rank):
     if min(p, d) <= rank:  # the whole deviation fits: exact
         torch.testing.assert_close(got, dev, atol=1e-5, rtol=1e-5)
     assert factor_deviation(torch.zeros(0, hkv, d), rank)[0].shape == (0, hkv, rank)
+    ref = torch.einsum("phr,hdr->phd", *factor_deviation_reference(dev, rank))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    _, basis_ref = factor_deviation_reference(dev, rank)
+    # The same subspace: the columns span what the SVD's do (the same projector).
+    torch.testing.assert_close(basis @ basis.transpose(1, 2),
+                               basis_ref @ basis_ref.transpose(1, 2), atol=1e-4, rtol=1e-4)
+
+
+def test_factor_deviation_of_a_rank_deficient_deviation():
+    dev = torch.zeros(3, 1, 8)
+    dev[:, 0, 0] = torch.tensor([1.0, 2.0, 3.0])  # rank 1, p < d
+    coef, basis = factor_deviation(dev, 4)
+    assert torch.isfinite(coef).all() and torch.isfinite(basis).all()
+    torch.testing.assert_close(torch.einsum("phr,hdr->phd", coef, basis), dev)
 
 
 def test_token_factors_select_and_count_their_share_of_the_basis():
