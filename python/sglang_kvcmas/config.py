@@ -247,6 +247,15 @@ class ServingConfig:
         "leaves: pool slots, read exactly), 'lowrank' (a per-agent low-rank correction of "
         "every other borrowed token, fitted on them; no leaves) or 'lowrank+exact' (both).",
         kind=str, choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
+    factored_reread: str = _knob(
+        "auto", "Leaf mode 'factored': when a reader's recomputed slots are freed. 'on': right "
+        "after its prefill, its decode reading those tokens through its new leaves (the least "
+        "KV; each decode step adds their deviations); 'off': when it finishes (its decode reads "
+        "them exactly); 'auto': 'on' for a reader that reads KV computed at other positions (its "
+        "decode re-positions keys anyway), 'off' for one that reads every borrowed token at its "
+        "own position (the centroid's prefill of the same prompt under lora_share=rebase), "
+        "whose decode would otherwise leave the plain path for the deviations alone.",
+        kind=str, choices=("auto", "on", "off"))
     lowrank_rank: int = _knob(
         4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "
         "('lowrank', 'lowrank+exact'), per layer and KV head.", kind=int,
@@ -267,6 +276,11 @@ class ServingConfig:
         "writes the shared transcript, and every adapter reads it as 'borrow' reads. "
         "Requests without an adapter never read an adapter's KV.",
         kind=str, choices=("separate", "catchup", "borrow", "rebase"))
+    lora_recompute_tail: int = _knob(
+        32, "Under lora_share 'borrow' or 'rebase', a reader with an adapter recomputes at least "
+        "the last N borrowed tokens before its suffix (what it attends to most; across "
+        "adapters every borrowed token deviates, not only a segment's first ones), unless the "
+        "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

@@ -212,3 +212,34 @@ def test_a_request_with_its_own_knobs_reads_the_leaves_only_when_it_asks():
                 ) == (corrected, borrowed + K - corrected, 0), rec
     assert h.cache.shared_stats()["factored_tokens"] == K  # nothing more kept
     assert_slots_conserved(h)
+
+
+@pytest.mark.parametrize("mode,rereads", [("on", 1), ("off", 0), ("auto", 1)])
+def test_the_reread_knob_decides_when_the_recomputed_slots_go(mode, rereads):
+    """``--kvcmas-factored-reread``: 'off' keeps a factored reader's recomputed slots until it
+    finishes (its decode reads them exactly); 'auto' re-points a reader that reads re-positioned
+    KV, as these do (their heads differ in length)."""
+    from dataclasses import replace
+
+    h = _harness()
+    h.cache._overlap = False
+    h.cache.config = replace(h.cache.config, factored_reread=mode)
+    _turns(h)
+    assert h.cache.rows_reread == rereads
+    assert h.cache.shared_stats()["factored_tokens"] == K  # the leaves are kept either way
+    assert_slots_conserved(h)
+
+
+def test_auto_keeps_the_slots_of_a_reader_that_reads_every_token_at_its_own_position():
+    from types import SimpleNamespace
+
+    h = _harness()
+    h.cache._overlap = False
+
+    def handle(shift):
+        return SimpleNamespace(borrowed=lambda: SimpleNamespace(shift=np.array(shift)))
+
+    assert not h.cache._rereads(handle([0, 0, 0]))  # rebase: the centroid's own positions
+    assert h.cache._rereads(handle([0, 7, 7]))
+    h.cache._overlap = True  # a launched batch may read the row: never
+    assert not h.cache._rereads(handle([0, 7, 7]))

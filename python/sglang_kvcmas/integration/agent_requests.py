@@ -108,6 +108,12 @@ class AgentRequests:
         return sharing_namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None),
                                  getattr(req, "lora_id", None), self.lora_share)
 
+    def reads_across_adapters(self, req: Req) -> bool:
+        """Whether ``req`` names an adapter and may read KV another adapter (or the centroid)
+        computed (``lora_share=borrow|rebase``)."""
+        return self.lora_share in ("borrow", "rebase") and getattr(req, "lora_id", None) \
+            is not None
+
     def writes_shared(self, req: Req) -> bool:
         """Whether the request's computed transcript tokens join the shared tree (under
         ``lora_share=rebase`` only the centroid's do)."""

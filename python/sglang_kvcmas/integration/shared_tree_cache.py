@@ -275,6 +275,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         handle = replace(handle, use_leaves=options.reads_leaves).walked()
         config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
                   else self.recompute_config).with_readers(readers_of(req))
+        if "recompute_tail" not in own_knobs and self.requests.reads_across_adapters(req):
+            config = replace(config, tail_tokens=max(config.tail_tokens,
+                                                     self.config.lora_recompute_tail))
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
@@ -523,8 +526,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         factors its extend made of them, and every recomputed slot is freed: now, with the row
         re-pointed at the owners' slots read through those leaves
         (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may
-        still read the row (``rows_in_flight``) or some recomputed token has no leaf; else at
-        release."""
+        still read the row (``rows_in_flight``), ``--kvcmas-factored-reread`` keeps them
+        (:meth:`_rereads`) or some recomputed token has no leaf; else at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
@@ -536,7 +539,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             corr = _row_correction(req)
             if corr is not None and corr.factor is not None:
                 adopt_factored(self.shared, handle, corr.factor)
-            fresh = factored_reread(handle) if not self.rows_in_flight else None
+            fresh = factored_reread(handle) if self._rereads(handle) else None
             if fresh is not None:
                 self._reread_factored(req, fresh, row)
                 self._free_slots(slots)
@@ -550,6 +553,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req.last_node = after
         req.kv.cache_protected_len = start
         self._trim_leaves()
+
+    def _rereads(self, handle: SharedPrefixHandle) -> bool:
+        """Whether a factored reader's row is re-pointed right after its prefill
+        (``--kvcmas-factored-reread``): never while a launched batch may still read it; under
+        ``auto`` only when it reads some borrowed token at another position."""
+        mode = self.config.factored_reread
+        if self.rows_in_flight or mode == "off":
+            return False
+        return mode == "on" or bool(handle.borrowed().shift.any())
 
     @staticmethod
     def _reread_factored(req: Req, fresh: SharedPrefixHandle, row: torch.Tensor) -> None:

@@ -1,0 +1,68 @@
+"""``--kvcmas-lora-recompute-tail``: under ``lora_share=borrow|rebase`` a reader that names an
+adapter recomputes at least the last N borrowed tokens before its suffix (the tree cache, no
+server); a request's own ``kvcmas_recompute_tail`` and requests without an adapter are left as
+they are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID  # noqa: E402
+from test_shared_tree_cache import END, SUFFIX, T1, T2, Harness, Req, head  # noqa: E402
+
+
+class LoraHarness(Harness):
+    """The harness with SGLang's radix key as a LoRA request has it: the adapter id in
+    ``extra_key``, so each adapter matches only its own radix prefixes."""
+
+    def match(self, req):
+        n = len(req.origin_input_ids)
+        res = self.cache.match_prefix(MatchPrefixParams(
+            key=RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt,
+                         limit=n - 1), req=req))
+        req.prefix_len, req.last_node = res.device_prefix_len, res.last_device_node
+        req.kv.cache_protected_len = req.num_matched_prefix_tokens = req.prefix_len
+
+
+def _req(rid: str, ids: list[int], adapter: str | None) -> Req:
+    req = Req(rid, ids)
+    if adapter is not None:
+        req.lora_id = req.extra_key = adapter  # SGLang appends the adapter id to extra_key
+    return req
+
+
+def _recomputed(tail: int, adapter: str | None, mode: str = "borrow") -> int:
+    """Borrowed tokens a second agent recomputes when it reads the first one's T2 (each agent's
+    head cached by its first turn, as a reader can only borrow after its own head)."""
+    h = LoraHarness(boundary=0)
+    h.cache.requests.lora_share = mode
+    h.cache.config = replace(h.cache.config, lora_recompute_tail=tail)
+    a, b = head(50, 20), head(60, 8)
+    # The owner: another adapter, or under rebase the centroid (the only writer there).
+    owner, rid = ("planner", "a") if mode != "rebase" else (CENTROID, CENTROID_RID)
+    h.serve(_req(f"{rid}1", a + T1 + SUFFIX, adapter and owner), 0)
+    h.serve(_req("b1", b + T1 + SUFFIX, adapter), 1)
+    h.serve(_req(f"{rid}2", a + T1 + T2 + SUFFIX, adapter and owner), 2)  # it owns T2
+    b2 = _req("b2", b + T1 + T2 + SUFFIX, adapter)
+    h.serve(b2, 3)
+    rec = b2.customized_info["kvcmas_reuse"][0]
+    assert rec["reused_repositioned"] + rec["recomputed_borrowed"] == len(T2) + END
+    return rec["recomputed_borrowed"]
+
+
+def test_an_adapter_reader_recomputes_the_tail():
+    assert _recomputed(0, "solver") == 0  # no boundary, no head mass recorded here
+    assert _recomputed(8, "solver") == 8
+    assert _recomputed(8, "solver", mode="rebase") == 8
+    with pytest.raises(AssertionError):  # separate: nothing borrowed across adapters
+        _recomputed(8, "solver", mode="separate")
+
+
+def test_requests_without_an_adapter_are_left_alone():
+    assert _recomputed(8, None) == _recomputed(0, None) == 0
