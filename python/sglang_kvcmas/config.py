@@ -251,10 +251,10 @@ class ServingConfig:
         "auto", "Leaf mode 'factored': when a reader's recomputed slots are freed. 'on': right "
         "after its prefill, its decode reading those tokens through its new leaves (the least "
         "KV; each decode step adds their deviations); 'off': when it finishes (its decode reads "
-        "them exactly); 'auto': 'on' for a reader that reads KV computed at other positions (its "
-        "decode re-positions keys anyway), 'off' for one that reads every borrowed token at its "
-        "own position (the centroid's prefill of the same prompt under lora_share=rebase), "
-        "whose decode would otherwise leave the plain path for the deviations alone.",
+        "them exactly); 'auto': 'off' for a reader with an adapter (lora_share 'borrow' or "
+        "'rebase') that reads every borrowed token at its own position (under 'rebase' the "
+        "centroid prefilled the same prompt), whose decode would otherwise leave the plain "
+        "path for the deviations alone; 'on' for every other reader.",
         kind=str, choices=("auto", "on", "off"))
     lowrank_rank: int = _knob(
         4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "

@@ -217,8 +217,7 @@ def test_a_request_with_its_own_knobs_reads_the_leaves_only_when_it_asks():
 @pytest.mark.parametrize("mode,rereads", [("on", 1), ("off", 0), ("auto", 1)])
 def test_the_reread_knob_decides_when_the_recomputed_slots_go(mode, rereads):
     """``--kvcmas-factored-reread``: 'off' keeps a factored reader's recomputed slots until it
-    finishes (its decode reads them exactly); 'auto' re-points a reader that reads re-positioned
-    KV, as these do (their heads differ in length)."""
+    finishes (its decode reads them exactly); 'auto' re-points these prompt agents' rows."""
     from dataclasses import replace
 
     h = _harness()
@@ -230,7 +229,7 @@ def test_the_reread_knob_decides_when_the_recomputed_slots_go(mode, rereads):
     assert_slots_conserved(h)
 
 
-def test_auto_keeps_the_slots_of_a_reader_that_reads_every_token_at_its_own_position():
+def test_auto_keeps_the_slots_of_an_adapter_reader_at_its_own_positions():
     from types import SimpleNamespace
 
     h = _harness()
@@ -239,7 +238,11 @@ def test_auto_keeps_the_slots_of_a_reader_that_reads_every_token_at_its_own_posi
     def handle(shift):
         return SimpleNamespace(borrowed=lambda: SimpleNamespace(shift=np.array(shift)))
 
-    assert not h.cache._rereads(handle([0, 0, 0]))  # rebase: the centroid's own positions
-    assert h.cache._rereads(handle([0, 7, 7]))
+    adapter, prompt = Req("r1", [1, 2, 3]), Req("r2", [1, 2, 3])
+    adapter.lora_id = adapter.extra_key = "solver"
+    h.cache.requests.lora_share = "rebase"
+    assert not h.cache._rereads(adapter, handle([0, 0, 0]))  # the centroid's own positions
+    assert h.cache._rereads(adapter, handle([0, 7, 7]))
+    assert h.cache._rereads(prompt, handle([0, 0, 0]))  # prompt agents: as measured before
     h.cache._overlap = True  # a launched batch may read the row: never
-    assert not h.cache._rereads(handle([0, 7, 7]))
+    assert not h.cache._rereads(adapter, handle([0, 7, 7]))

@@ -539,7 +539,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             corr = _row_correction(req)
             if corr is not None and corr.factor is not None:
                 adopt_factored(self.shared, handle, corr.factor)
-            fresh = factored_reread(handle) if self._rereads(handle) else None
+            fresh = factored_reread(handle) if self._rereads(req, handle) else None
             if fresh is not None:
                 self._reread_factored(req, fresh, row)
                 self._free_slots(slots)
@@ -554,14 +554,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         req.kv.cache_protected_len = start
         self._trim_leaves()
 
-    def _rereads(self, handle: SharedPrefixHandle) -> bool:
+    def _rereads(self, req: Req, handle: SharedPrefixHandle) -> bool:
         """Whether a factored reader's row is re-pointed right after its prefill
         (``--kvcmas-factored-reread``): never while a launched batch may still read it; under
-        ``auto`` only when it reads some borrowed token at another position."""
+        ``auto`` always but for a reader with an adapter (``lora_share=borrow|rebase``) that
+        reads every borrowed token at its own position (``rebase``: the centroid prefilled the
+        same prompt), whose decode stays on the plain path with its recomputed slots."""
         mode = self.config.factored_reread
         if self.rows_in_flight or mode == "off":
             return False
-        return mode == "on" or bool(handle.borrowed().shift.any())
+        if mode == "on" or not self.requests.reads_across_adapters(req):
+            return True
+        return bool(handle.borrowed().shift.any())
 
     @staticmethod
     def _reread_factored(req: Req, fresh: SharedPrefixHandle, row: torch.Tensor) -> None:
