@@ -82,3 +82,31 @@ def test_centroid_arms_are_judged_against_the_borrow_arms_naive_reuse_on_common_
     assert "naive_tf_top1" not in out
     alone = against_cross_adapter_naive(ours, {})
     assert "kl_recovered" not in alone and alone["base_kl20"] == 0.05
+
+
+def test_a_replayed_arm_serves_the_stock_arms_prompts_and_decode_lengths(monkeypatch):
+    from benchmark.serving import lora_head_to_head as bench
+
+    sent = []
+
+    def fake_generate(url, ids, max_new, fields):
+        sent.append((tuple(ids), max_new, dict(fields["sampling_params"])))
+        return {"ttft": 0.1, "latency": 0.2, "text": f"own {fields['lora_path']}",
+                "output_ids": [7] * 3, "meta": {}}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return [len(text)]  # the prompt's length stands in for its tokens
+
+    monkeypatch.setattr(bench, "stream_generate", fake_generate)
+    steps = [["planner", "solver"]] * 2
+    script = {(0, s, a): {"text": f"stock {a} {s}", "output_ids": [1] * (5 + s)}
+              for s in range(2) for a in ("planner", "solver")}
+    turns, _ = bench.run_flows("url", [LoraFlow(0, "Q?", steps)], Tok(), 64, script)
+    assert [t["agent"] for t in turns] == ["planner", "solver"] * 2
+    assert {m for _, m, _ in sent} == {5, 6}  # each turn decodes the stock turn's length
+    assert all(p["ignore_eos"] and p["max_new_tokens"] in (5, 6) for _, _, p in sent)
+    expected = LoraFlow(0, "Q?", steps, ["stock planner 0", "stock solver 0"]).prompt()
+    assert turns[2]["prompt_ids"] == [len(expected)]  # grown by stock's messages, not its own
+    own, _ = bench.run_flows("url", [LoraFlow(0, "Q?", steps)], Tok(), 64)
+    assert own[2]["prompt_ids"] != turns[2]["prompt_ids"]
