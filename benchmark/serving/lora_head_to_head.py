@@ -29,8 +29,8 @@ the same KV pool for every arm:
                     recovered is against the borrow arm's naive reuse on the same turns)
     rebase_*        the same with one knob changed: ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
-                    ``reread`` (--kvcmas-factored-reread on), ``mass25`` (a quarter of the
-                    borrowed tokens by head mass), ``lowrank`` (lowrank+exact leaves)
+                    ``reread`` (--kvcmas-factored-reread on), ``mass25`` / ``nomass`` (a quarter /
+                    none of the borrowed tokens by head mass), ``lowrank`` (lowrank+exact leaves)
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -118,6 +118,7 @@ ARMS: dict[str, list[str]] = {
     "rebase_exact": [*REBASE, "--kvcmas-leaf-mode", "exact"],
     "rebase_reread": [*REBASE, "--kvcmas-factored-reread", "on"],
     "rebase_mass25": [*REBASE, "--kvcmas-recompute-mass-fraction", "0.25"],
+    "rebase_nomass": [*REBASE, "--kvcmas-recompute-mass-fraction", "0"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
 }
 CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))
