@@ -243,7 +243,7 @@ class TokenDeltas:
             return k, v
         dk = self.k_at_positions(rope)[keep].to(k.device)
         k, v = k.clone(), v.clone()
-        k[rows] = (k[rows].to(torch.float32) + dk.to(k.device)).to(k.dtype)
+        k[rows] = (k[rows].to(torch.float32) + dk).to(k.dtype)
         v[rows] = (v[rows].to(torch.float32) + self.v[keep].to(v.device)).to(v.dtype)
         return k, v
 

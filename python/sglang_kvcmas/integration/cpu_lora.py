@@ -124,24 +124,29 @@ def grouped_backend(base: type) -> type:
             self._kvcmas_groups = (info, groups)
             return groups
 
-        def run_lora_a_sgemm(self, x, weights, stack_num=1, *args, **kwargs):
+        def _groups_for(self, x: torch.Tensor) -> AdapterGroups | None:
+            """The batch's groups when they cover ``x``'s tokens, else None (SGLang's ops)."""
             groups = self._groups()
-            if groups is None or groups.num_tokens != x.shape[0]:
+            return groups if groups is not None and groups.num_tokens == x.shape[0] else None
+
+        def run_lora_a_sgemm(self, x, weights, stack_num=1, *args, **kwargs):
+            groups = self._groups_for(x)
+            if groups is None:
                 return super().run_lora_a_sgemm(x, weights, stack_num, *args, **kwargs)
             return lora_a(x, weights, groups, stack_num)
 
         def run_lora_b_sgemm(self, x, weights, output_offset_cpu, base_output=None, *args,
                              **kwargs):
-            groups = self._groups()
-            if groups is None or groups.num_tokens != x.shape[0]:
+            groups = self._groups_for(x)
+            if groups is None:
                 return super().run_lora_b_sgemm(x, weights, output_offset_cpu, base_output,
                                                 *args, **kwargs)
             return lora_b(x, weights, groups, output_offset_cpu.tolist(), base_output)
 
         def run_qkv_lora(self, x, qkv_lora_a, qkv_lora_b, output_offset, output_offset_cpu,
                          max_qkv_out_dim, base_output=None, n_slices=3, *args, **kwargs):
-            groups = self._groups()
-            if groups is None or groups.num_tokens != x.shape[0]:
+            groups = self._groups_for(x)
+            if groups is None:
                 return super().run_qkv_lora(x, qkv_lora_a, qkv_lora_b, output_offset,
                                             output_offset_cpu, max_qkv_out_dim, base_output,
                                             n_slices, *args, **kwargs)
@@ -150,8 +155,8 @@ def grouped_backend(base: type) -> type:
 
         def run_gate_up_lora(self, x, gate_up_lora_a, gate_up_lora_b, output_offset_cpu,
                              base_output=None, *args, **kwargs):
-            groups = self._groups()
-            if groups is None or groups.num_tokens != x.shape[0]:
+            groups = self._groups_for(x)
+            if groups is None:
                 return super().run_gate_up_lora(x, gate_up_lora_a, gate_up_lora_b,
                                                 output_offset_cpu, base_output, *args, **kwargs)
             offsets = output_offset_cpu.tolist()
