@@ -13,7 +13,7 @@ the same KV pool for every arm:
     stock           --kvcmas-stock-cache: SGLang's LoRA serving; its radix cache keys every
                     prefix by adapter, so each adapter prefills the transcript itself
     borrow          --kvcmas-share-context --kvcmas-lora-share borrow: an adapter reads the
-                    transcript another adapter computed (re-positioned; boundary, head-mass and
+                    transcript another adapter computed (re-positioned; boundary tokens and
                     the last --kvcmas-lora-recompute-tail tokens recomputed with its own
                     adapter, kept as its leaves)
     borrow_lowrank  the same with --kvcmas-leaf-mode lowrank: the recomputed tokens fit the
@@ -29,8 +29,9 @@ the same KV pool for every arm:
                     recovered is against the borrow arm's naive reuse on the same turns)
     rebase_*        the same with one knob changed: ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
-                    ``reread`` (--kvcmas-factored-reread on), ``mass25`` / ``nomass`` (a quarter /
-                    none of the borrowed tokens by head mass), ``lowrank`` (lowrank+exact leaves)
+                    ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
+                    a quarter of the borrowed tokens by head mass; default none), ``lowrank``
+                    (lowrank+exact leaves)
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -117,8 +118,8 @@ ARMS: dict[str, list[str]] = {
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],
     "rebase_exact": [*REBASE, "--kvcmas-leaf-mode", "exact"],
     "rebase_reread": [*REBASE, "--kvcmas-factored-reread", "on"],
-    "rebase_mass25": [*REBASE, "--kvcmas-recompute-mass-fraction", "0.25"],
-    "rebase_nomass": [*REBASE, "--kvcmas-recompute-mass-fraction", "0"],
+    "rebase_mass10": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.1"],
+    "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
 }
 CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))

@@ -281,6 +281,12 @@ class ServingConfig:
         "the last N borrowed tokens before its suffix (what it attends to most; across "
         "adapters every borrowed token deviates, not only a segment's first ones), unless the "
         "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
+    lora_recompute_mass_fraction: float = _knob(
+        0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
+        "reader with an adapter recomputes by owner head mass, in place of "
+        "recompute_mass_fraction (across adapters the owner's head mass picks no better tokens "
+        "than the tail does), unless the request sets its own "
+        "kvcmas_recompute_mass_fraction.", kind=float, low=0, high=1)
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists

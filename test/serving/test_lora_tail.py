@@ -1,7 +1,8 @@
-"""``--kvcmas-lora-recompute-tail``: under ``lora_share=borrow|rebase`` a reader that names an
-adapter recomputes at least the last N borrowed tokens before its suffix (the tree cache, no
-server); a request's own ``kvcmas_recompute_tail`` and requests without an adapter are left as
-they are."""
+"""``--kvcmas-lora-recompute-tail`` and ``--kvcmas-lora-recompute-mass-fraction``: under
+``lora_share=borrow|rebase`` a reader that names an adapter recomputes at least the last N
+borrowed tokens before its suffix, and the LoRA share of them by owner head mass in place of the
+deployment's (the tree cache, no server); a request's own ``kvcmas_recompute_tail`` /
+``kvcmas_recompute_mass_fraction`` and requests without an adapter are left as they are."""
 
 from __future__ import annotations
 
@@ -37,19 +38,28 @@ def _req(rid: str, ids: list[int], adapter: str | None) -> Req:
     return req
 
 
-def _recomputed(tail: int, adapter: str | None, mode: str = "borrow") -> int:
+def _recomputed(tail: int, adapter: str | None, mode: str = "borrow", lora_mass: float = 0.0,
+                mass: float = 0.0, custom: dict | None = None) -> int:
     """Borrowed tokens a second agent recomputes when it reads the first one's T2 (each agent's
-    head cached by its first turn, as a reader can only borrow after its own head)."""
+    head cached by its first turn, as a reader can only borrow after its own head); the owner's
+    pass records head mass 0.9 on three of T2's tokens (``mass`` / ``lora_mass``: the
+    deployment's share by mass and the LoRA one; ``custom``: the reader's own knobs)."""
     h = LoraHarness(boundary=0)
     h.cache.requests.lora_share = mode
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=tail)
+    h.cache.config = replace(h.cache.config, lora_recompute_tail=tail,
+                             lora_recompute_mass_fraction=lora_mass)
+    h.cache.recompute_config = replace(h.cache.recompute_config, mass_fraction=mass)
     a, b = head(50, 20), head(60, 8)
     # The owner: another adapter, or under rebase the centroid (the only writer there).
     owner, rid = ("planner", "a") if mode != "rebase" else (CENTROID, CENTROID_RID)
     h.serve(_req(f"{rid}1", a + T1 + SUFFIX, adapter and owner), 0)
     h.serve(_req("b1", b + T1 + SUFFIX, adapter), 1)
-    h.serve(_req(f"{rid}2", a + T1 + T2 + SUFFIX, adapter and owner), 2)  # it owns T2
+    peaks = {len(a) + len(T1) + i for i in (3, 9, 17)}
+    h.serve(_req(f"{rid}2", a + T1 + T2 + SUFFIX, adapter and owner), 2,  # it owns T2
+            mass=lambda i: 0.9 if i in peaks else 0.01)
     b2 = _req("b2", b + T1 + T2 + SUFFIX, adapter)
+    if custom:
+        b2.sampling_params.custom_params = custom
     h.serve(b2, 3)
     rec = b2.customized_info["kvcmas_reuse"][0]
     assert rec["reused_repositioned"] + rec["recomputed_borrowed"] == len(T2) + END
@@ -66,3 +76,18 @@ def test_an_adapter_reader_recomputes_the_tail():
 
 def test_requests_without_an_adapter_are_left_alone():
     assert _recomputed(8, None) == _recomputed(0, None) == 0
+
+
+def test_an_adapter_reader_takes_the_lora_mass_share():
+    """Of T2's borrowed tokens (plus the end marker), an adapter reader recomputes by mass the
+    LoRA share (here 0.1: three tokens) whatever the deployment's share; a reader without an
+    adapter the deployment's; a request's own share wins."""
+    borrowed = len(T2) + END
+    three = round(0.1 * borrowed)
+    assert _recomputed(0, "solver", mass=0.5) == 0  # the LoRA share (default 0) replaces it
+    assert _recomputed(0, "solver", lora_mass=0.1) == three
+    assert _recomputed(0, "solver", mode="rebase", lora_mass=0.1, mass=0.5) == three
+    assert _recomputed(0, None, lora_mass=0.5, mass=0.1) == three
+    assert _recomputed(0, "solver", lora_mass=0.5,
+                       custom={"kvcmas_recompute_mass_fraction": 0.1,
+                               "kvcmas_recompute_boundary": 0}) == three

@@ -274,10 +274,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             return base  # too little to borrow: compute it exactly
         handle = replace(handle, use_leaves=options.reads_leaves).walked()
         config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
-                  else self.recompute_config).with_readers(readers_of(req))
-        if "recompute_tail" not in own_knobs and self.requests.reads_across_adapters(req):
-            config = replace(config, tail_tokens=max(config.tail_tokens,
-                                                     self.config.lora_recompute_tail))
+                  else self.recompute_config)
+        if self.requests.reads_across_adapters(req):
+            config = self._across_adapters(config, own_knobs)
+        config = config.with_readers(readers_of(req))
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
@@ -289,6 +289,16 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                          lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
                          lowrank_chain=leaf.lowrank_chain, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
+
+    def _across_adapters(self, config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
+        """``config`` for a reader with an adapter under ``borrow`` or ``rebase``: at least the
+        LoRA tail, and the LoRA mass share, where the request sets neither itself."""
+        changes: dict = {}
+        if "recompute_tail" not in own_knobs:
+            changes["tail_tokens"] = max(config.tail_tokens, self.config.lora_recompute_tail)
+        if "recompute_mass_fraction" not in own_knobs:
+            changes["mass_fraction"] = self.config.lora_recompute_mass_fraction
+        return replace(config, **changes)
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
                        spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
