@@ -23,11 +23,14 @@ the same KV pool for every arm:
                     while the turn decodes
     rebase          --kvcmas-share-context --kvcmas-lora-share rebase (the headline's mode):
                     every adapter request's prompt prefilled first under the adapters' centroid
-                    (the mean of their deltas), the only writer of the shared transcript; each
+                    (the mean of their deltas), the only writer of the shared transcript, and
+                    its answer prefilled by the centroid while it streams; each
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``notail`` / ``tail16`` / ``tail64``
+    rebase_*        the same with one knob changed: ``noahead`` (--kvcmas-lora-centroid-ahead
+                    0: the centroid prefills an answer only when the next turn comes, not while
+                    it streams), ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
@@ -113,6 +116,7 @@ ARMS: dict[str, list[str]] = {
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
+    "rebase_noahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "0"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],

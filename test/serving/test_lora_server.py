@@ -260,3 +260,28 @@ def test_rebase_adapters_read_the_centroids_transcript_and_write_none(rebase):
     assert borrowed(base[url]) == 0 and centroid_tokens(url) == before
     assert base[url]["output_ids"] == base[stock]["output_ids"]
     assert pool_balanced(url)
+
+
+def test_rebase_prefills_a_streamed_answer_ahead_of_the_next_turn(rebase):
+    """While an adapter's answer streams, the centroid prefills it (every 32 answer tokens and at
+    its end), so the next turn's centroid prefill computes only what follows the answer."""
+    from benchmark.serving.head_to_head import stream_generate
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    _, url = rebase
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    ids = tok.encode(prompt(QUESTION + uuid.uuid4().hex[:6]), add_special_tokens=False)
+    before = centroid_tokens(url)
+    answer = stream_generate(url, ids, 40, {"lora_path": "planner", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 40, "ignore_eos": True}})["output_ids"]
+    time.sleep(1.0)  # the last ahead prefill runs after the answer's end
+    # Its own prefill, then the prompt + 32 and prompt + 40 answer tokens (cached but the new).
+    assert centroid_tokens(url) >= before + 3 * len(ids) + 32 + 40
+    glue = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    before = centroid_tokens(url, "prefilled")
+    second = generate(url, "", "solver", input_ids=ids + answer + glue, text=None)
+    assert centroid_tokens(url, "prefilled") - before <= len(glue) + 1
+    assert borrowed(second) > len(answer)  # the answer read off the centroid
+    assert pool_balanced(url)

@@ -12,6 +12,19 @@ Identical prompts in flight at once (agents of one workflow that answer together
 centroid prefill. Skipped for requests that ask to read no other agent's KV
 (``kvcmas_exact``), for the centroid itself, and for batches.
 
+Ahead of the next turn (``--kvcmas-lora-centroid-ahead N``, the lab's schedule of rebuilding
+the base alongside the writer's decode): while an adapter request streams its answer, every N
+answer tokens the centroid prefills the prompt plus the answer so far (its shared transcript
+ending there: ``kvcmas_shared_end``), and once more when the answer ends (a request that does
+not stream: then only; prompts given as ids, as the chat route sends them), so the next turn's
+centroid prefill finds most of the answer computed and the next reader waits for the rest
+alone. A centroid prefill waits for the ahead prefills in flight of a prompt its own extends,
+and an answer's last ahead prefill for the one before it (each would compute the same tokens
+beside the other). Of the requests that share one centroid prefill only the first to arrive
+prefills ahead: the order in which their answers join the transcript is unknown, and the first
+is the likeliest to come first. An aborted answer prefills nothing more. Ahead prefills are
+centroid prefills (same rid prefix, same counters; ``TOTALS["ahead"]`` counts them).
+
 Centroid requests go through SGLang's unhooked ``generate_request`` (no ledger entry); their
 tokens are counted in ``kvcmas:lora_centroid_tokens_total`` (``kind`` = ``prompt`` |
 ``prefilled``) and :data:`TOTALS`. A failed centroid prefill is logged and the adapter request
@@ -27,14 +40,19 @@ from typing import Any
 from sglang_kvcmas.integration import metrics
 from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
-from sglang_kvcmas.policy.request_options import RequestOptions
+from sglang_kvcmas.policy.request_options import SHARED_END_FIELD, RequestOptions
 
 logger = logging.getLogger(__name__)
 
-TOTALS = {"requests": 0, "prompt": 0, "prefilled": 0, "failed": 0, "coalesced": 0}
+TOTALS = {"requests": 0, "prompt": 0, "prefilled": 0, "failed": 0, "coalesced": 0, "ahead": 0}
 """What centroid prefills have cost in this process: requests, their prompt tokens, tokens
-prefilled; failed ones, and adapter requests that joined one already in flight."""
+prefilled; failed ones, adapter requests that joined one already in flight, and how many of the
+requests were ahead prefills of an answer."""
 _IN_FLIGHT: dict[tuple, asyncio.Future] = {}
+_AHEAD: dict[tuple, dict[tuple, asyncio.Future]] = {}
+"""(cache_salt, extra_key) -> the latest ahead prefill in flight there of each answered prompt,
+by the prompt's ids."""
+_EVERY: list[int] = []
 
 
 def _counter() -> Any:
@@ -57,10 +75,32 @@ def centroid_request(obj: Any) -> Any:
     return one_token_request(obj, CENTROID, CENTROID_RID, keep_custom=True)
 
 
+def ahead_every() -> int:
+    """``--kvcmas-lora-centroid-ahead`` as the launcher set it (read once; 0: off)."""
+    if not _EVERY:
+        from sglang_kvcmas.config import ServingConfig
+
+        _EVERY.append(ServingConfig.from_env().lora_centroid_ahead)
+    return _EVERY[0]
+
+
+def _namespace(obj: Any) -> tuple:
+    return (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None))
+
+
 def _prompt_key(obj: Any) -> tuple:
     ids = getattr(obj, "input_ids", None)
-    prompt = tuple(ids) if isinstance(ids, list) else getattr(obj, "text", None)
-    return (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None), prompt)
+    return (*_namespace(obj), tuple(ids) if isinstance(ids, list) else getattr(obj, "text", None))
+
+
+def _aheads_under(obj: Any) -> list[asyncio.Future]:
+    """The ahead prefills in flight of answers to a prompt that ``obj``'s prompt extends (the
+    answer itself may come back tokenized otherwise)."""
+    ids = getattr(obj, "input_ids", None)
+    if not isinstance(ids, list):
+        return []
+    return [f for prompt, f in _AHEAD.get(_namespace(obj), {}).items()
+            if len(prompt) <= len(ids) and tuple(ids[: len(prompt)]) == prompt]
 
 
 def around_request(original: Any, manager: Any, obj: Any,
@@ -75,13 +115,19 @@ def around_request(original: Any, manager: Any, obj: Any,
         return outputs
     key = _prompt_key(obj)
     fut = _IN_FLIGHT.get(key)
-    if fut is None:
-        fut = asyncio.ensure_future(_prefill(original, manager, centroid_request(obj)))
+    first = fut is None
+    if first:
+        fut = asyncio.ensure_future(_prefill(original, manager, centroid_request(obj),
+                                             _aheads_under(obj)))
         _IN_FLIGHT[key] = fut
         fut.add_done_callback(lambda _: _IN_FLIGHT.pop(key, None))
     else:
         TOTALS["coalesced"] += 1
-    return _after(fut, outputs)
+    outputs = _after(fut, outputs)
+    every = ahead_every()
+    if first and every > 0:
+        outputs = _ahead(original, manager, obj, outputs, every)
+    return outputs
 
 
 async def _after(fut: asyncio.Future, outputs: Any) -> Any:
@@ -90,9 +136,73 @@ async def _after(fut: asyncio.Future, outputs: Any) -> Any:
         yield out
 
 
-async def _prefill(original: Any, manager: Any, req: Any) -> None:
+async def _prefill(original: Any, manager: Any, req: Any,
+                   first: list[asyncio.Future] = ()) -> None:
+    """Run the centroid prefill ``req`` once the ahead prefills ``first`` are done."""
+    if first:
+        await asyncio.wait(first)  # their failures are theirs: logged where they ran
     try:
         await run_counted(original, manager, req, TOTALS, _counter())
     except Exception:  # noqa: BLE001 - the adapter request goes on without it
         TOTALS["failed"] += 1
         logger.exception("sglang-kvcmas: centroid prefill %s failed", req.rid)
+
+
+def ahead_request(obj: Any, answer: list[int]) -> Any:
+    """The centroid prefill of ``obj``'s prompt ids followed by ``answer``'s, its shared
+    transcript running to the end of the answer."""
+    req = centroid_request(obj)
+    req.input_ids = list(req.input_ids) + list(answer)
+    req.sampling_params.setdefault("custom_params", {})[SHARED_END_FIELD] = len(req.input_ids)
+    return req
+
+
+async def _ahead(original: Any, manager: Any, obj: Any, outputs: Any, every: int) -> Any:
+    """``outputs``, with the centroid prefilling ``obj``'s prompt plus its answer so far every
+    ``every`` answer tokens of a streamed answer, and the whole answer at its end (prompts given
+    as ids only: a text prompt's ids are the scheduler's)."""
+    if not isinstance(getattr(obj, "input_ids", None), list):
+        async for out in outputs:
+            yield out
+        return
+    incremental = bool(getattr(obj, "stream", False)) and bool(
+        getattr(getattr(manager, "server_args", None), "incremental_streaming_output", False))
+    answer: list[int] = []
+    sent, running = 0, None
+    async for out in outputs:
+        # Before handing the output on: a non-streamed request's caller never resumes this
+        # generator after its one output.
+        if isinstance(out, dict) and sent >= 0:
+            ids = out.get("output_ids")
+            if isinstance(ids, list):
+                answer = answer + ids if incremental else ids
+            reason = (out.get("meta_info") or {}).get("finish_reason")
+            if reason is not None:
+                aborted = isinstance(reason, dict) and reason.get("type") == "abort"
+                if not aborted and len(answer) > sent:
+                    _start_ahead(original, manager, obj, list(answer), running)
+                sent = -1  # done: nothing more ahead
+            elif len(answer) - sent >= every and (running is None or running.done()):
+                sent = len(answer) - len(answer) % every
+                running = _start_ahead(original, manager, obj, answer[:sent])
+        yield out
+
+
+def _start_ahead(original: Any, manager: Any, obj: Any, answer: list[int],
+                 after: asyncio.Future | None = None) -> asyncio.Future:
+    """The ahead prefill of ``obj``'s prompt plus ``answer``, once ``after`` is done."""
+    space, prompt = _namespace(obj), tuple(obj.input_ids)
+    first = [after] if after is not None and not after.done() else []
+    fut = asyncio.ensure_future(_prefill(original, manager, ahead_request(obj, answer), first))
+    TOTALS["ahead"] += 1
+    aheads = _AHEAD.setdefault(space, {})
+    aheads[prompt] = fut
+
+    def done(_: asyncio.Future) -> None:
+        if aheads.get(prompt) is fut:
+            del aheads[prompt]
+        if not aheads and _AHEAD.get(space) is aheads:
+            del _AHEAD[space]
+
+    fut.add_done_callback(done)
+    return fut
