@@ -28,9 +28,11 @@ the same KV pool for every arm:
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``noahead`` (--kvcmas-lora-centroid-ahead
-                    0: the centroid prefills an answer only when the next turn comes, not while
-                    it streams), ``notail`` / ``tail16`` / ``tail64``
+    rebase_*        the same with one knob changed: ``noahead`` / ``ahead16``
+                    (--kvcmas-lora-centroid-ahead 0 / 16: the centroid prefills an answer only
+                    when the next turn comes / every 16 tokens while it streams),
+                    ``noboundary`` (--kvcmas-recompute-boundary 0: no span's first tokens
+                    recomputed, the LoRA tail only), ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
@@ -82,6 +84,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +120,8 @@ ARMS: dict[str, list[str]] = {
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
     "rebase_noahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "0"],
+    "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
+    "rebase_noboundary": [*REBASE, "--kvcmas-recompute-boundary", "0"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],
@@ -376,9 +381,19 @@ def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
     return out
 
 
-def flush(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
-                           timeout=60).read()
+def flush(url: str, timeout_s: float = 120.0) -> None:
+    """Flush the server's caches once background prefills (catch-ups, the centroid's ahead
+    prefills) have drained: SGLang refuses (400) while requests run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
+                                   timeout=60).read()
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def lowrank_bytes(url: str) -> int:

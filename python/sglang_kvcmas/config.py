@@ -282,13 +282,12 @@ class ServingConfig:
         "adapters every borrowed token deviates, not only a segment's first ones), unless the "
         "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
     lora_centroid_ahead: int = _knob(
-        32, "Under lora_share 'rebase', while a streamed adapter turn decodes, the centroid "
-        "prefills its prompt plus the answer so far every N answer tokens, and the whole answer "
-        "when the turn ends (a turn not streamed: when it ends), so the next turn over the "
-        "transcript finds most of the centroid's KV of this answer computed (background "
-        "prefill, counted). Of agents that answer one prompt together only the first to arrive "
-        "does (the order their answers join the transcript is unknown). 0: off.", kind=int,
-        low=0)
+        32, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
+        "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "
+        "centroid prefill computes only the answer's last tokens and what follows (background "
+        "prefill, counted; answers not streamed and prompts sent as text get none). Of agents "
+        "that answer one prompt together only the first to arrive does (the order their answers "
+        "join the transcript is unknown). 0: off.", kind=int, low=0)
     lora_recompute_mass_fraction: float = _knob(
         0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
         "reader with an adapter recomputes by owner head mass, in place of "

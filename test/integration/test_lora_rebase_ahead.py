@@ -1,6 +1,6 @@
 """``--kvcmas-lora-centroid-ahead``: the centroid prefills an adapter request's prompt plus its
-answer so far while the answer streams, and the whole answer at its end
-(``integration/lora_rebase.py``), with a stand-in for SGLang's ``generate_request``."""
+answer so far while the answer streams (``integration/lora_rebase.py``), with a stand-in for
+SGLang's ``generate_request``."""
 
 from __future__ import annotations
 
@@ -82,34 +82,28 @@ def _aheads(fake: StreamingManager) -> list[int]:
     return out
 
 
-def test_a_streamed_answer_is_prefilled_every_n_tokens_and_at_its_end():
+def test_a_streamed_answer_is_prefilled_every_n_tokens_and_nothing_at_its_end():
     fake = StreamingManager(answer_len=70, step_s=0.003, centroid_s=0.002)
     asyncio.run(turn(fake, "planner"))
-    assert _aheads(fake) == [32, 64, 70]
-    assert fake.centroid[-1][0][len(PROMPT):] == list(range(900, 970))
-    assert lora_rebase.TOTALS["ahead"] == 3 and lora_rebase.TOTALS["requests"] == 4
-
-
-def test_an_ahead_prefill_in_flight_is_not_doubled():
-    """While one ahead prefill runs, the answer's next crossings send none, and its last one
-    starts when that one ends."""
-    fake = StreamingManager(answer_len=70, step_s=0.001, centroid_s=0.5)
-    asyncio.run(turn(fake, "planner"))
-    assert _aheads(fake) == [32, 70]
-    events = [(e, n) for e, who, n in fake.log if who == CENTROID]
-    assert events.index(("end", len(PROMPT) + 32)) < events.index(("start", len(PROMPT) + 70))
-
-
-def test_a_turn_that_does_not_stream_prefills_its_whole_answer_at_its_end():
-    fake = StreamingManager(answer_len=40)
-    asyncio.run(turn(fake, "planner", stream=False))
-    assert _aheads(fake) == [40]
-
-
-def test_an_aborted_answer_prefills_nothing_more():
+    assert _aheads(fake) == [32, 64]
+    assert fake.centroid[-1][0][len(PROMPT):] == list(range(900, 964))
+    assert lora_rebase.TOTALS["ahead"] == 2 and lora_rebase.TOTALS["requests"] == 3
     fake = StreamingManager(answer_len=40, step_s=0.003, centroid_s=0.001, abort=True)
     asyncio.run(turn(fake, "planner"))
     assert _aheads(fake) == [32]
+
+
+def test_an_ahead_prefill_in_flight_is_not_doubled():
+    """While one ahead prefill runs, the answer's next crossings send none."""
+    fake = StreamingManager(answer_len=70, step_s=0.001, centroid_s=0.5)
+    asyncio.run(turn(fake, "planner"))
+    assert _aheads(fake) == [32]
+
+
+def test_a_turn_that_does_not_stream_prefills_nothing_ahead():
+    fake = StreamingManager(answer_len=40)
+    asyncio.run(turn(fake, "planner", stream=False))
+    assert fake.centroid == [(PROMPT, None)]
 
 
 def test_off_text_prompts_and_the_later_of_one_prompts_speakers_prefill_nothing_ahead(
@@ -120,7 +114,7 @@ def test_off_text_prompts_and_the_later_of_one_prompts_speakers_prefill_nothing_
         await asyncio.gather(turn(fake, "planner"), turn(fake, "solver"), turn(fake, "critic"))
 
     asyncio.run(together())  # one centroid prefill of the prompt, the first speaker's aheads
-    assert _aheads(fake) == [32, 40]
+    assert _aheads(fake) == [32]
     fake = StreamingManager(answer_len=40)
     asyncio.run(turn(fake, "planner", text="a text prompt"))
     assert len(fake.centroid) == 1
@@ -133,18 +127,17 @@ def test_off_text_prompts_and_the_later_of_one_prompts_speakers_prefill_nothing_
 def test_the_next_turns_centroid_prefill_waits_for_the_answers_ahead_prefill():
     """A prompt that extends an answered prompt starts its centroid prefill only once the
     ahead prefill of that answer in flight is done (else both would compute the answer)."""
-    fake = StreamingManager(answer_len=20, centroid_s=0.03)
-    nxt = PROMPT + list(range(900, 920)) + [7, 8]
+    fake = StreamingManager(answer_len=40, step_s=0.001, centroid_s=0.3)
+    nxt = PROMPT + list(range(900, 940)) + [7, 8]
 
-    async def at_once():  # the next turn arrives while the answer's ahead prefill runs
-        obj = GenerateReqInput(input_ids=list(PROMPT), lora_path="planner", stream=False,
+    async def chain():  # the answer ends while its ahead prefill runs; the next turn comes
+        obj = GenerateReqInput(input_ids=list(PROMPT), lora_path="planner", stream=True,
                                sampling_params={})
         async for _ in lora_rebase.around_request(fake.original, None, obj, [RequestOptions()],
                                                   fake.original(None, obj)):
             pass
         await turn(fake, "solver", ids=nxt)
 
-    asyncio.run(at_once())
-    starts_ends = [(e, n) for e, who, n in fake.log if who == CENTROID]
-    ahead, own = len(PROMPT) + 20, len(nxt)
-    assert starts_ends.index(("end", ahead)) < starts_ends.index(("start", own))
+    asyncio.run(chain())
+    events = [(e, n) for e, who, n in fake.log if who == CENTROID]
+    assert events.index(("end", len(PROMPT) + 32)) < events.index(("start", len(nxt)))

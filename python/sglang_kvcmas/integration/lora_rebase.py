@@ -15,15 +15,17 @@ centroid prefill. Skipped for requests that ask to read no other agent's KV
 Ahead of the next turn (``--kvcmas-lora-centroid-ahead N``, the lab's schedule of rebuilding
 the base alongside the writer's decode): while an adapter request streams its answer, every N
 answer tokens the centroid prefills the prompt plus the answer so far (its shared transcript
-ending there: ``kvcmas_shared_end``), and once more when the answer ends (a request that does
-not stream: then only; prompts given as ids, as the chat route sends them), so the next turn's
-centroid prefill finds most of the answer computed and the next reader waits for the rest
-alone. A centroid prefill waits for the ahead prefills in flight of a prompt its own extends,
-and an answer's last ahead prefill for the one before it (each would compute the same tokens
-beside the other). Of the requests that share one centroid prefill only the first to arrive
-prefills ahead: the order in which their answers join the transcript is unknown, and the first
-is the likeliest to come first. An aborted answer prefills nothing more. Ahead prefills are
-centroid prefills (same rid prefix, same counters; ``TOTALS["ahead"]`` counts them).
+ending there: ``kvcmas_shared_end``), one such prefill in flight per answer at a time, so the
+next turn's centroid prefill finds all but the answer's last tokens computed. Nothing is sent
+when the answer ends: the next turn's own centroid prefill computes the rest in the same pass
+as what follows the answer (a separate prefill of it would be one more pass before the next
+reader). So a request that does not stream gets nothing ahead, nor does a prompt given as text
+(its ids are the scheduler's; the chat route sends ids). A centroid prefill waits for the ahead
+prefills in flight of a prompt its own extends (it would compute the same tokens beside them).
+Of the requests that share one centroid prefill only the first to arrive prefills ahead: the
+order in which their answers join the transcript is unknown, and the first is the likeliest to
+come first. Ahead prefills are centroid prefills (same rid prefix, same counters;
+``TOTALS["ahead"]`` counts them).
 
 Centroid requests go through SGLang's unhooked ``generate_request`` (no ledger entry); their
 tokens are counted in ``kvcmas:lora_centroid_tokens_total`` (``kind`` = ``prompt`` |
@@ -159,41 +161,31 @@ def ahead_request(obj: Any, answer: list[int]) -> Any:
 
 async def _ahead(original: Any, manager: Any, obj: Any, outputs: Any, every: int) -> Any:
     """``outputs``, with the centroid prefilling ``obj``'s prompt plus its answer so far every
-    ``every`` answer tokens of a streamed answer, and the whole answer at its end (prompts given
-    as ids only: a text prompt's ids are the scheduler's)."""
-    if not isinstance(getattr(obj, "input_ids", None), list):
+    ``every`` answer tokens while a streamed answer decodes."""
+    if not (getattr(obj, "stream", False) and isinstance(getattr(obj, "input_ids", None), list)):
         async for out in outputs:
             yield out
         return
-    incremental = bool(getattr(obj, "stream", False)) and bool(
-        getattr(getattr(manager, "server_args", None), "incremental_streaming_output", False))
+    incremental = bool(getattr(getattr(manager, "server_args", None),
+                               "incremental_streaming_output", False))
     answer: list[int] = []
     sent, running = 0, None
     async for out in outputs:
-        # Before handing the output on: a non-streamed request's caller never resumes this
-        # generator after its one output.
-        if isinstance(out, dict) and sent >= 0:
+        if isinstance(out, dict):
             ids = out.get("output_ids")
             if isinstance(ids, list):
                 answer = answer + ids if incremental else ids
-            reason = (out.get("meta_info") or {}).get("finish_reason")
-            if reason is not None:
-                aborted = isinstance(reason, dict) and reason.get("type") == "abort"
-                if not aborted and len(answer) > sent:
-                    _start_ahead(original, manager, obj, list(answer), running)
-                sent = -1  # done: nothing more ahead
-            elif len(answer) - sent >= every and (running is None or running.done()):
+            ended = (out.get("meta_info") or {}).get("finish_reason") is not None
+            if not ended and len(answer) - sent >= every and (running is None or running.done()):
                 sent = len(answer) - len(answer) % every
                 running = _start_ahead(original, manager, obj, answer[:sent])
         yield out
 
 
-def _start_ahead(original: Any, manager: Any, obj: Any, answer: list[int],
-                 after: asyncio.Future | None = None) -> asyncio.Future:
-    """The ahead prefill of ``obj``'s prompt plus ``answer``, once ``after`` is done."""
+def _start_ahead(original: Any, manager: Any, obj: Any, answer: list[int]) -> asyncio.Future:
+    """The ahead prefill of ``obj``'s prompt plus ``answer``."""
     space, prompt = _namespace(obj), tuple(obj.input_ids)
-    first = [after] if after is not None and not after.done() else []
-    fut = asyncio.ensure_future(_prefill(original, manager, ahead_request(obj, answer), first))
+    fut = asyncio.ensure_future(_prefill(original, manager, ahead_request(obj, answer)))
     TOTALS["ahead"] += 1
     aheads = _AHEAD.setdefault(space, {})
     aheads[prompt] = fut
