@@ -139,7 +139,7 @@ async def _after(fut: asyncio.Future, outputs: Any) -> Any:
 
 
 async def _prefill(original: Any, manager: Any, req: Any,
-                   first: list[asyncio.Future] = ()) -> None:
+                   first: list[asyncio.Future] | None = None) -> None:
     """Run the centroid prefill ``req`` once the ahead prefills ``first`` are done."""
     if first:
         await asyncio.wait(first)  # their failures are theirs: logged where they ran
@@ -173,8 +173,10 @@ async def _ahead(original: Any, manager: Any, obj: Any, outputs: Any, every: int
     async for out in outputs:
         if isinstance(out, dict):
             ids = out.get("output_ids")
-            if isinstance(ids, list):
-                answer = answer + ids if incremental else ids
+            if isinstance(ids, list) and incremental:
+                answer.extend(ids)
+            elif isinstance(ids, list):
+                answer = ids  # the whole answer so far (SGLang's list: sliced before use)
             ended = (out.get("meta_info") or {}).get("finish_reason") is not None
             if not ended and len(answer) - sent >= every and (running is None or running.done()):
                 sent = len(answer) - len(answer) % every
