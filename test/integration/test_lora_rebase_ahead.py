@@ -5,6 +5,7 @@ SGLang's ``generate_request``."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
@@ -32,9 +33,10 @@ class StreamingManager:
     request starts and ends."""
 
     def __init__(self, answer_len: int = 70, step_s: float = 0.001, centroid_s: float = 0.005,
-                 abort: bool = False):
+                 abort: bool = False, incremental: bool = False):
         self.answer_len, self.step_s, self.centroid_s = answer_len, step_s, centroid_s
-        self.abort = abort
+        self.abort, self.incremental = abort, incremental
+        self.server_args = SimpleNamespace(incremental_streaming_output=incremental)
         self.centroid: list[tuple[list[int], int | None]] = []
         self.log: list[tuple[str, str, int]] = []
 
@@ -56,7 +58,9 @@ class StreamingManager:
             answer.append(900 + i)
             last = i == self.answer_len - 1
             reason = ({"type": "abort"} if self.abort else {"type": "stop"}) if last else None
-            if obj.stream or last:
+            if obj.stream and self.incremental:
+                yield {"output_ids": [answer[-1]], "meta_info": {"finish_reason": reason}}
+            elif obj.stream or last:
                 yield {"output_ids": answer, "meta_info": {"finish_reason": reason}}
         self.log.append(("end", obj.lora_path, n))
 
@@ -65,7 +69,7 @@ async def turn(fake: StreamingManager, adapter: str, ids: list[int] = PROMPT,
                stream: bool = True, text: str | None = None) -> None:
     obj = GenerateReqInput(input_ids=None if text else list(ids), text=text, lora_path=adapter,
                            stream=stream, sampling_params={})
-    async for _ in lora_rebase.around_request(fake.original, None, obj, [RequestOptions()],
+    async for _ in lora_rebase.around_request(fake.original, fake, obj, [RequestOptions()],
                                               fake.original(None, obj)):
         pass
     await asyncio.sleep(fake.centroid_s + 0.05)  # let the last ahead prefill run
@@ -88,6 +92,10 @@ def test_a_streamed_answer_is_prefilled_every_n_tokens_and_nothing_at_its_end():
     assert _aheads(fake) == [32, 64]
     assert fake.centroid[-1][0][len(PROMPT):] == list(range(900, 964))
     assert lora_rebase.TOTALS["ahead"] == 2 and lora_rebase.TOTALS["requests"] == 3
+    fake = StreamingManager(answer_len=70, step_s=0.003, centroid_s=0.002, incremental=True)
+    asyncio.run(turn(fake, "planner"))  # each output carries the new tokens only
+    assert _aheads(fake) == [32, 64]
+    assert fake.centroid[-1][0][len(PROMPT):] == list(range(900, 964))
     fake = StreamingManager(answer_len=40, step_s=0.003, centroid_s=0.001, abort=True)
     asyncio.run(turn(fake, "planner"))
     assert _aheads(fake) == [32]
