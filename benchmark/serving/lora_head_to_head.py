@@ -32,7 +32,8 @@ the same KV pool for every arm:
                     (--kvcmas-lora-centroid-ahead 0 / 16: the centroid prefills an answer only
                     when the next turn comes / every 16 tokens while it streams),
                     ``noboundary`` (--kvcmas-recompute-boundary 0: no span's first tokens
-                    recomputed, the LoRA tail only), ``notail`` / ``tail16`` / ``tail64``
+                    recomputed, the LoRA tail only), ``noleaves`` (--kvcmas-lora-leaves none:
+                    picks recomputed every turn, nothing kept), ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
@@ -122,6 +123,7 @@ ARMS: dict[str, list[str]] = {
     "rebase_noahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "0"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-recompute-boundary", "0"],
+    "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],

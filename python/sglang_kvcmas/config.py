@@ -288,6 +288,13 @@ class ServingConfig:
         "prefill, counted; answers not streamed and prompts sent as text get none). Of agents "
         "that answer one prompt together only the first to arrive does (the order their answers "
         "join the transcript is unknown). 0: off.", kind=int, low=0)
+    lora_leaves: str = _knob(
+        "keep", "Under lora_share 'borrow' or 'rebase', what a reader with an adapter keeps of "
+        "the borrowed tokens it recomputes: 'keep' (as leaves of the leaf mode, read on its "
+        "later turns) or 'none' (nothing: it recomputes its picks every turn, holds no leaf "
+        "memory and fits no factors, and a reader that reads every borrowed token at its own "
+        "position ('rebase') decodes on SGLang's own attention), unless the request sets "
+        "kvcmas_read_leaves.", kind=str, choices=("keep", "none"))
     lora_recompute_mass_fraction: float = _knob(
         0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
         "reader with an adapter recomputes by owner head mass, in place of "
