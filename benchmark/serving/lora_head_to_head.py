@@ -31,6 +31,8 @@ the same KV pool for every arm:
     rebase_*        the same with one knob changed: ``noahead`` / ``ahead16``
                     (--kvcmas-lora-centroid-ahead 0 / 16: the centroid prefills an answer only
                     when the next turn comes / every 16 tokens while it streams),
+                    ``response`` (--kvcmas-lora-centroid-handoff response: the request sent
+                    once the centroid's response is back, not held in the scheduler),
                     ``noboundary`` (--kvcmas-recompute-boundary 0: no span's first tokens
                     recomputed, the LoRA tail only), ``noleaves`` (--kvcmas-lora-leaves none:
                     picks recomputed every turn, nothing kept), ``notail`` / ``tail16`` / ``tail64``
@@ -121,6 +123,7 @@ ARMS: dict[str, list[str]] = {
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
     "rebase_noahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "0"],
+    "rebase_response": [*REBASE, "--kvcmas-lora-centroid-handoff", "response"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-recompute-boundary", "0"],
     "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],

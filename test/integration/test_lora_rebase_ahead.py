@@ -23,6 +23,7 @@ def rebase_mode(monkeypatch):
     monkeypatch.setattr(lora_rebase, "_EVERY", [32])
     monkeypatch.setattr(lora_rebase, "TOTALS", dict.fromkeys(lora_rebase.TOTALS, 0))
     monkeypatch.setattr(lora_rebase, "_IN_FLIGHT", {})
+    monkeypatch.setattr(lora_rebase, "_HANDOFF", ["response"])
     monkeypatch.setattr(lora_rebase, "_AHEAD", {})
 
 

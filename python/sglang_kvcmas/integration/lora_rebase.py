@@ -8,6 +8,12 @@ writes it there (an exact owner: it is the only writer under ``rebase``), so the
 that follows reads the whole transcript as a borrower: its head exact, the centroid's KV
 re-positioned, the tokens the recompute policy picks recomputed with its own adapter.
 
+With ``--kvcmas-lora-centroid-handoff scheduler`` (the default) the request does not wait for
+the centroid's response: it goes to the scheduler once the centroid request has been sent
+(SGLang's one socket keeps them in order), and the scheduler's turn order holds it while the
+centroid prefill is queued or running (``turn_order_hook.queued_writers``), so it is admitted in
+the pass after the centroid's (``response``: once the response is back, a round trip more).
+
 Identical prompts in flight at once (agents of one workflow that answer together) share one
 centroid prefill. Skipped for requests that ask to read no other agent's KV
 (``kvcmas_exact``), for the centroid itself, and for batches.
@@ -50,11 +56,15 @@ TOTALS = {"requests": 0, "prompt": 0, "prefilled": 0, "failed": 0, "coalesced": 
 """What centroid prefills have cost in this process: requests, their prompt tokens, tokens
 prefilled; failed ones, adapter requests that joined one already in flight, and how many of the
 requests were ahead prefills of an answer."""
-_IN_FLIGHT: dict[tuple, asyncio.Future] = {}
+_IN_FLIGHT: dict[tuple, tuple[asyncio.Future, str]] = {}
+"""Prompt key -> the centroid prefill in flight for it, and its rid."""
 _AHEAD: dict[tuple, dict[tuple, asyncio.Future]] = {}
 """(cache_salt, extra_key) -> the latest ahead prefill in flight there of each answered prompt,
 by the prompt's ids."""
 _EVERY: list[int] = []
+_HANDOFF: list[str] = []
+SENT_POLL_S = 0.001
+"""How often an adapter request looks whether its centroid prefill has been sent."""
 
 
 def _counter() -> Any:
@@ -84,6 +94,15 @@ def ahead_every() -> int:
 
         _EVERY.append(ServingConfig.from_env().lora_centroid_ahead)
     return _EVERY[0]
+
+
+def handoff() -> str:
+    """``--kvcmas-lora-centroid-handoff`` as the launcher set it (read once)."""
+    if not _HANDOFF:
+        from sglang_kvcmas.config import ServingConfig
+
+        _HANDOFF.append(ServingConfig.from_env().lora_centroid_handoff)
+    return _HANDOFF[0]
 
 
 def _namespace(obj: Any) -> tuple:
@@ -116,26 +135,39 @@ def around_request(original: Any, manager: Any, obj: Any,
     except RuntimeError:  # not called from the server's event loop (tests): nothing to start
         return outputs
     key = _prompt_key(obj)
-    fut = _IN_FLIGHT.get(key)
-    first = fut is None
+    entry = _IN_FLIGHT.get(key)
+    first = entry is None
     if first:
-        fut = asyncio.ensure_future(_prefill(original, manager, centroid_request(obj),
-                                             _aheads_under(obj)))
-        _IN_FLIGHT[key] = fut
+        req = centroid_request(obj)
+        fut = asyncio.ensure_future(_prefill(original, manager, req, _aheads_under(obj)))
+        entry = _IN_FLIGHT[key] = (fut, req.rid)
         fut.add_done_callback(lambda _: _IN_FLIGHT.pop(key, None))
     else:
         TOTALS["coalesced"] += 1
-    outputs = _after(fut, outputs)
+    fut, rid = entry
+    ready = _sent(manager, rid, fut) if handoff() == "scheduler" else asyncio.shield(fut)
+    outputs = _after(ready, outputs)
     every = ahead_every()
     if first and every > 0:
         outputs = _ahead(original, manager, obj, outputs, every)
     return outputs
 
 
-async def _after(fut: asyncio.Future, outputs: Any) -> Any:
-    await asyncio.shield(fut)  # never raises: _prefill logs its failures
+async def _after(ready: Any, outputs: Any) -> Any:
+    await ready  # never raises: _prefill logs its failures
     async for out in outputs:
         yield out
+
+
+async def _sent(manager: Any, rid: str, fut: asyncio.Future) -> None:
+    """Until the centroid prefill ``rid`` has been sent to the scheduler, or has ended (failed,
+    or a manager without SGLang's request states: its response)."""
+    states = getattr(manager, "rid_to_state", None)
+    while not fut.done():
+        state = states.get(rid) if isinstance(states, dict) else None
+        if state is not None and getattr(state, "dispatched", False):
+            return
+        await asyncio.sleep(SENT_POLL_S)
 
 
 async def _prefill(original: Any, manager: Any, req: Any,
