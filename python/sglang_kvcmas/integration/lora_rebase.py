@@ -30,8 +30,10 @@ reader). So a request that does not stream gets nothing ahead, nor does a prompt
 prefills in flight of a prompt its own extends (it would compute the same tokens beside them).
 Of the requests that share one centroid prefill only the first to arrive prefills ahead: the
 order in which their answers join the transcript is unknown, and the first is the likeliest to
-come first. Ahead prefills are centroid prefills (same rid prefix, same counters;
-``TOTALS["ahead"]`` counts them).
+come first. Ahead prefills are centroid prefills (their rids under ``AHEAD_RID``, a prefix of
+the centroid's; the same counters; ``TOTALS["ahead"]`` counts them); the tree marks where each
+ended (``SharedNode.open_end``), so the rest of the answer continues the answer's segment
+rather than starting one whose first tokens every reader would recompute.
 
 Centroid requests go through SGLang's unhooked ``generate_request`` (no ledger entry); their
 tokens are counted in ``kvcmas:lora_centroid_tokens_total`` (``kind`` = ``prompt`` |
@@ -47,7 +49,7 @@ from typing import Any
 
 from sglang_kvcmas.integration import metrics
 from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
-from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
+from sglang_kvcmas.policy.lora_share import AHEAD_RID, CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import SHARED_END_FIELD, RequestOptions
 
 logger = logging.getLogger(__name__)
@@ -185,7 +187,7 @@ async def _prefill(original: Any, manager: Any, req: Any,
 def ahead_request(obj: Any, answer: list[int]) -> Any:
     """The centroid prefill of ``obj``'s prompt ids followed by ``answer``'s, its shared
     transcript running to the end of the answer."""
-    req = centroid_request(obj)
+    req = one_token_request(obj, CENTROID, AHEAD_RID, keep_custom=True)
     req.input_ids = list(req.input_ids) + list(answer)
     req.sampling_params.setdefault("custom_params", {})[SHARED_END_FIELD] = len(req.input_ids)
     return req
