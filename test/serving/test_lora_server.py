@@ -54,7 +54,7 @@ def post(url: str, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def generate(url: str, text: str, lora: str | None = None, **extra) -> dict:
+def generate(url: str, text: str | None, lora: str | None = None, **extra) -> dict:
     body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
             "return_logprob": True, **extra}
     if lora is not None:
@@ -281,7 +281,7 @@ def test_rebase_prefills_a_streamed_answer_ahead_of_the_next_turn(rebase):
     assert centroid_tokens(url) == before + 2 * len(ids) + 32
     glue = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     before = centroid_tokens(url, "prefilled")
-    second = generate(url, "", "solver", input_ids=ids + answer + glue, text=None)
+    second = generate(url, None, "solver", input_ids=ids + answer + glue)
     assert centroid_tokens(url, "prefilled") - before <= len(answer) - 32 + len(glue) + 1
     assert borrowed(second) > len(answer)  # the answer read off the centroid
     assert pool_balanced(url)
