@@ -3,7 +3,7 @@
 In the HTTP process, before a single (non-batch) request that names an adapter goes to the
 scheduler, the same prompt is sent under the centroid adapter (``policy.lora_share.CENTROID``,
 built at launch by ``server/lora_centroid.py``) with one greedy output token, and the request
-waits for it. The centroid request computes what the shared tree lacks of the transcript and
+follows it. The centroid request computes what the shared tree lacks of the transcript and
 writes it there (an exact owner: it is the only writer under ``rebase``), so the adapter request
 that follows reads the whole transcript as a borrower: its head exact, the centroid's KV
 re-positioned, the tokens the recompute policy picks recomputed with its own adapter.
@@ -12,7 +12,8 @@ With ``--kvcmas-lora-centroid-handoff scheduler`` (the default) the request does
 the centroid's response: it goes to the scheduler once the centroid request has been sent
 (SGLang's one socket keeps them in order), and the scheduler's turn order holds it while the
 centroid prefill is queued or running (``turn_order_hook.queued_writers``), so it is admitted in
-the pass after the centroid's (``response``: once the response is back, a round trip more).
+the pass after the centroid's (``response``: it waits here for the response, a round trip
+more).
 
 Identical prompts in flight at once (agents of one workflow that answer together) share one
 centroid prefill. Skipped for requests that ask to read no other agent's KV
