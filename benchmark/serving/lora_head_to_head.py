@@ -28,9 +28,10 @@ the same KV pool for every arm:
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``noahead`` / ``ahead16``
-                    (--kvcmas-lora-centroid-ahead 0 / 16: the centroid prefills an answer only
-                    when the next turn comes / every 16 tokens while it streams),
+    rebase_*        the same with one knob changed: ``ahead32`` / ``ahead16``
+                    (--kvcmas-lora-centroid-ahead 32 / 16: the centroid prefills an answer
+                    every 32 / 16 tokens while it streams; replaying stock's transcripts, an
+                    arm's own answers never join the next prompt, so use --own-transcripts),
                     ``response`` (--kvcmas-lora-centroid-handoff response: the request sent
                     once the centroid's response is back, not held in the scheduler),
                     ``noboundary`` (--kvcmas-recompute-boundary 0: no span's first tokens
@@ -122,7 +123,7 @@ ARMS: dict[str, list[str]] = {
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
-    "rebase_noahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "0"],
+    "rebase_ahead32": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
     "rebase_response": [*REBASE, "--kvcmas-lora-centroid-handoff", "response"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-recompute-boundary", "0"],

@@ -288,7 +288,7 @@ class ServingConfig:
         "(it leads the turn order); 'response' once the centroid's response is back in the "
         "HTTP process (a round trip more).", kind=str, choices=("scheduler", "response"))
     lora_centroid_ahead: int = _knob(
-        32, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
+        0, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
         "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "
         "centroid prefill computes only the answer's last tokens and what follows (background "
         "prefill, counted; answers not streamed and prompts sent as text get none). Of agents "

@@ -220,9 +220,11 @@ def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
 @pytest.fixture(scope="module")
 def rebase(tmp_path_factory, servers):
     """Ours with ``--kvcmas-lora-share rebase`` (the centroid joins ``--lora-paths``, and
-    ``--max-lora-rank 8`` is raised to its rank 24), beside the stock server."""
+    ``--max-lora-rank 8`` is raised to its rank 24; answers prefilled ahead every 32 tokens),
+    beside the stock server."""
     process = boot(tmp_path_factory, "lora-rebase",
-                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"])
+                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase",
+                    "--kvcmas-lora-centroid-ahead", "32"])
     try:
         for role in ROLES:
             generate(process.url, prompt("What is 2 + 2?"), role)
