@@ -64,7 +64,7 @@ adapter's KV
 is repeated after a cache flush with naive reuse (nothing recomputed) for
 ``kl_recovered = 1 - KL(mode) / KL(naive)``.
 
-    python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, < 15 min
+    python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, 4 arms, ~10 min
     python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
         [--shape panel|chain] [--arms stock,borrow,catchup,rebase,rebase_exact,...]
         [--own-transcripts]
@@ -137,6 +137,10 @@ ARMS: dict[str, list[str]] = {
     "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
 }
+QUICK_ARMS = ("stock", "borrow", "catchup", DEFAULT_MODE)
+"""What ``--quick`` runs unless ``--arms`` says otherwise (about 10 minutes on two cores):
+stock, the three modes; ``borrow`` also measures the naive cross-adapter reuse the
+``rebase`` arms' KL recovered is against."""
 CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))
 """Arms whose adapters read the centroid's KV: their replay without recompute measures the
 centroid base alone, and their KL recovered is against the naive cross-adapter reuse a borrow
@@ -461,7 +465,9 @@ def main() -> int:
     ap.add_argument("--shape", choices=SHAPES, default="panel",
                     help="panel: each round all adapters answer together; chain: one at a time")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=None,
+                    help=f"comma-separated, stock first (default: {','.join(QUICK_ARMS)} with "
+                         "--quick, else every arm)")
     ap.add_argument("--adapters", default=None,
                     help="name=PEFT-folder,... (default: the package's role adapters, spoken in "
                          "the order given)")
@@ -478,7 +484,7 @@ def main() -> int:
     out_dir = model.out_or_named(args.out, DEFAULT_OUT)
     out_dir.mkdir(parents=True, exist_ok=True)
     adapters = parse_adapters(args.adapters)
-    arms = args.arms.split(",")
+    arms = (args.arms or ",".join(QUICK_ARMS if args.quick else ARMS)).split(",")
     if arms[0] != "stock" or any(a not in ARMS for a in arms) or len(arms) < 2:
         raise SystemExit(f"--arms: 'stock' first, then some of {list(ARMS)[1:]}")
     lora_flags = ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
