@@ -34,8 +34,9 @@ the same KV pool for every arm:
                     arm's own answers never join the next prompt, so use --own-transcripts),
                     ``response`` (--kvcmas-lora-centroid-handoff response: the request sent
                     once the centroid's response is back, not held in the scheduler),
-                    ``noboundary`` (--kvcmas-recompute-boundary 0: no span's first tokens
-                    recomputed, the LoRA tail only), ``noleaves`` (--kvcmas-lora-leaves none:
+                    ``noboundary`` / ``boundary8`` (--kvcmas-lora-recompute-boundary 0 / 8:
+                    no span's first tokens recomputed, the LoRA tail only / 8 of them),
+                    ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves`` (--kvcmas-lora-leaves none:
                     picks recomputed every turn, nothing kept), ``notail`` / ``tail16`` / ``tail64``
                     (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
@@ -126,7 +127,10 @@ ARMS: dict[str, list[str]] = {
     "rebase_ahead32": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
     "rebase_response": [*REBASE, "--kvcmas-lora-centroid-handoff", "response"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
-    "rebase_noboundary": [*REBASE, "--kvcmas-recompute-boundary", "0"],
+    "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
+    "rebase_boundary8": [*REBASE, "--kvcmas-lora-recompute-boundary", "8"],
+    "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
+                                 "--kvcmas-lora-recompute-tail", "48"],
     "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],

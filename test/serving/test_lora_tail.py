@@ -20,7 +20,12 @@ from test_shared_tree_cache import END, SUFFIX, T1, T2, Harness, Req, head  # no
 
 class LoraHarness(Harness):
     """The harness with SGLang's radix key as a LoRA request has it: the adapter id in
-    ``extra_key``, so each adapter matches only its own radix prefixes."""
+    ``extra_key``, so each adapter matches only its own radix prefixes; its boundary is the
+    LoRA readers' too."""
+
+    def __init__(self, boundary: int = 0, **kwargs):
+        super().__init__(boundary=boundary, **kwargs)
+        self.cache.config = replace(self.cache.config, lora_recompute_boundary=boundary)
 
     def match(self, req):
         n = len(req.origin_input_ids)
@@ -184,3 +189,25 @@ def test_an_answer_prefilled_ahead_is_one_segment_for_its_readers(ahead):
     assert b2.last_node.recompute == (
         tuple(range(start, start + 4)) if ahead else
         tuple(o for s in (start, start + 10, start + 20) for o in range(s, s + 4)))
+
+
+def test_an_adapter_reader_takes_the_lora_boundary():
+    """``--kvcmas-lora-recompute-boundary`` replaces the deployment's boundary for an adapter
+    reader (the harness's deployment boundary is 0); a reader without an adapter keeps it."""
+    def recomputed(lora_boundary: int, adapter: str | None) -> int:
+        h = LoraHarness(boundary=0)
+        h.cache.requests.lora_share = "rebase"
+        h.cache.config = replace(h.cache.config, lora_recompute_tail=0,
+                                 lora_recompute_boundary=lora_boundary)
+        a, b = head(50, 20), head(60, 8)
+        owner = CENTROID if adapter else None
+        h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, owner), 0)
+        h.serve(_req("b1", b + T1 + SUFFIX, adapter), 1)
+        h.serve(_req(f"{CENTROID_RID}2", a + T1 + T2 + SUFFIX, owner), 2)
+        b2 = _req("b2", b + T1 + T2 + SUFFIX, adapter)
+        h.serve(b2, 3)
+        return b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"]
+
+    assert recomputed(0, "solver") == 0
+    assert recomputed(6, "solver") == 6
+    assert recomputed(6, None) == 0

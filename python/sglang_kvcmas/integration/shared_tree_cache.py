@@ -296,10 +296,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def _across_adapters(self, config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
         """``config`` for a reader with an adapter under ``borrow`` or ``rebase``: at least the
-        LoRA tail, and the LoRA mass share, where the request sets neither itself."""
+        LoRA tail, the LoRA boundary and the LoRA mass share, each where the request does not set
+        its own."""
         changes: dict = {}
         if "recompute_tail" not in own_knobs:
             changes["tail_tokens"] = max(config.tail_tokens, self.config.lora_recompute_tail)
+        if "recompute_boundary" not in own_knobs:
+            changes["boundary_tokens"] = self.config.lora_recompute_boundary
         if "recompute_mass_fraction" not in own_knobs:
             changes["mass_fraction"] = self.config.lora_recompute_mass_fraction
         return replace(config, **changes)
