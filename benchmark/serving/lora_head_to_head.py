@@ -32,13 +32,14 @@ the same KV pool for every arm:
                     (--kvcmas-lora-centroid-ahead 32 / 16: the centroid prefills an answer
                     every 32 / 16 tokens while it streams; replaying stock's transcripts, an
                     arm's own answers never join the next prompt, so use --own-transcripts),
-                    ``response`` (--kvcmas-lora-centroid-handoff response: the request sent
-                    once the centroid's response is back, not held in the scheduler),
+                    ``scheduler`` (--kvcmas-lora-centroid-handoff scheduler: the request
+                    sent right behind the centroid's, held in the scheduler's turn order),
                     ``noboundary`` / ``boundary8`` (--kvcmas-lora-recompute-boundary 0 / 8:
                     no span's first tokens recomputed, the LoRA tail only / 8 of them),
-                    ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves`` (--kvcmas-lora-leaves none:
-                    picks recomputed every turn, nothing kept), ``notail`` / ``tail16`` / ``tail64``
-                    (--kvcmas-lora-recompute-tail 0 / 16 / 64), ``exact`` (exact leaves),
+                    ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
+                    (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
+                    ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
+                    0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
                     (lowrank+exact leaves)
@@ -125,7 +126,7 @@ ARMS: dict[str, list[str]] = {
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
     "rebase_ahead32": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
-    "rebase_response": [*REBASE, "--kvcmas-lora-centroid-handoff", "response"],
+    "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
     "rebase_boundary8": [*REBASE, "--kvcmas-lora-recompute-boundary", "8"],

@@ -282,11 +282,13 @@ class ServingConfig:
         "adapters every borrowed token deviates, not only a segment's first ones), unless the "
         "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
     lora_centroid_handoff: str = _knob(
-        "scheduler", "Under lora_share 'rebase', when an adapter request goes to the scheduler "
-        "after the centroid prefill of its prompt: 'scheduler' as soon as that prefill has been "
-        "sent, the scheduler holding the request until the centroid has computed the transcript "
-        "(it leads the turn order); 'response' once the centroid's response is back in the "
-        "HTTP process (a round trip more).", kind=str, choices=("scheduler", "response"))
+        "response", "Under lora_share 'rebase', when an adapter request goes to the scheduler "
+        "after the centroid prefill of its prompt: 'response' once the centroid's response is "
+        "back in the HTTP process; 'scheduler' as soon as that prefill has been sent, the "
+        "scheduler's turn order holding the request behind it (a round trip less) only while "
+        "the centroid computes at least turn_min_gain tokens it lacks: a shorter new segment "
+        "the request computes itself, exactly, and keeps in its own cache (less TTFT, more KV).",
+        kind=str, choices=("response", "scheduler"))
     lora_centroid_ahead: int = _knob(
         0, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
         "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "

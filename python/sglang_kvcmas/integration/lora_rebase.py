@@ -8,12 +8,13 @@ writes it there (an exact owner: it is the only writer under ``rebase``), so the
 that follows reads the whole transcript as a borrower: its head exact, the centroid's KV
 re-positioned, the tokens the recompute policy picks recomputed with its own adapter.
 
-With ``--kvcmas-lora-centroid-handoff scheduler`` (the default) the request does not wait for
-the centroid's response: it goes to the scheduler once the centroid request has been sent
-(SGLang's one socket keeps them in order), and the scheduler's turn order holds it while the
-centroid prefill is queued or running (``turn_order_hook.queued_writers``), so it is admitted in
-the pass after the centroid's (``response``: it waits here for the response, a round trip
-more).
+With ``--kvcmas-lora-centroid-handoff scheduler`` the request does not wait for the centroid's
+response: it goes to the scheduler once the centroid request has been sent (SGLang's one socket
+keeps them in order), and the scheduler's turn order holds it while the centroid prefill is
+queued or running (``turn_order_hook.queued_writers``), so it is admitted in the pass after the
+centroid's, a round trip sooner. The turn order holds a request only for at least
+``turn_min_gain`` tokens, so behind a shorter new segment the request computes that segment
+itself (exactly, in its own cache). The default, ``response``, waits here for the response.
 
 Identical prompts in flight at once (agents of one workflow that answer together) share one
 centroid prefill. Skipped for requests that ask to read no other agent's KV
