@@ -34,8 +34,8 @@ the same KV pool for every arm:
                     arm's own answers never join the next prompt, so use --own-transcripts),
                     ``scheduler`` (--kvcmas-lora-centroid-handoff scheduler: the request
                     sent right behind the centroid's, held in the scheduler's turn order),
-                    ``noboundary`` / ``boundary8`` (--kvcmas-lora-recompute-boundary 0 / 8:
-                    no span's first tokens recomputed, the LoRA tail only / 8 of them),
+                    ``noboundary`` / ``boundary16`` (--kvcmas-lora-recompute-boundary 0 /
+                    16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
                     ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
                     (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
@@ -129,7 +129,7 @@ ARMS: dict[str, list[str]] = {
     "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
     "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
-    "rebase_boundary8": [*REBASE, "--kvcmas-lora-recompute-boundary", "8"],
+    "rebase_boundary16": [*REBASE, "--kvcmas-lora-recompute-boundary", "16"],
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                                  "--kvcmas-lora-recompute-tail", "48"],
     "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],

@@ -304,7 +304,7 @@ class ServingConfig:
         "position ('rebase') decodes on SGLang's own attention), unless the request sets "
         "kvcmas_read_leaves.", kind=str, choices=("keep", "none"))
     lora_recompute_boundary: int = _knob(
-        16, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
+        8, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
         "with an adapter borrows that it recomputes, in place of recompute_boundary, unless the "
         "request sets its own kvcmas_recompute_boundary.", kind=int, low=0)
     lora_recompute_mass_fraction: float = _knob(
