@@ -23,17 +23,13 @@ the same KV pool for every arm:
                     while the turn decodes
     rebase          --kvcmas-share-context --kvcmas-lora-share rebase (the headline's mode):
                     every adapter request's prompt prefilled first under the adapters' centroid
-                    (the mean of their deltas), the only writer of the shared transcript, and
-                    its answer prefilled by the centroid while it streams; each
+                    (the mean of their deltas), the only writer of the shared transcript; each
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``ahead32`` / ``ahead16``
-                    (--kvcmas-lora-centroid-ahead 32 / 16: the centroid prefills an answer
-                    every 32 / 16 tokens while it streams; replaying stock's transcripts, an
-                    arm's own answers never join the next prompt, so use --own-transcripts),
-                    ``scheduler`` (--kvcmas-lora-centroid-handoff scheduler: the request
-                    sent right behind the centroid's, held in the scheduler's turn order),
+    rebase_*        the same with one knob changed: ``scheduler``
+                    (--kvcmas-lora-centroid-handoff scheduler: the request sent right behind
+                    the centroid's, held in the scheduler's turn order),
                     ``noboundary`` / ``boundary16`` (--kvcmas-lora-recompute-boundary 0 /
                     16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
                     ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
@@ -125,9 +121,7 @@ ARMS: dict[str, list[str]] = {
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
-    "rebase_ahead32": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
     "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
-    "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
     "rebase_boundary16": [*REBASE, "--kvcmas-lora-recompute-boundary", "16"],
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",

@@ -293,7 +293,8 @@ class ServingConfig:
         0, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
         "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "
         "centroid prefill computes only the answer's last tokens and what follows (background "
-        "prefill, counted; answers not streamed and prompts sent as text get none). Of agents "
+        "prefill, counted; only streamed answers to prompts sent as ids with an explicit head, as "
+        "the chat route sends them). Of agents "
         "that answer one prompt together only the first to arrive does (the order their answers "
         "join the transcript is unknown). 0: off.", kind=int, low=0)
     lora_leaves: str = _knob(

@@ -15,6 +15,8 @@ from sglang_kvcmas.policy.lora_share import CENTROID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
 PROMPT = list(range(100, 140))
+HEAD = 4
+"""The prompts' explicit head (``kvcmas_head_len``), as the chat route sets it."""
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,7 @@ class StreamingManager:
         n = len(obj.input_ids) if obj.input_ids is not None else 0
         if obj.lora_path == CENTROID:
             custom = obj.sampling_params.get("custom_params") or {}
+            assert custom.get("kvcmas_head_len") in (None, HEAD)
             self.centroid.append((list(obj.input_ids or []), custom.get("kvcmas_shared_end")))
             self.log.append(("start", CENTROID, n))
             await asyncio.sleep(self.centroid_s)
@@ -67,10 +70,12 @@ class StreamingManager:
 
 
 async def turn(fake: StreamingManager, adapter: str, ids: list[int] = PROMPT,
-               stream: bool = True, text: str | None = None) -> None:
+               stream: bool = True, text: str | None = None, head: bool = True) -> None:
+    custom = {"kvcmas_head_len": HEAD} if head else {}
     obj = GenerateReqInput(input_ids=None if text else list(ids), text=text, lora_path=adapter,
-                           stream=stream, sampling_params={})
-    async for _ in lora_rebase.around_request(fake.original, fake, obj, [RequestOptions()],
+                           stream=stream, sampling_params={"custom_params": custom})
+    async for _ in lora_rebase.around_request(fake.original, fake, obj,
+                                              [RequestOptions.parse(custom)],
                                               fake.original(None, obj)):
         pass
     await asyncio.sleep(fake.centroid_s + 0.05)  # let the last ahead prefill run
@@ -115,7 +120,7 @@ def test_a_turn_that_does_not_stream_prefills_nothing_ahead():
     assert fake.centroid == [(PROMPT, None)]
 
 
-def test_off_text_prompts_and_the_later_of_one_prompts_speakers_prefill_nothing_ahead(
+def test_off_text_prompts_no_head_and_later_speakers_prefill_nothing_ahead(
         monkeypatch):
     fake = StreamingManager(answer_len=40)
 
@@ -127,6 +132,9 @@ def test_off_text_prompts_and_the_later_of_one_prompts_speakers_prefill_nothing_
     fake = StreamingManager(answer_len=40)
     asyncio.run(turn(fake, "planner", text="a text prompt"))
     assert len(fake.centroid) == 1
+    fake = StreamingManager(answer_len=40)
+    asyncio.run(turn(fake, "planner", head=False))  # no explicit head: nothing ahead
+    assert fake.centroid == [(PROMPT, None)]
     monkeypatch.setattr(lora_rebase, "_EVERY", [0])
     fake = StreamingManager(answer_len=40)
     asyncio.run(turn(fake, "planner"))
@@ -140,9 +148,11 @@ def test_the_next_turns_centroid_prefill_waits_for_the_answers_ahead_prefill():
     nxt = PROMPT + list(range(900, 940)) + [7, 8]
 
     async def chain():  # the answer ends while its ahead prefill runs; the next turn comes
+        custom = {"kvcmas_head_len": HEAD}
         obj = GenerateReqInput(input_ids=list(PROMPT), lora_path="planner", stream=True,
-                               sampling_params={})
-        async for _ in lora_rebase.around_request(fake.original, None, obj, [RequestOptions()],
+                               sampling_params={"custom_params": custom})
+        async for _ in lora_rebase.around_request(fake.original, None, obj,
+                                                  [RequestOptions.parse(custom)],
                                                   fake.original(None, obj)):
             pass
         await turn(fake, "solver", ids=nxt)

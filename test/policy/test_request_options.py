@@ -42,6 +42,7 @@ def test_fields_are_typed():
     ({"kvcmas_head_len": -4}, "custom_params.kvcmas_head_len"),
     ({"kvcmas_head_len": 4, "kvcmas_shared_end": None}, "custom_params.kvcmas_shared_end"),
     ({"kvcmas_head_len": 8, "kvcmas_shared_end": 4}, "custom_params.kvcmas_shared_end=4 is before"),
+    ({"kvcmas_shared_end": 4}, "custom_params.kvcmas_shared_end needs"),
     ({"kvcmas_agent": "a"}, "custom_params.kvcmas_agent needs"),
     ({"kvcmas_agent": "a" * 10_000, "kvcmas_head_len": 3},
      "custom_params.kvcmas_agent must be 1-128"),

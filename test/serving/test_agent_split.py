@@ -50,19 +50,6 @@ def test_explicit_fields_win_and_are_checked():
         explicit_split(IDS, _opts(kvcmas_head_len=3, kvcmas_shared_end=30))
 
 
-def test_a_shared_end_alone_keeps_the_template_head():
-    """An answer so far after the generation opener joins the shared transcript when the
-    request names where it ends (``rebase``'s centroid prefills ahead)."""
-    answer = IDS + [55, 66, 77]
-    s = split_request(answer, _opts(kvcmas_shared_end=len(answer)), CHAT)
-    t = detect_template_split(answer, CHAT)
-    assert (s.agent, s.head_len) == (t.agent, t.head_len) and s.shared_end == len(answer)
-    assert split_request(answer, _opts(kvcmas_shared_end=4), CHAT) is None  # inside the head
-    assert split_request(IDS[9:], _opts(kvcmas_shared_end=10), CHAT) is None  # no head at all
-    with pytest.raises(RequestOptionError, match="kvcmas_shared_end=99 is past the prompt"):
-        split_request(answer, _opts(kvcmas_shared_end=99), CHAT)
-
-
 def test_one_name_with_two_heads_is_two_agents():
     """An agent is its name *and* its head: a name sent with another head never reads the
     first head's leaves as its own."""

@@ -272,12 +272,17 @@ def test_rebase_prefills_a_streamed_answer_ahead_of_the_next_turn(rebase):
 
     from sglang_kvcmas.models.resolve import resolve_model_path
 
+    from sglang_kvcmas.integration.chat_template_markers import markers_for_tokenizer
+    from sglang_kvcmas.tree.agent_split import detect_template_split
+
     _, url = rebase
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     ids = tok.encode(prompt(QUESTION + uuid.uuid4().hex[:6]), add_special_tokens=False)
+    head = detect_template_split(ids, markers_for_tokenizer(tok)).head_len
     before = centroid_tokens(url)
     answer = stream_generate(url, ids, 40, {"lora_path": "planner", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 40, "ignore_eos": True}})["output_ids"]
+        "temperature": 0, "max_new_tokens": 40, "ignore_eos": True,
+        "custom_params": {"kvcmas_head_len": head}}})["output_ids"]  # as the chat route does
     time.sleep(1.0)  # an ahead prefill may still run after the answer's end
     # Its own prefill, then the prompt + the answer's first 32 tokens.
     assert centroid_tokens(url) == before + 2 * len(ids) + 32

@@ -176,7 +176,8 @@ def test_an_answer_prefilled_ahead_is_one_segment_for_its_readers(ahead):
     rid = AHEAD_RID if ahead else CENTROID_RID
     for row, n in ((2, 10), (3, 20)):  # the answer so far, its shared transcript to its end
         piece = _req(f"{rid}{n}", a + T1 + SUFFIX + answer[:n], CENTROID)
-        piece.sampling_params.custom_params = {"kvcmas_shared_end": len(piece.origin_input_ids)}
+        piece.sampling_params.custom_params = {"kvcmas_head_len": len(a),
+                                               "kvcmas_shared_end": len(piece.origin_input_ids)}
         h.serve(piece, row)
     nxt = T1 + SUFFIX + answer + SUFFIX
     h.serve(_req(f"{CENTROID_RID}2", a + nxt, CENTROID), 4)

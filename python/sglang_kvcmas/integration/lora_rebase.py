@@ -23,8 +23,10 @@ centroid prefill. Skipped for requests that ask to read no other agent's KV
 Ahead of the next turn (``--kvcmas-lora-centroid-ahead N``, the lab's schedule of rebuilding
 the base alongside the writer's decode): while an adapter request streams its answer, every N
 answer tokens the centroid prefills the prompt plus the answer so far (its shared transcript
-ending there: ``kvcmas_shared_end``), one such prefill in flight per answer at a time, so the
-next turn's centroid prefill finds all but the answer's last tokens computed. Nothing is sent
+ending there: ``kvcmas_shared_end`` beside the request's explicit ``kvcmas_head_len``, which
+the chat route sets; a request without one gets nothing ahead), one such prefill in flight per
+answer at a time, so the next turn's centroid prefill finds all but the answer's last tokens
+computed. Nothing is sent
 when the answer ends: the next turn's own centroid prefill computes the rest in the same pass
 as what follows the answer (a separate prefill of it would be one more pass before the next
 reader). So a request that does not stream gets nothing ahead, nor does a prompt given as text
@@ -152,7 +154,7 @@ def around_request(original: Any, manager: Any, obj: Any,
     ready = _sent(manager, rid, fut) if handoff() == "scheduler" else asyncio.shield(fut)
     outputs = _after(ready, outputs)
     every = ahead_every()
-    if first and every > 0:
+    if first and every > 0 and options[0] is not None and options[0].head_len is not None:
         outputs = _ahead(original, manager, obj, outputs, every)
     return outputs
 

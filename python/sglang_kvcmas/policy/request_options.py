@@ -7,8 +7,7 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
                                         are one agent only with the same name *and* head tokens
 ``kvcmas_head_len``: int >= 1           tokens ``[0, head_len)`` are the agent head
 ``kvcmas_shared_end``: int              tokens ``[head_len, shared_end)`` are the shared
-                                        transcript (default: the whole prompt; alone: the
-                                        chat template's head, the shared part up to it)
+                                        transcript (default: the whole prompt)
 ``kvcmas_exact``: bool                  read no other agent's KV (computed exactly, as radix)
 ``kvcmas_read_leaves``: bool            read the agent's leaves (and keep what it recomputes
                                         as new ones) whether or not the request sets its own
@@ -120,7 +119,10 @@ class RequestOptions:
                           for f, k in BY_REQUEST_FIELD.items() if f in ours)
         except ConfigError as e:
             raise RequestOptionError(str(e)) from None
-        if shared_end is not None and head_len is not None and shared_end < head_len:
+        if shared_end is not None and head_len is None:
+            raise RequestOptionError(f"custom_params.{SHARED_END_FIELD} needs "
+                                     f"custom_params.{HEAD_LEN_FIELD}")
+        if shared_end is not None and shared_end < head_len:
             raise RequestOptionError(
                 f"custom_params.{SHARED_END_FIELD}={shared_end} is before the head's end "
                 f"(custom_params.{HEAD_LEN_FIELD}={head_len})")

@@ -22,9 +22,7 @@ Two ways to get the split, no engine imports here (pure bookkeeping):
 - **Explicit (``/generate``, and ``/v1/chat/completions`` through ``custom_params``, which the
   chat route also sets from the request's messages: ``integration/chat_split_hook.py``).**
   ``sampling_params.custom_params = {"kvcmas_agent": NAME, "kvcmas_head_len": H}`` (optionally
-  ``"kvcmas_shared_end": S``), parsed by ``policy/request_options.py``. Explicit values win;
-  ``kvcmas_shared_end`` alone keeps the template's head and ends the shared transcript at S
-  (``rebase``'s centroid prefills of an answer so far, whose prompt ends inside the answer).
+  ``"kvcmas_shared_end": S``), parsed by ``policy/request_options.py``. Explicit values win.
 
 A request without a head is not an agent request: it is served by plain prefix caching only.
 """
@@ -176,8 +174,7 @@ def explicit_split(ids: Sequence[int], options: RequestOptions) -> AgentSplit | 
 def split_request(
     ids: Sequence[int], options: RequestOptions, markers: TemplateMarkers | None
 ) -> AgentSplit | None:
-    """Explicit split if given, else template detection (its shared end replaced by an
-    explicit one alone), else None (not an agent request, or nothing shared).
+    """Explicit split if given, else template detection, else None (not an agent request).
 
     Raises:
         RequestOptionError: if explicit fields do not fit the prompt.
@@ -185,10 +182,4 @@ def split_request(
     split = explicit_split(ids, options)
     if split is not None:
         return split
-    split = detect_template_split(ids, markers) if markers is not None else None
-    if split is None or options.shared_end is None:
-        return split
-    options.check_prompt(len(ids))
-    if options.shared_end <= split.head_len:
-        return None
-    return AgentSplit(split.agent, split.head_len, options.shared_end)
+    return detect_template_split(ids, markers) if markers is not None else None
