@@ -132,8 +132,9 @@ def _aheads_under(obj: Any) -> list[asyncio.Future]:
 
 def around_request(original: Any, manager: Any, obj: Any,
                    options: list[RequestOptions | None], outputs: Any) -> Any:
-    """``outputs``, started only once the centroid has prefilled ``obj``'s prompt (see the module
-    docstring); untouched when ``obj`` needs no centroid prefill."""
+    """``outputs``, started only once the centroid has prefilled ``obj``'s prompt (``response``)
+    or its prefill request has been sent (``scheduler``; see the module docstring); untouched
+    when ``obj`` needs no centroid prefill."""
     if not _wants_centroid(obj, options):
         return outputs
     try:
