@@ -28,7 +28,7 @@ NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descen
 and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
 
-NOTE: about 590 lines because ``SharedTree`` keeps one set of invariants (node map, lock
+NOTE: about 600 lines because ``SharedTree`` keeps one set of invariants (node map, lock
 counts, owned and leaf sizes, eviction order, the leaf budget over all three leaf types) that
 ``check_invariants`` and ``trim_leaves`` walk together; the borrowed-path walks live in
 ``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py``, ``lowrank_leaves.py`` and
