@@ -34,6 +34,10 @@ the same KV pool for every arm:
                     16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
                     ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
                     (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
+                    ``ahead`` / ``ahead16`` (--kvcmas-lora-centroid-ahead 32 / 16: the
+                    centroid prefills a streamed answer every 32 / 16 tokens while it decodes;
+                    it can only pay off with ``--own-transcripts``, where the answers it
+                    prefills are the ones the next prompt holds),
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
                     0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
@@ -44,7 +48,9 @@ By default every arm but stock replays the stock arm's transcripts: each turn's 
 from the stock turns' messages and it decodes as many tokens as the stock turn did
 (``ignore_eos``), so every arm serves the same prompts and the same decode work
 (``--own-transcripts``: each arm's workflows grow by its own answers, whose lengths then differ
-between arms and move TTFT and makespan with them).
+between arms and move TTFT and makespan with them). Every request names its head and shared
+transcript (``kvcmas_head_len`` / ``kvcmas_shared_end``, the chat template's split), as SGLang's
+chat route does under the plugin.
 
 Per arm: TTFT over non-owner turns (every turn after a workflow's first round: each adapter has
 spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
@@ -127,6 +133,8 @@ ARMS: dict[str, list[str]] = {
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                                  "--kvcmas-lora-recompute-tail", "48"],
     "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
+    "rebase_ahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
+    "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],
@@ -227,9 +235,10 @@ def run_flows(url: str, flows: list[LoraFlow], tok, max_new: int,
     prompts and the same decode work."""
     turns: list[dict] = []
     lock = threading.Lock()
+    split = template_split(tok)
 
     def turn(flow: LoraFlow, step: int, agent: str, ids: list[int]) -> dict:
-        fields = request_fields(flow.wid, agent, max_new)
+        fields = request_fields(flow.wid, agent, max_new, split(ids))
         ref = script.get((flow.wid, step, agent)) if script is not None else None
         n = max_new
         if ref is not None:
@@ -263,10 +272,29 @@ def workflow_id(wid: int) -> dict:
     return {"kvcmas_workflow": f"lora-{wid}"}
 
 
-def request_fields(wid: int, adapter: str, max_new: int) -> dict:
-    """A turn's request fields beyond the prompt: its adapter, greedy sampling, its workflow."""
+def template_split(tok):
+    """``ids`` -> the ``custom_params`` naming its head and shared transcript, as SGLang's chat
+    route sets them under the plugin (the chat template's split; none if it finds none, or
+    finds no template)."""
+    from sglang_kvcmas.integration.chat_template_markers import markers_for_tokenizer
+    from sglang_kvcmas.tree.agent_split import detect_template_split
+
+    markers = markers_for_tokenizer(tok)
+
+    def split(ids: list[int]) -> dict:
+        s = detect_template_split(ids, markers) if markers is not None else None
+        return {} if s is None else {"kvcmas_head_len": s.head_len,
+                                     "kvcmas_shared_end": s.shared_end}
+
+    return split
+
+
+def request_fields(wid: int, adapter: str, max_new: int, named: dict | None = None) -> dict:
+    """A turn's request fields beyond the prompt: its adapter, greedy sampling, its workflow
+    (and ``named``: its head and shared transcript)."""
     return {"lora_path": adapter, "sampling_params": {
-        "temperature": 0, "max_new_tokens": max_new, "custom_params": workflow_id(wid)}}
+        "temperature": 0, "max_new_tokens": max_new,
+        "custom_params": {**workflow_id(wid), **(named or {})}}}
 
 
 def key(t: dict) -> tuple:

@@ -22,6 +22,7 @@ from benchmark.serving.lora_head_to_head import (  # noqa: E402
     parse_adapters,
     prefilled,
     request_fields,
+    template_split,
 )
 
 
@@ -58,6 +59,9 @@ def test_requests_name_their_adapter_and_workflow():
     fields = request_fields(3, "critic", 64)
     assert fields["lora_path"] == "critic"
     assert fields["sampling_params"]["custom_params"] == {"kvcmas_workflow": "lora-3"}
+    named = request_fields(3, "critic", 64, {"kvcmas_head_len": 30, "kvcmas_shared_end": 90})
+    assert named["sampling_params"]["custom_params"] == {
+        "kvcmas_workflow": "lora-3", "kvcmas_head_len": 30, "kvcmas_shared_end": 90}
 
 
 def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):
@@ -110,3 +114,20 @@ def test_a_replayed_arm_serves_the_stock_arms_prompts_and_decode_lengths(monkeyp
     assert turns[2]["prompt_ids"] == [len(expected)]  # grown by stock's messages, not its own
     own, _ = bench.run_flows("url", [LoraFlow(0, "Q?", steps)], Tok(), 64)
     assert own[2]["prompt_ids"] != turns[2]["prompt_ids"]
+
+
+def test_requests_name_the_chat_templates_head_and_shared_transcript():
+    """The split the chat route would send: the system turn, then the transcript up to the turn
+    opener; a prompt without the template names nothing."""
+    from transformers import AutoTokenizer
+
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    flow = LoraFlow(0, "What is 2 + 3?", [["planner"]], ["PLAN:\n1. Add. "])
+    ids = tok.encode(flow.prompt(), add_special_tokens=False)
+    named = template_split(tok)(ids)
+    head = tok.decode(ids[: named["kvcmas_head_len"]])
+    assert head.startswith("<|im_start|>system\n") and "What is" not in head
+    assert tok.decode(ids[named["kvcmas_shared_end"]:]) == "<|im_start|>assistant\n"
+    assert template_split(tok)(tok.encode("no template here", add_special_tokens=False)) == {}
