@@ -8,14 +8,14 @@ import asyncio
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_catchup, prefill_requests
+from sglang_kvcmas.integration import lora_catchup
 from sglang_kvcmas.policy.lora_catchup import CatchupPlanner
 from sglang_kvcmas.policy.request_options import RequestOptions
 
 
 @pytest.fixture(autouse=True)
-def catchup_mode(monkeypatch):
-    monkeypatch.setattr(prefill_requests, "_MODE", ["catchup"])
+def catchup_mode(monkeypatch, knobs):
+    knobs(lora_share="catchup")
     monkeypatch.setattr(lora_catchup, "PLANNER", CatchupPlanner())
     monkeypatch.setattr(lora_catchup, "GRACE_S", 0.01)
     monkeypatch.setattr(lora_catchup, "TOTALS", dict.fromkeys(lora_catchup.TOTALS, 0))
@@ -63,7 +63,7 @@ def test_a_turn_catches_up_the_workflows_other_adapters():
     assert lora_catchup.TOTALS["requests"] == 1 and lora_catchup.TOTALS["prefilled"] == 6
 
 
-def test_no_catchup_without_a_workflow_or_an_adapter_or_in_another_mode(monkeypatch):
+def test_no_catchup_without_a_workflow_or_an_adapter_or_in_another_mode(knobs):
     async def run() -> FakeManager:
         fake = FakeManager()
         await turn(fake, "planner", workflow=None)
@@ -72,7 +72,7 @@ def test_no_catchup_without_a_workflow_or_an_adapter_or_in_another_mode(monkeypa
         return fake
 
     assert len(asyncio.run(run()).served) == 2
-    monkeypatch.setattr(prefill_requests, "_MODE", ["borrow"])
+    knobs(lora_share="borrow")
     assert len(asyncio.run(run()).served) == 2
 
 

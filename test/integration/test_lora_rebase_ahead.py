@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_rebase, prefill_requests
+from sglang_kvcmas.integration import lora_rebase
 from sglang_kvcmas.policy.lora_share import CENTROID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -20,12 +20,10 @@ HEAD = 4
 
 
 @pytest.fixture(autouse=True)
-def rebase_mode(monkeypatch):
-    monkeypatch.setattr(prefill_requests, "_MODE", ["rebase"])
-    monkeypatch.setattr(lora_rebase, "_EVERY", [32])
+def rebase_mode(monkeypatch, knobs):
+    knobs(lora_share="rebase", lora_centroid_ahead=32, lora_centroid_handoff="response")
     monkeypatch.setattr(lora_rebase, "TOTALS", dict.fromkeys(lora_rebase.TOTALS, 0))
     monkeypatch.setattr(lora_rebase, "_IN_FLIGHT", {})
-    monkeypatch.setattr(lora_rebase, "_HANDOFF", ["response"])
     monkeypatch.setattr(lora_rebase, "_AHEAD", {})
 
 
@@ -120,8 +118,7 @@ def test_a_turn_that_does_not_stream_prefills_nothing_ahead():
     assert fake.centroid == [(PROMPT, None)]
 
 
-def test_off_text_prompts_no_head_and_later_speakers_prefill_nothing_ahead(
-        monkeypatch):
+def test_off_text_prompts_no_head_and_later_speakers_prefill_nothing_ahead(knobs):
     fake = StreamingManager(answer_len=40)
 
     async def together():
@@ -135,7 +132,7 @@ def test_off_text_prompts_no_head_and_later_speakers_prefill_nothing_ahead(
     fake = StreamingManager(answer_len=40)
     asyncio.run(turn(fake, "planner", head=False))  # no explicit head: nothing ahead
     assert fake.centroid == [(PROMPT, None)]
-    monkeypatch.setattr(lora_rebase, "_EVERY", [0])
+    knobs(lora_centroid_ahead=0)
     fake = StreamingManager(answer_len=40)
     asyncio.run(turn(fake, "planner"))
     assert fake.centroid == [(PROMPT, None)]

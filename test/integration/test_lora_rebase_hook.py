@@ -10,17 +10,16 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_rebase, prefill_requests
+from sglang_kvcmas.integration import lora_rebase
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
 
 @pytest.fixture(autouse=True)
-def rebase_mode(monkeypatch):
-    monkeypatch.setattr(prefill_requests, "_MODE", ["rebase"])
+def rebase_mode(monkeypatch, knobs):
+    knobs(lora_share="rebase", lora_centroid_handoff="scheduler")
     monkeypatch.setattr(lora_rebase, "TOTALS", dict.fromkeys(lora_rebase.TOTALS, 0))
     monkeypatch.setattr(lora_rebase, "_IN_FLIGHT", {})
-    monkeypatch.setattr(lora_rebase, "_HANDOFF", ["scheduler"])
 
 
 class FakeManager:
@@ -88,12 +87,12 @@ def test_identical_prompts_in_flight_share_one_centroid_prefill():
     assert lora_rebase.TOTALS["coalesced"] == 2
 
 
-def test_no_centroid_for_the_base_model_exact_requests_or_other_modes(monkeypatch):
+def test_no_centroid_for_the_base_model_exact_requests_or_other_modes(knobs):
     fake = FakeManager()
     asyncio.run(turn(fake, None))
     asyncio.run(turn(fake, "planner", custom={"kvcmas_exact": True}))
     asyncio.run(turn(fake, CENTROID))
-    monkeypatch.setattr(prefill_requests, "_MODE", ["borrow"])
+    knobs(lora_share="borrow")
     asyncio.run(turn(fake, "planner"))
     assert [w for e, w in fake.log if e == "start"] == [None, "planner", CENTROID, "planner"]
 
@@ -105,14 +104,14 @@ def test_a_failed_centroid_prefill_is_counted_and_the_request_goes_on():
     assert lora_rebase.TOTALS["failed"] == 1
 
 
-def test_the_request_goes_to_the_scheduler_once_its_centroid_prefill_was_sent(monkeypatch):
+def test_the_request_goes_to_the_scheduler_once_its_centroid_prefill_was_sent(knobs):
     """``--kvcmas-lora-centroid-handoff scheduler``: the adapter request starts as soon as SGLang
     marks the centroid request sent, before the centroid's response (the scheduler holds it);
     ``response``: once the response is back."""
     fake = FakeManager(delay_s=0.05, states=True)
     asyncio.run(turn(fake, "planner"))
     assert fake.log.index(("start", "planner")) < fake.log.index(("end", CENTROID))
-    monkeypatch.setattr(lora_rebase, "_HANDOFF", ["response"])
+    knobs(lora_centroid_handoff="response")
     fake = FakeManager(delay_s=0.05, states=True)
     asyncio.run(turn(fake, "planner"))
     assert fake.log == [("start", CENTROID), ("end", CENTROID), ("start", "planner"),

@@ -52,7 +52,12 @@ import logging
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
-from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
+from sglang_kvcmas.integration.prefill_requests import (
+    mode,
+    one_token_request,
+    run_counted,
+    serving_config,
+)
 from sglang_kvcmas.policy.lora_share import AHEAD_RID, CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import SHARED_END_FIELD, RequestOptions
 
@@ -67,8 +72,6 @@ _IN_FLIGHT: dict[tuple, tuple[asyncio.Future, str]] = {}
 _AHEAD: dict[tuple, dict[tuple, asyncio.Future]] = {}
 """(cache_salt, extra_key) -> the latest ahead prefill in flight there of each answered prompt,
 by the prompt's ids."""
-_EVERY: list[int] = []
-_HANDOFF: list[str] = []
 SENT_POLL_S = 0.001
 """How often an adapter request looks whether its centroid prefill has been sent."""
 
@@ -94,21 +97,13 @@ def centroid_request(obj: Any) -> Any:
 
 
 def ahead_every() -> int:
-    """``--kvcmas-lora-centroid-ahead`` as the launcher set it (read once; 0: off)."""
-    if not _EVERY:
-        from sglang_kvcmas.config import ServingConfig
-
-        _EVERY.append(ServingConfig.from_env().lora_centroid_ahead)
-    return _EVERY[0]
+    """``--kvcmas-lora-centroid-ahead`` as the launcher set it (0: off)."""
+    return serving_config().lora_centroid_ahead
 
 
 def handoff() -> str:
-    """``--kvcmas-lora-centroid-handoff`` as the launcher set it (read once)."""
-    if not _HANDOFF:
-        from sglang_kvcmas.config import ServingConfig
-
-        _HANDOFF.append(ServingConfig.from_env().lora_centroid_handoff)
-    return _HANDOFF[0]
+    """``--kvcmas-lora-centroid-handoff`` as the launcher set it."""
+    return serving_config().lora_centroid_handoff
 
 
 def _namespace(obj: Any) -> tuple:

@@ -1,6 +1,6 @@
 """One-token prefill requests the HTTP process sends on its own (LoRA ``catchup`` and ``rebase``).
 
-Also the ``lora_share`` mode both hooks act on (:func:`mode`).
+Also the knobs both hooks act on, read once (:func:`serving_config`, :func:`mode`).
 
 Both LoRA modes that prefill a prompt under another adapter do it the same way: a copy of the
 client's prompt (its ids or text, namespace and ``extra_key``) under that adapter with one greedy
@@ -14,16 +14,23 @@ import copy
 import uuid
 from typing import Any
 
-_MODE: list[str] = []
+_CONFIG: list[Any] = []
+"""The deployment's ``ServingConfig`` once read (tests put their own here)."""
+
+
+def serving_config() -> Any:
+    """The deployment's knobs as the launcher set them (``ServingConfig``, read from the
+    environment once)."""
+    if not _CONFIG:
+        from sglang_kvcmas.config import ServingConfig
+
+        _CONFIG.append(ServingConfig.from_env())
+    return _CONFIG[0]
 
 
 def mode() -> str:
-    """``lora_share`` as the launcher set it (read from the environment once)."""
-    if not _MODE:
-        from sglang_kvcmas.config import ServingConfig
-
-        _MODE.append(ServingConfig.from_env().lora_share)
-    return _MODE[0]
+    """``lora_share`` as the launcher set it."""
+    return serving_config().lora_share
 
 
 def one_token_request(obj: Any, adapter: str, rid_prefix: str, *, keep_custom: bool) -> Any:
