@@ -401,6 +401,16 @@ def background_prefilled(url: str) -> int:
     return total
 
 
+def ahead_prefills(url: str) -> int:
+    """Centroid prefills of streamed answers ahead of the next turn
+    (``kvcmas:lora_centroid_ahead_requests_total``; 0 where none ran)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvcmas:lora_centroid_ahead_requests_total"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
     """A centroid-base arm's fidelity with its replay without recompute renamed ``base_*`` and
     its KL recovered taken against ``naive_from``'s (a borrow arm's) naive cross-adapter reuse,
@@ -539,8 +549,10 @@ def main() -> int:
             peak = sampler.stop()
             extra = lowrank_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
-            print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s "
-                  f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            aheads = f", {ahead_prefills(server.url)} ahead prefills" if "ahead" in arm else ""
+            print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
+                  f"{aheads} (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
+                  flush=True)
             if arm != "stock":
                 fid[arm] = fidelity(server.url, runs["stock"][0],
                                     lambda: warm_heads(server.url, list(adapters), tok),

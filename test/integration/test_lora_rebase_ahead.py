@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sglang_kvcmas.integration import lora_rebase
+from sglang_kvcmas.integration import lora_rebase, metrics
 from sglang_kvcmas.policy.lora_share import CENTROID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -91,11 +91,14 @@ def _aheads(fake: StreamingManager) -> list[int]:
 
 
 def test_a_streamed_answer_is_prefilled_every_n_tokens_and_nothing_at_its_end():
+    counter = metrics.counter("kvcmas:lora_centroid_ahead_requests", "", [])
+    before = counter._value.get()
     fake = StreamingManager(answer_len=70, step_s=0.003, centroid_s=0.002)
     asyncio.run(turn(fake, "planner"))
     assert _aheads(fake) == [32, 64]
     assert fake.centroid[-1][0][len(PROMPT):] == list(range(900, 964))
     assert lora_rebase.TOTALS["ahead"] == 2 and lora_rebase.TOTALS["requests"] == 3
+    assert counter._value.get() == before + 2  # visible in /metrics
     fake = StreamingManager(answer_len=70, step_s=0.003, centroid_s=0.002, incremental=True)
     asyncio.run(turn(fake, "planner"))  # each output carries the new tokens only
     assert _aheads(fake) == [32, 64]

@@ -35,7 +35,8 @@ prefills in flight of a prompt its own extends (it would compute the same tokens
 Of the requests that share one centroid prefill only the first to arrive prefills ahead: the
 order in which their answers join the transcript is unknown, and the first is the likeliest to
 come first. Ahead prefills are centroid prefills (their rids under ``AHEAD_RID``, a prefix of
-the centroid's; the same counters; ``TOTALS["ahead"]`` counts them); the tree marks where each
+the centroid's; the same token counters; ``TOTALS["ahead"]`` and
+``kvcmas:lora_centroid_ahead_requests_total`` count them); the tree marks where each
 ended (``SharedNode.open_end``), so the rest of the answer continues the answer's segment
 rather than starting one whose first tokens every reader would recompute.
 
@@ -223,6 +224,10 @@ def _start_ahead(original: Any, manager: Any, obj: Any, answer: list[int]) -> as
     space, prompt = _namespace(obj), tuple(obj.input_ids)
     fut = asyncio.ensure_future(_prefill(original, manager, ahead_request(obj, answer)))
     TOTALS["ahead"] += 1
+    ahead_counter = metrics.counter("kvcmas:lora_centroid_ahead_requests", "Centroid prefills "
+                                    "of a streamed answer ahead of the next turn.", [])
+    if ahead_counter is not None:
+        ahead_counter.inc()
     aheads = _AHEAD.setdefault(space, {})
     aheads[prompt] = fut
 
