@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh [OUT_DIR]            # the kernel check (about 6 minutes on an H200)
 #   scripts/gpu_check.sh --dry-run [OUT_DIR]  # print what it would run (any machine)
 #   scripts/gpu_check.sh --server [OUT_DIR]   # a user's CUDA machine with network: install the
-#                                             # GPU extras, then the quick head-to-head on GPU
+#                                             # GPU extras, then the quick head-to-heads on GPU
+#                                             # (prompt agents, then LoRA agents)
 #
 # Python: $VENV (default .venv) when its torch sees CUDA, else the python3 on PATH (a machine with
 # PyTorch and Triton preinstalled and no network: nothing is installed; the packages are read from
@@ -26,7 +27,7 @@ MODE=check
 case "${1:-}" in
   --dry-run) MODE=dry; shift ;;
   --server) MODE=server; shift ;;
-  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
 esac
 OUT_DIR="$(mkdir -p "${1:-${OUT:-$ROOT/results/gpu_check}}" && cd "${1:-${OUT:-$ROOT/results/gpu_check}}" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -59,8 +60,10 @@ if [[ $MODE == server ]]; then
   step install 1200 env KVCMAS_GPU=1 VENV="$VENV" bash scripts/install.sh || exit 1
   export KVCMAS_BENCH_SERVER_ARGS="${KVCMAS_BENCH_SERVER_ARGS:---device cuda --dtype bfloat16 --mem-fraction-static 0.8}"
   step head_to_head 3600 "$VENV/bin/python" benchmark/serving/head_to_head.py --quick --sequential \
-    --arms radix,kvcmas --out "$OUT_DIR"
-  exit $?
+    --arms radix,kvcmas --out "$OUT_DIR"; rc=$?
+  step lora_head_to_head 3600 "$VENV/bin/python" benchmark/serving/lora_head_to_head.py --quick \
+    --out "$OUT_DIR" || rc=1
+  exit $rc
 fi
 
 # The python that runs the check: the venv's if it sees CUDA, else the machine's own.

@@ -74,6 +74,9 @@ is repeated after a cache flush with naive reuse (nothing recomputed) for
         [--own-transcripts]
         [--adapters name=path,...] [--model-path NAME]
 
+``KVCMAS_BENCH_SERVER_ARGS`` (e.g. ``--device cuda --dtype bfloat16``) is appended to every arm's
+server flags, as for the other serving benchmarks.
+
 Ends with ``HEADLINE mode=<default> ttft_speedup_vs_stock=... kv_ratio_vs_stock=... tf_top1=...
 kl_recovered=... bg_prefill_tokens_ratio=...`` (``kv_ratio`` = stock peak KV / ours;
 ``bg_prefill_tokens_ratio`` = tokens the mode prefills, foreground and background (``catchup``'s
@@ -87,6 +90,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -112,6 +116,7 @@ from benchmark.serving.head_to_head import (  # noqa: E402
 from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import COMMON_FLAGS, shared_tree_stats  # noqa: E402
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
 from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
@@ -525,6 +530,7 @@ def main() -> int:
     if arms[0] != "stock" or any(a not in ARMS for a in arms) or len(arms) < 2:
         raise SystemExit(f"--arms: 'stock' first, then some of {list(ARMS)[1:]}")
     lora_flags = ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
+    user_flags = shlex.split(KVCMAS_BENCH_SERVER_ARGS.get())  # e.g. --device cuda; last: they win
     tok = model.tokenizer()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
@@ -534,7 +540,7 @@ def main() -> int:
     fid: dict[str, dict] = {}
     for arm in arms:
         server = ServerProcess(
-            args=[*ARMS[arm], *COMMON_FLAGS, *model.server_args, *lora_flags],
+            args=[*ARMS[arm], *COMMON_FLAGS, *model.server_args, *lora_flags, *user_flags],
             log_path=out_dir / f"server_{arm}.log", port=free_port(31000, 32000),
             boot_timeout_s=400)
         with server:
