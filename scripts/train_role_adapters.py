@@ -11,6 +11,11 @@ python/sglang_kvcmas/adapters/roles/<config>/<role>/.
     OMP_NUM_THREADS=1 python scripts/train_role_adapters.py --config attn_mlp --threads 1
 
 (the shipped adapters: 120 steps, lr 1e-3, seed 0; 2-6 min each on a shared 2-core CPU).
+Another model's (a known name or a Hugging Face folder) go to ``--out``; Qwen2.5-Coder-0.5B's, the
+same recipe, 4.5-5 min each, ship under ``roles/qwen2_5_coder_0_5b/``:
+
+    python scripts/train_role_adapters.py --model-path qwen2.5-coder-0.5b \\
+        --out python/sglang_kvcmas/adapters/roles/qwen2_5_coder_0_5b
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def train_one(args, role: str, tok, data) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
-    base = AutoModelForCausalLM.from_pretrained(str(resolve_model_path()), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(args.model_path)),
+                                                dtype=torch.float32)
     cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                      target_modules=list(ADAPTER_CONFIGS[args.config]), task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)
@@ -85,7 +91,7 @@ def train_one(args, role: str, tok, data) -> dict:
             recent = sum(losses[-20:]) / len(losses[-20:])
             print(f"[train {args.config}/{role}] step {step}/{args.steps} loss {recent:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = role_adapter_dir(args.config, role)
+    out = args.out / args.config / role if args.out else role_adapter_dir(args.config, role)
     out.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.float16)
     model.save_pretrained(str(out))
@@ -93,10 +99,12 @@ def train_one(args, role: str, tok, data) -> dict:
     # generated model card says nothing the config does not.
     cfg_path = out / "adapter_config.json"
     cfg_json = json.loads(cfg_path.read_text())
-    cfg_json["base_model_name_or_path"] = "embedded:" + resolve_model_path().name
+    cfg_json["base_model_name_or_path"] = ("embedded:" + resolve_model_path().name
+                                           if args.model_path is None else args.model_path)
     cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
     (out / "README.md").unlink(missing_ok=True)
-    meta = {"role": role, "config": args.config, "steps": args.steps, "lr": args.lr,
+    meta = {"role": role, "config": args.config, "model": resolve_model_path(args.model_path).name,
+            "steps": args.steps, "lr": args.lr,
             "max_len": MAX_LEN, "seed": args.seed, "examples": len(data),
             "first_loss": losses[0], "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "train_seconds": round(time.perf_counter() - t0, 1)}
@@ -113,11 +121,20 @@ def main() -> None:
     ap.add_argument("--num-items", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model-path", default=None,
+                    help="a known model's name or a Hugging Face folder (default: the embedded "
+                         "model, whose adapters ship in the package)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write <out>/<config>/<role>/ (default: the package's adapter folders, "
+                         "for the embedded model only)")
     args = ap.parse_args()
+    if args.model_path is not None and args.out is None:
+        ap.error("--model-path needs --out: the package's adapter folders are the embedded "
+                 "model's")
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_path()))
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model_path)))
     rng = random.Random(args.seed)
     items = gsm8k()[FIRST_TRAIN_ITEM : FIRST_TRAIN_ITEM + args.num_items]
     examples = [ex for it in items for ex in role_examples(it.question, it.answer, it.final, rng)]

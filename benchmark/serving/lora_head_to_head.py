@@ -1,7 +1,7 @@
 """LoRA head-to-head: stock SGLang LoRA serving (radix cache) vs our modes for LoRA agents.
 
-Agents differ by LoRA adapter (default: the package's planner / solver / critic role adapters for
-the embedded model, ``sglang_kvcmas.adapters``): every agent sees the same ChatML transcript (one
+Agents differ by LoRA adapter (default: the package's planner / solver / critic role adapters of
+the model served, ``sglang_kvcmas.adapters``: the embedded model's, and Qwen2.5-Coder-0.5B's): every agent sees the same ChatML transcript (one
 system message, the question, the agents' messages as assistant turns), so the adapter alone
 decides what it writes. A workflow is ``--rounds`` rounds over one GSM8K question: by default a
 ``panel`` (every round all adapters answer the transcript together, their messages appended in
@@ -164,16 +164,23 @@ NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
 """Per-request knobs of naive cross-adapter reuse: every borrowed token read as computed."""
 
 
-def default_adapters() -> dict[str, Path]:
+def default_adapters(model: str | None = None) -> dict[str, Path]:
+    """The package's role adapters of ``model`` (None: the embedded model's)."""
     from sglang_kvcmas.adapters import ROLES, role_adapter_dir
 
-    return {role: role_adapter_dir("attn", role) for role in ROLES}
+    out = {role: role_adapter_dir("attn", role, model) for role in ROLES}
+    if not all(p.is_dir() for p in out.values()):
+        raise SystemExit(f"no role adapters ship for {model}: train them "
+                         f"(scripts/train_role_adapters.py --model-path {model} --out DIR) and "
+                         "pass --adapters planner=DIR/attn/planner,...")
+    return out
 
 
-def parse_adapters(text: str | None) -> dict[str, Path]:
-    """``name=path,...`` (PEFT folders) -> {name: path}; None: the package's role adapters."""
+def parse_adapters(text: str | None, model: str | None = None) -> dict[str, Path]:
+    """``name=path,...`` (PEFT folders) -> {name: path}; None: the package's role adapters of
+    ``model`` (None: the embedded model's)."""
     if not text:
-        return default_adapters()
+        return default_adapters(model)
     out = {}
     for part in text.split(","):
         name, sep, path = part.partition("=")
@@ -525,7 +532,7 @@ def main() -> int:
     model = model_from_args(ap, args)
     out_dir = model.out_or_named(args.out, DEFAULT_OUT)
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapters = parse_adapters(args.adapters)
+    adapters = parse_adapters(args.adapters, model.name)
     arms = (args.arms or ",".join(QUICK_ARMS if args.quick else ARMS)).split(",")
     if arms[0] != "stock" or any(a not in ARMS for a in arms) or len(arms) < 2:
         raise SystemExit(f"--arms: 'stock' first, then some of {list(ARMS)[1:]}")

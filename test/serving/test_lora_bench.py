@@ -66,6 +66,11 @@ def test_requests_name_their_adapter_and_workflow():
 
 def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):
     assert list(parse_adapters(None)) == ["planner", "solver", "critic"]
+    assert list(parse_adapters(None, "embedded")) == ["planner", "solver", "critic"]
+    qwen = parse_adapters(None, "qwen2.5-coder-0.5b")  # trained for it, shipped beside
+    assert all(p.is_dir() and "qwen2_5_coder_0_5b" in str(p) for p in qwen.values())
+    with pytest.raises(SystemExit, match="train them"):
+        parse_adapters(None, "some-other-model")
     assert parse_adapters(f"a={tmp_path}") == {"a": tmp_path}
     with pytest.raises(SystemExit, match="name=folder"):
         parse_adapters(f"a={tmp_path / 'missing'}")

@@ -1,6 +1,8 @@
-"""LoRA role adapters for the embedded model (planner, solver, critic) and their role data.
+"""LoRA role adapters (planner, solver, critic) and their role data.
 
-The adapters ship as package data under ``roles/<config>/<role>/`` (peft format, fp16 weights);
+The embedded model's adapters ship as package data under ``roles/<config>/<role>/`` (peft
+format, fp16 weights); another known model's, where trained, under
+``roles/<model>/<config>/<role>/`` (``<model>``: its short name with ``.`` and ``-`` as ``_``).
 ``scripts/train_role_adapters.py`` reproduces them.
 """
 
@@ -19,8 +21,12 @@ ADAPTER_CONFIGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def role_adapter_dir(config: str, role: str) -> Path:
-    """Folder of a shipped adapter (adapter_config.json + adapter_model.safetensors)."""
+def role_adapter_dir(config: str, role: str, model: str | None = None) -> Path:
+    """Folder of a shipped adapter (adapter_config.json + adapter_model.safetensors) of the
+    embedded model (``model`` None or ``"embedded"``) or of the known model ``model``."""
     if config not in ADAPTER_CONFIGS or role not in ROLES:
         raise KeyError(f"unknown adapter {config}/{role}")
-    return Path(__file__).parent / "roles" / config / role
+    roles = Path(__file__).parent / "roles"
+    if model in (None, "embedded"):
+        return roles / config / role
+    return roles / model.replace(".", "_").replace("-", "_") / config / role
