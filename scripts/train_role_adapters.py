@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the planner / solver / critic LoRA adapters of the embedded model (CPU, seeded).
+"""Train the planner / solver / critic LoRA adapters of a model (the embedded one by default; CPU).
 
 Data: GSM8K items from index 200 on (the labs use items 0-199), turned into role examples by
 ``sglang_kvcmas.adapters.role_data``; loss on the role's message only; sequences <= 224 tokens.
@@ -103,7 +103,7 @@ def train_one(args, role: str, tok, data) -> dict:
                                            if args.model_path is None else args.model_path)
     cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
     (out / "README.md").unlink(missing_ok=True)
-    meta = {"role": role, "config": args.config, "model": resolve_model_path(args.model_path).name,
+    meta = {"role": role, "config": args.config, "model": args.model_path or "embedded",
             "steps": args.steps, "lr": args.lr,
             "max_len": MAX_LEN, "seed": args.seed, "examples": len(data),
             "first_loss": losses[0], "final_loss": sum(losses[-20:]) / len(losses[-20:]),

@@ -1,14 +1,14 @@
 """LoRA head-to-head: stock SGLang LoRA serving (radix cache) vs our modes for LoRA agents.
 
 Agents differ by LoRA adapter (default: the package's planner / solver / critic role adapters of
-the model served, ``sglang_kvcmas.adapters``: the embedded model's, and Qwen2.5-Coder-0.5B's): every agent sees the same ChatML transcript (one
-system message, the question, the agents' messages as assistant turns), so the adapter alone
-decides what it writes. A workflow is ``--rounds`` rounds over one GSM8K question: by default a
-``panel`` (every round all adapters answer the transcript together, their messages appended in
-order), or with ``--shape chain`` planner -> solver -> critic one at a time. ``--flows`` workflows
-run concurrently, after one short request per adapter (its head cached, as a deployment's earlier
-traffic leaves it); every request names its workflow. Same server binary, one server at a time,
-the same KV pool for every arm:
+the model served, ``sglang_kvcmas.adapters``: the embedded model's, and Qwen2.5-Coder-0.5B's):
+every agent sees the same ChatML transcript (one system message, the question, the agents' messages
+as assistant turns), so the adapter alone decides what it writes. A workflow is ``--rounds`` rounds
+over one GSM8K question: by default a ``panel`` (every round all adapters answer the transcript
+together, their messages appended in order), or with ``--shape chain`` planner -> solver -> critic
+one at a time. ``--flows`` workflows run concurrently, after one short request per adapter (its
+head cached, as a deployment's earlier traffic leaves it); every request names its workflow. Same
+server binary, one server at a time, the same KV pool for every arm:
 
     stock           --kvcmas-stock-cache: SGLang's LoRA serving; its radix cache keys every
                     prefix by adapter, so each adapter prefills the transcript itself
