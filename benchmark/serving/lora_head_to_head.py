@@ -71,7 +71,7 @@ is repeated after a cache flush with naive reuse (nothing recomputed) for
     python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, 4 arms, ~10 min
     python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
         [--shape panel|chain] [--arms stock,borrow,catchup,rebase,rebase_exact,...]
-        [--own-transcripts]
+        [--own-transcripts] [--profile]
         [--adapters name=path,...] [--model-path NAME]
 
 ``KVCMAS_BENCH_SERVER_ARGS`` (e.g. ``--device cuda --dtype bfloat16``) is appended to every arm's
@@ -115,6 +115,8 @@ from benchmark.serving.head_to_head import (  # noqa: E402
 )
 from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
 from benchmark.serving.reuse_records import of_meta  # noqa: E402
+from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
+from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
 from benchmark.serving.server_arms import COMMON_FLAGS, shared_tree_stats  # noqa: E402
 from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
 from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
@@ -524,6 +526,9 @@ def main() -> int:
                     help="each arm's workflows grow by its own answers (default: every arm "
                          "replays the stock arm's messages and decode lengths, so all serve the "
                          "same prompts and the same decode work)")
+    ap.add_argument("--profile", action="store_true",
+                    help="sample each arm's scheduler with py-spy during its workflows and write "
+                         "<name>_profile_<arm>.txt (where the time goes)")
     ap.add_argument("--out", type=Path, default=None)
     add_model_arg(ap)
     args = ap.parse_args()
@@ -558,8 +563,13 @@ def main() -> int:
             sampler.start()
             script = None if arm == "stock" or args.own_transcripts else \
                 {key(t): t for t in runs["stock"][0]}
+            raw = out_dir / f"lora_head_to_head_profile_{arm}.raw"
+            spy = SchedulerProfile(server.proc.pid, raw).start() if args.profile else None
             turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens, script)
             peak = sampler.stop()
+            if spy is not None and spy.stop() is not None:
+                (out_dir / f"lora_head_to_head_profile_{arm}.txt").write_text(
+                    profile_report(raw))
             extra = lowrank_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
             aheads = f", {ahead_prefills(server.url)} ahead prefills" if "ahead" in arm else ""
