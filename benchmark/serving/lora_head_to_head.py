@@ -401,28 +401,30 @@ def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict
     return out
 
 
+def metric_total(url: str, names: tuple[str, ...], label: str = "") -> int:
+    """The sum of the server's Prometheus samples named ``names`` (with ``label``, e.g.
+    ``kind="prefilled"``, where given); 0 where none is exported."""
+    total = 0
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names and label in line:
+                total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 def background_prefilled(url: str) -> int:
     """Tokens the server prefilled for other adapters than the request's own: background
     catch-ups (``kvcmas:lora_catchup_tokens``) and centroid prefills
     (``kvcmas:lora_centroid_tokens``)."""
-    total = 0
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(("kvcmas:lora_catchup_tokens_total{",
-                                "kvcmas:lora_centroid_tokens_total{")) \
-                    and 'kind="prefilled"' in line:
-                total += int(float(line.rsplit(" ", 1)[1]))
-    return total
+    return metric_total(url, ("kvcmas:lora_catchup_tokens_total",
+                              "kvcmas:lora_centroid_tokens_total"), 'kind="prefilled"')
 
 
 def ahead_prefills(url: str) -> int:
     """Centroid prefills of streamed answers ahead of the next turn
     (``kvcmas:lora_centroid_ahead_requests_total``; 0 where none ran)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("kvcmas:lora_centroid_ahead_requests_total"):
-                return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+    return metric_total(url, ("kvcmas:lora_centroid_ahead_requests_total",))
 
 
 def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
@@ -528,7 +530,7 @@ def main() -> int:
                          "same prompts and the same decode work)")
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workflows and write "
-                         "<name>_profile_<arm>.txt (where the time goes)")
+                         "lora_head_to_head_profile_<arm>.txt (where the time goes)")
     ap.add_argument("--out", type=Path, default=None)
     add_model_arg(ap)
     args = ap.parse_args()

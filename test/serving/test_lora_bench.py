@@ -136,3 +136,37 @@ def test_requests_name_the_chat_templates_head_and_shared_transcript():
     assert head.startswith("<|im_start|>system\n") and "What is" not in head
     assert tok.decode(ids[named["kvcmas_shared_end"]:]) == "<|im_start|>assistant\n"
     assert template_split(tok)(tok.encode("no template here", add_special_tokens=False)) == {}
+
+
+def test_background_and_ahead_prefills_are_read_from_the_servers_metrics():
+    """Only the named samples count (``_created`` and other kinds do not); absent ones are 0."""
+    import http.server
+    import threading
+
+    from benchmark.serving.lora_head_to_head import ahead_prefills, background_prefilled
+
+    body = b"\n".join([
+        b'kvcmas:lora_centroid_tokens_total{kind="prompt"} 500.0',
+        b'kvcmas:lora_centroid_tokens_total{kind="prefilled"} 300.0',
+        b'kvcmas:lora_catchup_tokens_total{kind="prefilled"} 20.0',
+        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9',
+        b"kvcmas:lora_centroid_ahead_requests_total 7.0", b""])
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body if self.path == "/metrics" else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert background_prefilled(url) == 320 and ahead_prefills(url) == 7
+        body = b"# nothing of ours\n"
+        assert background_prefilled(url) == 0 and ahead_prefills(url) == 0
+    finally:
+        server.shutdown()
