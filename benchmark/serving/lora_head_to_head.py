@@ -42,7 +42,9 @@ server binary, one server at a time, the same KV pool for every arm:
                     0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
-                    (lowrank+exact leaves)
+                    (lowrank+exact leaves), ``naive`` (no boundary, no tail: nothing
+                    recomputed but what the reader's suffix needs, the ceiling of the
+                    centroid base's TTFT)
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -150,6 +152,8 @@ ARMS: dict[str, list[str]] = {
     "rebase_mass10": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.1"],
     "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
+    "rebase_naive": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
+                     "--kvcmas-lora-recompute-tail", "0"],
 }
 QUICK_ARMS = ("stock", "borrow", "catchup", DEFAULT_MODE)
 """What ``--quick`` runs unless ``--arms`` says otherwise (about 10 minutes on two cores):
