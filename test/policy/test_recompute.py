@@ -12,6 +12,8 @@ from sglang_kvcmas.policy.recompute import (
     boundary_offsets,
     kept_offsets,
     mass_offsets,
+    message_starts,
+    split_spans,
 )
 
 
@@ -19,6 +21,36 @@ def test_first_tokens_of_each_foreign_span():
     spans = [BorrowedSpan(0, 40, True), BorrowedSpan(40, 50, False), BorrowedSpan(50, 53, True)]
     got = boundary_offsets(spans, RecomputeConfig(boundary_tokens=4, max_fraction=1.0))
     assert got == (0, 1, 2, 3, 50, 51, 52)  # own span skipped, short span taken whole
+
+
+def _naive_message_starts(ids: list[int], close: list[int]) -> list[int]:
+    return [i + len(close) for i in range(len(ids) - len(close) + 1)
+            if ids[i : i + len(close)] == close]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 17, 64])
+def test_message_starts_match_a_plain_scan(n):
+    import random
+
+    rng = random.Random(n)
+    ids = [rng.choice([2, 7, 9, 10]) for _ in range(n)]
+    for close in ([2, 10], [2], [2, 10, 2]):
+        assert message_starts(ids, close).tolist() == _naive_message_starts(ids, close)
+    with pytest.raises(ValueError):
+        message_starts(ids, [])
+
+
+def test_spans_are_cut_at_message_starts_inside_them():
+    spans = [BorrowedSpan(0, 40, True, 3, "c"), BorrowedSpan(40, 50, False),
+             BorrowedSpan(50, 60, True)]
+    got = split_spans(spans, [55, 0, 12, 40, 30, 12, 60, 70])
+    assert [(s.begin, s.end, s.foreign) for s in got] == [
+        (0, 12, True), (12, 30, True), (30, 40, True), (40, 50, False), (50, 55, True),
+        (55, 60, True)]
+    assert got[1].shift == 3 and got[1].owner == "c"
+    assert split_spans(spans, []) == spans
+    picks = boundary_offsets(got, RecomputeConfig(boundary_tokens=2, max_fraction=1.0))
+    assert picks == (0, 1, 12, 13, 30, 31, 50, 51, 55, 56)
 
 
 def test_budget_caps_recompute_and_zero_disables():

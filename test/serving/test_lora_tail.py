@@ -15,7 +15,7 @@ pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID  # noqa: E402
-from test_shared_tree_cache import END, SUFFIX, T1, T2, Harness, Req, head  # noqa: E402
+from test_shared_tree_cache import END, NL, SUFFIX, T1, T2, Harness, Req, head  # noqa: E402
 
 
 class LoraHarness(Harness):
@@ -212,3 +212,27 @@ def test_an_adapter_reader_takes_the_lora_boundary():
     assert recomputed(0, "solver") == 0
     assert recomputed(6, "solver") == 6
     assert recomputed(6, None) == 0
+
+
+def test_an_adapter_readers_boundary_opens_every_message_it_borrows():
+    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; with
+    ``--kvcmas-lora-recompute-boundary-at message`` (the default) the reader's boundary picks
+    open each message the chat template closes inside it, with ``segment`` only the span."""
+    def picks(at: str) -> tuple[int, ...]:
+        h = LoraHarness(boundary=0)
+        h.cache.requests.lora_share = "rebase"
+        h.cache.config = replace(h.cache.config, lora_recompute_tail=0,
+                                 lora_recompute_boundary=3, lora_recompute_boundary_at=at)
+        a, b = head(50, 20), head(60, 8)
+        msgs = T2[:10] + [2, NL] + T2[10:20] + [2, NL] + T2[20:]  # three messages
+        h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
+        h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
+        h.serve(_req(f"{CENTROID_RID}2", a + T1 + msgs + SUFFIX, CENTROID), 2)
+        b2 = _req("b2", b + T1 + msgs + SUFFIX, "solver")
+        h.match(b2)
+        return b2.last_node.recompute
+
+    start = len(T1)
+    assert picks("segment") == (start, start + 1, start + 2)
+    assert picks("message") == tuple(o for s in (start, start + 12, start + 24)
+                                     for o in range(s, s + 3))

@@ -93,7 +93,9 @@ from sglang_kvcmas.policy.recompute import (
     RecomputeConfig,
     borrow_pays,
     kept_offsets,
+    message_starts,
     select_recompute_arrays,
+    split_spans,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
 from sglang_kvcmas.policy.lora_share import is_ahead
@@ -281,6 +283,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                   else self.recompute_config)
         if across:
             config = self._across_adapters(config, own_knobs)
+            spans = self._at_messages(spans, shared_tokens)
         config = config.with_readers(readers_of(req))
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
@@ -306,6 +309,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if "recompute_mass_fraction" not in own_knobs:
             changes["mass_fraction"] = self.config.lora_recompute_mass_fraction
         return replace(config, **changes)
+
+    def _at_messages(self, spans: list[BorrowedSpan], shared_tokens: Any) -> list[BorrowedSpan]:
+        """A reader with an adapter's ``spans`` cut at every message start of the chat template
+        (``lora_recompute_boundary_at``), so its boundary picks open every message it borrows;
+        unchanged without a detected template. ``shared_tokens``: the request's ids from the
+        shared transcript's start (offset 0)."""
+        if self.markers is None or self.config.lora_recompute_boundary_at != "message":
+            return spans
+        return split_spans(spans, message_starts(shared_tokens, self.markers.head_close))
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
                        spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:

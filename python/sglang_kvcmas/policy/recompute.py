@@ -6,7 +6,9 @@ same forward pass as the reader's new tokens, and reads the rest re-positioned. 
 them, neither needing a reference prefill or a probe:
 
 - **boundary**: the first tokens of each borrowed span deviate most (they attended most to the
-  other agent's head);
+  other agent's head); for a reader with an adapter, of each message too (``split_spans`` at
+  ``message_starts``: the role adapters open their messages differently, and a turn's new
+  messages, prefilled in one pass, are one span; ``benchmark/lab/lora_selector_study.py``);
 - **owner head mass**: a shared token's attention output is λ·o_head + (1 − λ)·o_rest, so
   changing the head moves it in proportion to λ, its attention mass on the head. The owner's own
   pass records λ (``attention.spans.HeadMassProbe``); the tokens with the largest λ are
@@ -196,6 +198,49 @@ def boundary_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> 
             break
         out.extend(range(span.begin, span.begin + take))
     return tuple(out)
+
+
+def message_starts(tokens: Sequence[int] | np.ndarray, close: Sequence[int]) -> np.ndarray:
+    """Offsets in ``tokens`` where a message begins: just after each ``close`` (the chat
+    template's message close, e.g. ChatML's ``<|im_end|>`` ``\n``).
+
+    Args:
+        tokens: [T] token ids (a shared transcript, offset 0 its first token).
+        close: the ids that end a message (not empty).
+    Returns:
+        [m] int64, increasing, each in ``(0, T]``.
+    """
+    ids = np.asarray(tokens, dtype=np.int64)
+    n = len(close)
+    if n == 0:
+        raise ValueError("message close must not be empty")
+    if ids.shape[0] < n:
+        return np.zeros(0, dtype=np.int64)
+    hit = np.ones(ids.shape[0] - n + 1, dtype=bool)
+    for j, tok in enumerate(close):
+        hit &= ids[j : ids.shape[0] - n + 1 + j] == tok
+    return np.flatnonzero(hit) + n
+
+
+def split_spans(spans: Sequence[BorrowedSpan], cuts: Sequence[int] | np.ndarray
+                ) -> list[BorrowedSpan]:
+    """``spans`` with each one cut at every offset of ``cuts`` strictly inside it, so that
+    :func:`boundary_offsets` takes the first tokens of every message rather than only of every
+    span (a turn's new messages, prefilled in one pass, are one span).
+
+    Args:
+        spans: sorted, disjoint borrowed spans.
+        cuts: shared offsets (any order; those outside every span are ignored).
+    Returns:
+        the pieces, in order; owner, shift and foreign as their span's.
+    """
+    points = np.unique(np.asarray(cuts, dtype=np.int64))
+    out: list[BorrowedSpan] = []
+    for span in spans:
+        lo, hi = np.searchsorted(points, [span.begin + 1, span.end])
+        edges = [span.begin, *points[lo:hi].tolist(), span.end]
+        out.extend(replace(span, begin=a, end=b) for a, b in zip(edges, edges[1:]))
+    return out
 
 
 def tail_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> tuple[int, ...]:
