@@ -4,11 +4,10 @@ Under ``--kvcmas-lora-share rebase`` the adapters' centroid computes the shared 
 every adapter reads it: its own head (system prompt) exact, the centroid's KV elsewhere, and a set
 of picked tokens recomputed with its own adapter through every layer (attending to the centroid's
 KV where nothing was recomputed). The server's default picks are the first 8 tokens of every
-message and the last 32 of the prompt; a share of the rest can be added by the centroid's head
-mass (``--kvcmas-lora-recompute-mass-fraction``). On the embedded model the default picks
-recover most of naive reuse's KL; on Qwen2.5-Coder-0.5B they do not, and head-mass picks cost a
-quarter of the borrowed tokens to get there. This study ranks selectors for the extra picks at
-equal budgets, the way the server applies them, on the role adapters' own transcript:
+message (``--kvcmas-lora-recompute-boundary-at message``) and the last 32 of the prompt; a share
+of the rest can be added by the centroid's head mass (``--kvcmas-lora-recompute-mass-fraction``).
+This study ranks selectors for the extra picks at equal budgets, the way the server applies
+them, on the role adapters' own transcript:
 
 - ``tail``: a longer tail;
 - ``mass``: the centroid's attention mass on the head (mean over heads and the server's probe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -30,8 +31,6 @@ def _naive_message_starts(ids: list[int], close: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 17, 64])
 def test_message_starts_match_a_plain_scan(n):
-    import random
-
     rng = random.Random(n)
     ids = [rng.choice([2, 7, 9, 10]) for _ in range(n)]
     for close in ([2, 10], [2], [2, 10, 2]):

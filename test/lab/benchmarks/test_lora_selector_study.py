@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from sglang_kvcmas_lab.correction.lora_forward import LoraForward  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import RefLlama, keys_with_past  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, keys_with_past  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 HEAD, BLOCK = 5, 23
@@ -98,13 +98,6 @@ def test_own_scores_rank_the_readers_messages_first():
               head_len=3, starts=(0, 4, 8, 10), owners=(None, 1, 0, None))
     own = p.own()
     assert own.tolist() == [False] * 4 + [True] * 4 + [False] * 4
-    s = scores("own", p, torch.zeros(12), None, _FakeLen(12), 0)
+    z = torch.zeros(12, 1, 1)
+    s = scores("own", p, torch.zeros(12), None, KVCache([z], [z], torch.arange(12)), 0)
     assert set(torch.topk(s, 4).indices.tolist()) == {4, 5, 6, 7}
-
-
-class _FakeLen:
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
