@@ -19,12 +19,11 @@ from lora_selector_study import (  # noqa: E402
     reader_view,
     scores,
 )
-from test_precache import random_adapters  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from test_precache import tiny_lora  # noqa: E402
 
 from sglang_kvcmas_lab.correction.lora_forward import LoraForward  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, keys_with_past  # noqa: E402
+from sglang_kvcmas_lab.models.reference_llama import KVCache, keys_with_past  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 HEAD, BLOCK = 5, 23
@@ -32,12 +31,7 @@ HEAD, BLOCK = 5, 23
 
 @pytest.fixture(scope="module")
 def lora() -> LoraForward:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=7,
-                      num_attention_heads=6, num_key_value_heads=2, rope_theta=1000.0,
-                      max_position_embeddings=512)
-    hf = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    return LoraForward(RefLlama(hf), random_adapters(hf))
+    return tiny_lora(num_layers=7)  # probe layers 2 and 6
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "lab"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab" / "correction"))
 
-from test_precache import random_adapters  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from test_precache import tiny_lora  # noqa: E402
 
 import sglang_kvcmas_lab.correction.lora_baselines  # noqa: E402,F401
 import sglang_kvcmas_lab.correction.precache_block  # noqa: E402,F401
@@ -24,19 +23,13 @@ from sglang_kvcmas_lab.correction.precache_base import (  # noqa: E402
     create_lora_method,
     registered_lora_methods,
 )
-from sglang_kvcmas_lab.models.reference_llama import RefLlama  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
 @pytest.fixture(scope="module")
 def lora() -> LoraForward:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=2, rope_theta=1000.0,
-                      max_position_embeddings=512)
-    hf = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    return LoraForward(RefLlama(hf), random_adapters(hf))
+    return tiny_lora()
 
 
 def _segments() -> list[Segment]:

@@ -31,6 +31,16 @@ def hf() -> LlamaForCausalLM:
     return LlamaForCausalLM(_cfg()).to(torch.float64).eval()
 
 
+def tiny_lora(num_layers: int = 3) -> LoraForward:
+    """A tiny random float64 Llama (seed 0) with ``num_layers`` layers and three random
+    adapters (what the lab benchmarks' tests serve their methods with)."""
+    torch.manual_seed(0)
+    cfg = _cfg()
+    cfg.num_hidden_layers = num_layers
+    hf = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return LoraForward(RefLlama(hf), random_adapters(hf))
+
+
 def _dims(hf, target: str) -> tuple[int, int]:
     block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
     mod = dict(hf.named_modules())[f"model.layers.0.{block}.{target}"]
