@@ -21,16 +21,22 @@ them, on the role adapters' own transcript:
 - ``random`` (seeded), and ``oracle``: the true K/V deviation energy summed over layers, from
   the reader's exact prefill (the ceiling of any selector).
 
-Every point is a reader that did not write the newest message (the two other agents after each
-of the planner's, solver's and critic's messages), its turn opener appended; fidelity over a
-teacher-forced continuation of its exact greedy output (top-1, mean KL), against the reader's
-exact prefill. ``base`` is the centroid's KV with only the last token recomputed (what the
-defaults are worth is ``default`` against it); ``one_start`` takes the boundary tokens at the
-first message only (as a server whose new messages arrive in one prefill, one span, would).
+Transcripts (``--shape``): ``chain``, each role's message in turn (plan, solve, critique), every
+point a reader that did not write the newest message (the two other agents after each
+message); ``panel``, as the serving benchmark's quick panel, every round all three roles answer
+the same transcript and their answers are appended together, every point each role reading
+after a round (unlike the server, which keeps a reader's own earlier prompt exact, only the head
+is exact here). The reader's turn opener is appended; fidelity over a teacher-forced
+continuation of its exact greedy output (top-1, mean KL), against the reader's exact prefill.
+``base`` is the centroid's KV with only the last token recomputed (what the defaults are worth
+is ``default`` against it); ``one_start`` takes the boundary tokens at the first message only
+(as a server whose new messages arrive in one prefill, one span, would); ``boundary4`` /
+``boundary16`` take 4 / 16 at every message instead of 8.
 
-    python benchmark/lab/lora_selector_study.py [--questions 1] [--model-path NAME]
+    python benchmark/lab/lora_selector_study.py [--questions 1] [--shape chain|panel]
+        [--model-path NAME]
 
-Writes ``benchmark/lab/results/lora_selector_study[_<model>].{jsonl,txt}``.
+Writes ``benchmark/lab/results/lora_selector_study[_panel][_<model>].{jsonl,txt}``.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ PROBE_EVERY, PROBE_FIRST = 4, 2
 """The server's head-mass probe layers: 2, 6, 10, ..."""
 SELECTORS = ("tail", "mass", "own", "delta0", "dev1", "random", "oracle")
 BUDGETS = (0.05, 0.10, 0.25)
+ROW_ORDER = ("base", "one_start", "boundary4", "default", "boundary16", *SELECTORS)
 """Extra picks as a share of the borrowed tokens (beyond the defaults)."""
 
 
@@ -82,13 +89,13 @@ def log(msg: str) -> None:
 
 @dataclass(frozen=True)
 class Point:
-    """One reader over one prefix of the transcript, after ``writer``'s message on question
-    ``question``. ids: [T] (head + block, the reader's opener last); head_len: the system
-    prompt's tokens; starts: block offsets where messages (and the opener) begin; owners: the
-    agent that wrote each of those messages (None: a user message or the opener)."""
+    """One reader over one prefix of the transcript, ``after`` a role's message or a round on
+    question ``question``. ids: [T] (head + block, the reader's opener last); head_len: the
+    system prompt's tokens; starts: block offsets where messages (and the opener) begin;
+    owners: the agent that wrote each of those messages (None: a user message or the opener)."""
 
     reader: int
-    writer: int
+    after: str
     question: int
     ids: torch.Tensor
     head_len: int
@@ -109,32 +116,48 @@ def encode(tok, text: str) -> torch.Tensor:
     return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def build_points(lora: LoraForward, tok, questions: list[str], max_message: int) -> list[Point]:
-    """The no-sharing transcript (each role's greedy message in turn) and its reading points."""
+def build_points(lora: LoraForward, tok, questions: list[str], max_message: int,
+                 shape: str = "chain", rounds: int = 2) -> list[Point]:
+    """The no-sharing transcript and its reading points: ``chain``, each role's greedy message in
+    turn; ``panel``, ``rounds`` rounds of every role answering the same transcript."""
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     head = encode(tok, f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
     opener, closer = encode(tok, TURN_OPENER), encode(tok, "\n")
     msgs: list[torch.Tensor] = []
     owners: list[int | None] = []
     points: list[Point] = []
+
+    def answer(agent: int) -> torch.Tensor:
+        ids = torch.cat([head, *msgs, opener])
+        model = AgentModel(lora, agent)
+        out = model.forward(ids)
+        gen = model.greedy(out.kv, out.logits[-1], max_message, stop=end_id)
+        if gen[-1] != end_id:
+            gen.append(end_id)
+        log(f"q{qi} {ROLES[agent]}: {tok.decode(gen[:-1])!r}"[:200])
+        return torch.cat([opener, torch.tensor(gen), closer])
+
+    def read(after: str, readers: list[int]) -> None:
+        lens = [m.numel() for m in msgs] + [opener.numel()]
+        starts = tuple(int(s) for s in torch.tensor([0, *lens[:-1]]).cumsum(0))
+        prompt = torch.cat([head, *msgs, opener])
+        points.extend(Point(r, after, qi, prompt, head.numel(), starts, (*owners, None))
+                      for r in readers)
+
     for qi, q in enumerate(questions):
         msgs.append(encode(tok, f"<|im_start|>user\n{q}<|im_end|>\n"))
         owners.append(None)
-        for agent, role in enumerate(ROLES):
-            ids = torch.cat([head, *msgs, opener])
-            model = AgentModel(lora, agent)
-            out = model.forward(ids)
-            gen = model.greedy(out.kv, out.logits[-1], max_message, stop=end_id)
-            if gen[-1] != end_id:
-                gen.append(end_id)
-            msgs.append(torch.cat([opener, torch.tensor(gen), closer]))
+        if shape == "panel":
+            for k in range(rounds):
+                answers = [answer(agent) for agent in range(len(ROLES))]
+                msgs.extend(answers)
+                owners.extend(range(len(ROLES)))
+                read(f"round{k + 1}", list(range(len(ROLES))))
+            continue
+        for agent in range(len(ROLES)):
+            msgs.append(answer(agent))
             owners.append(agent)
-            log(f"q{qi} {role}: {tok.decode(gen[:-1])!r}"[:200])
-            lens = [m.numel() for m in msgs] + [opener.numel()]
-            starts = tuple(int(s) for s in torch.tensor([0, *lens[:-1]]).cumsum(0))
-            prompt = torch.cat([head, *msgs, opener])
-            points += [Point(r, agent, qi, prompt, head.numel(), starts, (*owners, None))
-                       for r in range(len(ROLES)) if r != agent]
+            read(ROLES[agent], [r for r in range(len(ROLES)) if r != agent])
     return points
 
 
@@ -179,11 +202,11 @@ def reader_view(lora: LoraForward, reader: int, head: KVCache, base: KVCache,
     return KVCache.concat([head, KVCache(ks, vs, pos)]), lora.ref.logits(h[-1:])[0]
 
 
-def default_picks(n: int, starts: tuple[int, ...]) -> torch.Tensor:
+def default_picks(n: int, starts: tuple[int, ...], boundary: int = BOUNDARY) -> torch.Tensor:
     """[n] bool: the server's default picks over a block of ``n`` tokens."""
     keep = torch.zeros(n, dtype=torch.bool)
     for s in starts:
-        keep[s : s + BOUNDARY] = True
+        keep[s : s + boundary] = True
     keep[max(0, n - TAIL):] = True
     return keep
 
@@ -242,10 +265,12 @@ def measure(lora: LoraForward, point: Point, cont: int, seed: int) -> list[dict]
         return {"top1": tf.top1, "mean_kl": tf.mean_kl, "picked": int(sel.numel()),
                 "borrowed": n}
 
-    first = default_picks(n, point.starts[:1])
-    rows = [{"selector": "base", "budget": 0.0, **fid(last.nonzero().flatten())},
-            {"selector": "one_start", "budget": 0.0, **fid(first.nonzero().flatten())},
-            {"selector": "default", "budget": 0.0, **fid(keep.nonzero().flatten())}]
+    variants = {"one_start": default_picks(n, point.starts[:1]), "default": keep,
+                "boundary4": default_picks(n, point.starts, 4),
+                "boundary16": default_picks(n, point.starts, 16)}
+    rows = [{"selector": "base", "budget": 0.0, **fid(last.nonzero().flatten())}]
+    rows += [{"selector": name, "budget": 0.0, **fid(picks.nonzero().flatten())}
+             for name, picks in variants.items()]
     for name in SELECTORS:
         score = scores(name, point, mass, exact, base, seed)
         for budget in BUDGETS:
@@ -260,7 +285,7 @@ def summarize(records: list[dict]) -> str:
     base_kl = {c: r["mean_kl"] for r in records for c in [(r["question"], r["after"], r["reader"])]
                if r["selector"] == "base"}
     keys = sorted({(r["selector"], r["budget"]) for r in records},
-                  key=lambda k: (["base", "one_start", "default", *SELECTORS].index(k[0]), k[1]))
+                  key=lambda k: (ROW_ORDER.index(k[0]), k[1]))
     lines = [f"{len(cases)} points; KL recovered = 1 - KL / KL(base), mean over points",
              f"{'selector':<9} {'extra':>6} {'picked':>7} {'top1':>6} {'KL':>8} {'KL rec':>7}"]
     for sel, budget in keys:
@@ -283,11 +308,15 @@ def main() -> None:
     ap.add_argument("--max-message", type=int, default=64)
     ap.add_argument("--cont", type=int, default=24, help="teacher-forced continuation tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=("chain", "panel"), default="chain")
+    ap.add_argument("--rounds", type=int, default=2, help="panel rounds per question")
     ap.add_argument("--out", type=Path, default=None)
     add_model_arg(ap)
     args = ap.parse_args()
     model = model_from_args(ap, args)
-    out = model.out_or_named(args.out, DEFAULT_OUT)
+    default = DEFAULT_OUT if args.shape == "chain" else DEFAULT_OUT.with_name(
+        f"{DEFAULT_OUT.name}_panel")
+    out = model.out_or_named(args.out, default)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     tok, ref = load_lab_model(model)
@@ -295,20 +324,22 @@ def main() -> None:
         {r: role_adapter_dir("attn", r, model.name) for r in ROLES}, ref.spec.num_layers)
     lora = LoraForward(ref, adapters)
     items = gsm8k()[args.first_question : args.first_question + args.questions]
-    points = build_points(lora, tok, [it.question for it in items], args.max_message)
+    points = build_points(lora, tok, [it.question for it in items], args.max_message,
+                          args.shape, args.rounds)
     records = []
     with open(out.with_suffix(".jsonl"), "w") as fh:
         for i, p in enumerate(points):
             t0 = time.perf_counter()
             for row in measure(lora, p, args.cont, args.seed + i):
                 rec = {"model": model.name, "question": args.first_question + p.question,
-                       "after": ROLES[p.writer], "reader": ROLES[p.reader], **row}
+                       "shape": args.shape, "after": p.after, "reader": ROLES[p.reader], **row}
                 records.append(rec)
                 fh.write(json.dumps(rec) + "\n")
             log(f"point {i + 1}/{len(points)} ({ROLES[p.reader]}, {p.ids.numel()} tokens) "
                 f"in {time.perf_counter() - t0:.1f} s")
     command = " ".join(["python benchmark/lab/lora_selector_study.py", *sys.argv[1:]])
-    text = (f"# command: {command}\nmodel {model.name}; {args.questions} question(s)\n"
+    text = (f"# command: {command}\nmodel {model.name}; {args.shape}; {args.questions} "
+            f"question(s)\n"
             + summarize(records))
     out.with_suffix(".txt").write_text(text + "\n")
     print(text)

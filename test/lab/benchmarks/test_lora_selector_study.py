@@ -88,7 +88,8 @@ def test_picks_keep_the_defaults_and_add_the_best_scored():
 
 
 def test_own_scores_rank_the_readers_messages_first():
-    p = Point(reader=1, writer=0, question=0, ids=torch.zeros(3 + 12, dtype=torch.long),
+    p = Point(reader=1, after="planner", question=0,
+              ids=torch.zeros(3 + 12, dtype=torch.long),
               head_len=3, starts=(0, 4, 8, 10), owners=(None, 1, 0, None))
     own = p.own()
     assert own.tolist() == [False] * 4 + [True] * 4 + [False] * 4
