@@ -19,8 +19,9 @@ Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_of
 
 A reader borrows only when enough foreign tokens are at stake (``borrow_pays``); fewer are
 computed exactly. Pure functions over plain values; the tree cache
-(``integration/shared_tree_cache.py``) applies them through :func:`select_recompute`. The lab's
-counterpart, which selects against a reference prefill, is ``sglang_kvcmas_lab.correction.selection``.
+(``integration/shared_tree_cache.py``) applies them through :func:`select_recompute`. The
+lab's counterpart, which selects against a reference prefill, is
+``sglang_kvcmas_lab.correction.selection``.
 """
 
 from __future__ import annotations
