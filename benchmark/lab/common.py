@@ -76,6 +76,11 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def encode(tok, text: str) -> torch.Tensor:
+    """``text``'s token ids, no special tokens added: [T] int64."""
+    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
 def load_lab_model(model, dtype: torch.dtype = torch.float32) -> tuple[Any, RefLlama]:
     """The tokenizer and reference forward of ``model`` (a ``benchmark.model_arg.BenchModel``).
 

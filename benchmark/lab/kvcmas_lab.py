@@ -42,6 +42,7 @@ from common import (  # noqa: E402
     JsonlWriter,
     Reference,
     TurnMetrics,
+    encode,
     fidelity_bundle,
     format_table,
     load_lab_model,
@@ -125,22 +126,18 @@ class Transcript:
     turns: list[Turn] = field(default_factory=list)
 
 
-def ids_of(tok, text: str) -> torch.Tensor:
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
 def make_transcript(model: RefLlama, tok, wl: Workload, answer_tokens: int, cont_tokens: int,
                     log) -> Transcript:
     """Dense (no sharing) generation of every turn: prompts, references and answers."""
     from common import make_reference
 
-    heads = {a: ids_of(tok, wl.head_text(a)) for a in wl.agents}
-    task = ids_of(tok, wl.task_segment_text())
-    suffix = ids_of(tok, SUFFIX)
-    end = ids_of(tok, END)
+    heads = {a: encode(tok, wl.head_text(a)) for a in wl.agents}
+    task = encode(tok, wl.task_segment_text())
+    suffix = encode(tok, SUFFIX)
+    end = encode(tok, END)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     for a in wl.agents:  # tokenization must compose at our segment boundaries
-        full = ids_of(tok, wl.head_text(a) + wl.task_segment_text() + SUFFIX)
+        full = encode(tok, wl.head_text(a) + wl.task_segment_text() + SUFFIX)
         assert torch.equal(full, torch.cat([heads[a], task, suffix])), "boundary merge"
     tr = Transcript(wl, heads)
     segs = [task]

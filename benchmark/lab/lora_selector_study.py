@@ -65,6 +65,7 @@ from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT, AdapterSet  # 
 from sglang_kvcmas_lab.models.reference_llama import KVCache, keys_with_past, rotate  # noqa: E402
 
 from benchmark.lab.common import (  # noqa: E402
+    encode,
     load_lab_model,
     make_reference,
     teacher_forced_logits,
@@ -110,10 +111,6 @@ class Point:
         for start, end, owner in zip(self.starts, ends, self.owners):
             out[start:end] = owner == self.reader
         return out
-
-
-def encode(tok, text: str) -> torch.Tensor:
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def build_points(lora: LoraForward, tok, questions: list[str], max_message: int,

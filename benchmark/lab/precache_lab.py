@@ -50,6 +50,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
 from common import (  # noqa: E402
     JsonlWriter,
     TurnMetrics,
+    encode,
     format_table,
     make_reference,
     plot_methods,
@@ -136,10 +137,6 @@ def load(config: str, model: BenchModel | None = None) -> tuple[LoraForward, obj
     adapters = AdapterSet.from_peft_dirs({r: role_adapter_dir(config, r) for r in ROLES},
                                          ref.spec.num_layers)
     return LoraForward(ref, adapters), tok
-
-
-def encode(tok, text: str) -> torch.Tensor:
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def build_transcript(lora: LoraForward, tok, questions: list[str], max_message: int,
