@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sglang_kvcmas.adapters import ROLES, role_adapter_dir
 from sglang_kvcmas.models.adapter_check import AdapterError
 from sglang_kvcmas.server.lora_centroid import (
     CONFIG,
@@ -70,6 +71,25 @@ def test_the_centroid_delta_is_the_mean_of_the_deltas_with_missing_modules_as_ze
                      if f"{key}.lora_A.weight" in load_file(str(f / WEIGHTS))]
             want = sum(parts) / 3
             torch.testing.assert_close(delta(out, key), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["attn", "attn_mlp"])
+def test_the_centroid_sits_within_the_adapters_spread(tmp_path, config):
+    """The base ``rebase`` serves deviates from each shipped role adapter, per projection, by at
+    most (N-1)/N of that adapter's mean distance to the others (the triangle inequality on the
+    mean), where ``borrow`` reads one such distance whole."""
+    folders = [role_adapter_dir(config, role) for role in ROLES]
+    out = build_centroid(folders, tmp_path / "cache")
+    n = len(folders)
+    keys = sorted(k[: -len(".lora_A.weight")] for k in load_file(str(folders[0] / WEIGHTS))
+                  if k.endswith(".lora_A.weight"))
+    assert keys
+    for key in keys:
+        deltas = [delta(f, key) for f in folders]
+        mean = delta(out, key)
+        for a, da in enumerate(deltas):
+            spread = sum(float(torch.linalg.norm(da - db)) for db in deltas) / (n - 1)
+            assert float(torch.linalg.norm(da - mean)) <= (n - 1) / n * spread * (1 + 1e-6)
 
 
 def test_it_is_built_once_per_set_of_inputs(tmp_path):

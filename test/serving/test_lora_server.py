@@ -17,6 +17,12 @@ And what ``catchup`` promises (on the stock server: its requests that name no wo
 stock serving): after a workflow's adapters have spoken once, each turn finds all but the newest
 message in its own exact cache, with the answers of an exact prefill, and the background prefill
 is counted in ``/metrics``.
+
+And what ``rebase`` promises: every adapter reads the transcript the centroid adapter computed
+and none writes it; exact and base-model requests are stock's; with every borrowed token
+recomputed a reader is its own exact prefill, with none its deviation is the centroid base's,
+below another adapter's KV (``borrow`` with nothing recomputed), and its default picks bring it
+closer; a streamed answer is prefilled ahead of the next turn.
 """
 
 from __future__ import annotations
@@ -220,11 +226,12 @@ def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
 @pytest.fixture(scope="module")
 def rebase(tmp_path_factory, servers):
     """Ours with ``--kvcmas-lora-share rebase`` (the centroid joins ``--lora-paths``, and
-    ``--max-lora-rank 8`` is raised to its rank 24; answers prefilled ahead every 32 tokens),
-    beside the stock server."""
+    ``--max-lora-rank 8`` is raised to its rank 24; answers prefilled ahead every 32 tokens; a
+    reader may recompute every borrowed token, as the control read below asks), beside the stock
+    server."""
     process = boot(tmp_path_factory, "lora-rebase",
                    ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase",
-                    "--kvcmas-lora-centroid-ahead", "32"])
+                    "--kvcmas-lora-centroid-ahead", "32", "--kvcmas-recompute-max-fraction", "1"])
     try:
         for role in ROLES:
             generate(process.url, prompt("What is 2 + 2?"), role)
@@ -292,3 +299,42 @@ def test_rebase_prefills_a_streamed_answer_ahead_of_the_next_turn(rebase):
     assert centroid_tokens(url, "prefilled") - before <= len(answer) - 32 + len(glue) + 1
     assert borrowed(second) > len(answer)  # the answer read off the centroid
     assert pool_balanced(url)
+
+
+def test_rebase_reads_the_centroid_base_within_the_adapters_spread(rebase, servers):
+    """What ``rebase`` promises a reader: its view of the transcript is the centroid adapter's
+    exact prefill of it, its picks recomputed with its own adapter over that base. So with every
+    borrowed token picked it is its own exact prefill; with none, its deviation from exact is the
+    centroid base's, which lies within the adapters' spread (less than reading another
+    adapter's exact KV, ``borrow`` with nothing recomputed); its default picks take it closer.
+    Teacher-forced over the exact greedy continuation, each read under a fresh ``cache_salt``."""
+    from transformers import AutoTokenizer
+
+    from benchmark.serving.recompute_fidelity import compare, forced
+    from sglang_kvcmas.models.resolve import resolve_model_path
+
+    stock, borrow = servers
+    _, url = rebase
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    ids = tok.encode(prompt(QUESTION + uuid.uuid4().hex[:6], PLAN), add_special_tokens=False)
+    solver = {"lora_path": "solver"}
+    cont = generate(stock, None, "solver", input_ids=ids,
+                    sampling_params={"temperature": 0, "max_new_tokens": 16})["output_ids"]
+    ref = forced(stock, ids, cont, f"exact-{uuid.uuid4()}", body=solver)
+
+    def read(server: str, config: tuple[int, float, int] | None, owner: str | None = None):
+        salt = f"read-{uuid.uuid4()}"
+        generate(server, prompt("What is 2 + 2?"), "solver", cache_salt=salt)  # its head
+        if owner is not None:  # the first adapter to compute the transcript owns it
+            generate(server, None, owner, input_ids=ids + cont, cache_salt=salt)
+        got = forced(server, ids, cont, salt, config=config, body=solver)
+        assert borrowed({"meta_info": {"kvcmas_reuse": [got["record"]]}}) > 80, got["record"]
+        return compare(ref, got, cont)
+
+    picked_all = read(url, (0, 1.0, 0))
+    centroid = read(url, (0, 0.0, 0))
+    default = read(url, None)
+    naive = read(borrow, (0, 0.0, 0), owner="planner")
+    assert picked_all["top1"] == 1.0 and picked_all["kl20"] < 1e-6, picked_all
+    assert default["kl20"] < centroid["kl20"] < naive["kl20"], (default, centroid, naive)
+    assert pool_balanced(url) and pool_balanced(borrow)
