@@ -6,7 +6,9 @@ every agent sees the same ChatML transcript (one system message, the question, t
 as assistant turns), so the adapter alone decides what it writes. A workflow is ``--rounds`` rounds
 over one GSM8K question: by default a ``panel`` (every round all adapters answer the transcript
 together, their messages appended in order), or with ``--shape chain`` planner -> solver -> critic
-one at a time. ``--flows`` workflows run concurrently, after one short request per adapter (its
+one at a time; with ``--shots K`` each question comes after K worked GSM8K examples of its
+workflow's own (a task context every agent reads, as retrieved examples or a document would be).
+``--flows`` workflows run concurrently, after one short request per adapter (its
 head cached, as a deployment's earlier traffic leaves it); every request names its workflow. Same
 server binary, one server at a time, the same KV pool for every arm:
 
@@ -58,7 +60,8 @@ chat route does under the plugin.
 
 Per arm: TTFT over non-owner turns (every turn after a workflow's first round: each adapter has
 spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
-the ``borrow`` arm reads another adapter's KV only in some of them), workflow makespan, token
+the ``borrow`` arm reads another adapter's KV only in some of them) and over the first round's
+turns (every agent's first read of the task), workflow makespan, token
 throughput, peak KV (pool slots held x bytes per token, + low-rank and factored leaf bytes; the
 LoRA weight buffers are the same in every arm and not counted), tokens prefilled (foreground +
 background), and the share of workflows whose last solver answer is the stock arm's (replayed:
@@ -74,7 +77,7 @@ is repeated after a cache flush with naive reuse (nothing recomputed) for
 
     python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, 4 arms, ~10 min
     python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
-        [--shape panel|chain] [--arms stock,borrow,catchup,rebase,rebase_exact,...]
+        [--shape panel|chain] [--shots K] [--arms stock,borrow,catchup,rebase,...]
         [--own-transcripts] [--profile]
         [--adapters name=path,...] [--model-path NAME]
 
@@ -94,6 +97,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -228,11 +232,28 @@ def flow_steps(shape: str, agents: list[str], rounds: int) -> list[list[str]]:
     return [[a] for a in agents] * rounds
 
 
-def build_flows(n: int, steps: list[list[str]]) -> list[LoraFlow]:
+SHOTS_FROM = 500
+"""GSM8K item where the worked examples of ``--shots`` start (past every flow's question)."""
+
+
+def build_flows(n: int, steps: list[list[str]], shots: int = 0) -> list[LoraFlow]:
+    """``n`` workflows on GSM8K questions 200, 201, ...; with ``shots``, each question comes
+    after worked examples of its own (``shots`` GSM8K solutions, different for every workflow, as
+    a retriever would pick them): a task context every agent of the workflow reads, which stock
+    serving prefills once per adapter."""
     from sglang_kvcmas.datasets import gsm8k
 
     items = gsm8k()
-    return [LoraFlow(i, items[200 + i].question, steps) for i in range(n)]
+
+    def task(i: int) -> str:
+        first = SHOTS_FROM + i * shots
+        examples = [f"Worked example {j + 1}.\nQuestion: {items[first + j].question}\n"
+                    f"Solution: {re.sub(r'<<[^>]*>>', '', items[first + j].answer)}\n\n"
+                    for j in range(shots)]  # without GSM8K's calculator annotations
+        return "".join(examples) + (f"Question: {items[200 + i].question}" if shots
+                                    else items[200 + i].question)
+
+    return [LoraFlow(i, task(i), steps) for i in range(n)]
 
 
 def warm_heads(url: str, adapters: list[str], tok) -> None:
@@ -477,6 +498,7 @@ def lowrank_bytes(url: str) -> int:
 def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, extra_bytes: int,
               background: int, non_owner: set, kv_bytes_per_token: int) -> dict:
     no = [t["ttft"] for t in turns if key(t) in non_owner]
+    first = [t["ttft"] for t in turns if key(t) not in non_owner]
     out_tok = sum(t["meta"].get("completion_tokens", 0) for t in turns)
     in_tok = sum(t["meta"].get("prompt_tokens", 0) for t in turns)
     return {
@@ -486,6 +508,7 @@ def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, ex
         "nonowner_ttft_mean_s": statistics.fmean(no) if no else None,
         "nonowner_ttft_median_s": statistics.median(no) if no else None,
         "nonowner_ttft_p99_s": pct(no, 0.99) if no else None,
+        "first_round_ttft_median_s": statistics.median(first) if first else None,
         "input_tokens": in_tok, "output_tokens": out_tok,
         "prefilled_tokens": sum(prefilled(t) for t in turns),
         "background_prefilled_tokens": background,
@@ -525,6 +548,9 @@ def main() -> int:
     ap.add_argument("--shape", choices=SHAPES, default="panel",
                     help="panel: each round all adapters answer together; chain: one at a time")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--shots", type=int, default=0,
+                    help="worked GSM8K examples before each workflow's question, different for "
+                         "every workflow (a task context all its agents read; default none)")
     ap.add_argument("--arms", default=None,
                     help=f"comma-separated, stock first (default: {','.join(QUICK_ARMS)} with "
                          "--quick, else every arm)")
@@ -567,7 +593,8 @@ def main() -> int:
         with server:
             stream_generate(server.url, tok.encode("Warm up."), 4)
             warm_heads(server.url, list(adapters), tok)
-            flows = build_flows(args.flows, flow_steps(args.shape, list(adapters), args.rounds))
+            flows = build_flows(args.flows, flow_steps(args.shape, list(adapters), args.rounds),
+                                args.shots)
             sampler = KvSampler(server.url)
             sampler.start()
             script = None if arm == "stock" or args.own_transcripts else \
@@ -605,10 +632,13 @@ def main() -> int:
     lines = [f"# command: python {' '.join(sys.argv)}",
              f"# lora_head_to_head {model.name} commit {commit} on {machine}",
              f"# {args.flows} {args.shape} flows x {args.rounds} rounds of {', '.join(adapters)}, "
-             f"{args.max_new_tokens} new tokens, one server at a time, "
+             f"{args.max_new_tokens} new tokens"
+             + (f", {args.shots} worked examples before each question" if args.shots else "")
+             + ", one server at a time, "
              + ("each arm's own transcripts" if args.own_transcripts else
                 "every arm replaying stock's messages and decode lengths"),
-             f"{'arm':<16}{'nonowner TTFT med ms':>21}{'makespan s':>12}{'tok/s':>9}"
+             f"{'arm':<16}{'nonowner TTFT med ms':>21}{'round-1 TTFT ms':>16}{'makespan s':>12}"
+             f"{'tok/s':>9}"
              f"{'peak KV MiB':>13}{'prefilled':>11}{'same answer':>13}{'tf top1':>9}"
              f"{'KL20':>9}{'KL naive':>10}{'KL rec':>8}"]
     records = []
@@ -621,12 +651,16 @@ def main() -> int:
         s.update(speedup_nonowner_ttft=(stock["nonowner_ttft_median_s"]
                                         / s["nonowner_ttft_median_s"])
                  if s["nonowner_ttft_median_s"] else None,
+                 speedup_first_round_ttft=(stock["first_round_ttft_median_s"]
+                                           / s["first_round_ttft_median_s"])
+                 if s["first_round_ttft_median_s"] else None,
                  kv_ratio_vs_stock=stock["peak_kv_bytes"] / max(1, s["peak_kv_bytes"]),
                  prefill_ratio_vs_stock=(s["prefilled_tokens"] + s["background_prefilled_tokens"])
                  / max(1, stock["prefilled_tokens"]))
         fmt = (lambda k, w, p: f"{f[k]:>{w}.{p}f}" if f.get(k) is not None else f"{'-':>{w}}")
         lines.append(
-            f"{arm:<16}{(s['nonowner_ttft_median_s'] or 0) * 1e3:>21.1f}{s['makespan_s']:>12.1f}"
+            f"{arm:<16}{(s['nonowner_ttft_median_s'] or 0) * 1e3:>21.1f}"
+            f"{(s['first_round_ttft_median_s'] or 0) * 1e3:>16.1f}{s['makespan_s']:>12.1f}"
             f"{s['total_throughput_tok_s']:>9.1f}{s['peak_kv_bytes'] / 2**20:>13.2f}"
             f"{s['prefilled_tokens'] + s['background_prefilled_tokens']:>11}"
             f"{same:>10}/{args.flows:<2}"
@@ -634,11 +668,12 @@ def main() -> int:
             f"{fmt('kl_recovered', 8, 2)}")
         records.append({"model": model.name, "commit": commit, "machine": machine,
                         "flows": args.flows, "rounds": args.rounds, "shape": args.shape,
+                        "shots": args.shots,
                         "max_new_tokens": args.max_new_tokens, "adapters": list(adapters), **s})
     text = "\n".join(lines)
     print(text)
     name = "lora_head_to_head" + ("" if args.shape == "panel" else f"_{args.shape}") \
-        + ("_quick" if args.quick else "")
+        + ("_quick" if args.quick else "") + (f"_shots{args.shots}" if args.shots else "")
     (out_dir / f"{name}.txt").write_text(text + "\n")
     with open(out_dir / f"{name}.jsonl", "w") as fh:
         for r in records:

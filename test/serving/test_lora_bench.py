@@ -16,6 +16,7 @@ from benchmark.serving.lora_head_to_head import (  # noqa: E402
     CENTROID_BASE,
     CROSS_ADAPTER,
     LoraFlow,
+    build_flows,
     against_cross_adapter_naive,
     flow_steps,
     last_answer,
@@ -30,6 +31,15 @@ def test_panel_and_chain_shapes():
     agents = ["planner", "solver", "critic"]
     assert flow_steps("panel", agents, 2) == [agents, agents]
     assert flow_steps("chain", agents, 2) == [["planner"], ["solver"], ["critic"]] * 2
+
+
+def test_shots_put_worked_examples_of_each_flows_own_before_its_question():
+    plain, shot = build_flows(2, [["planner"]]), build_flows(2, [["planner"]], shots=2)
+    for p, s in zip(plain, shot):
+        assert s.question.startswith("Worked example 1.\nQuestion: ")
+        assert s.question.endswith(f"Question: {p.question}")
+        assert s.question.count("Solution: ") == 2 and "<<" not in s.question
+    assert shot[0].question.split("Question: ")[1] != shot[1].question.split("Question: ")[1]
 
 
 def test_a_flow_prompt_is_the_shared_transcript_with_one_turn_opener():
