@@ -87,7 +87,7 @@ def test_the_centroid_sits_within_the_adapters_spread(tmp_path, config):
     for key in keys:
         deltas = [delta(f, key) for f in folders]
         mean = delta(out, key)
-        for a, da in enumerate(deltas):
+        for da in deltas:
             spread = sum(float(torch.linalg.norm(da - db)) for db in deltas) / (n - 1)
             assert float(torch.linalg.norm(da - mean)) <= (n - 1) / n * spread * (1 + 1e-6)
 
