@@ -526,12 +526,14 @@ def plot(summaries: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = [s["arm"] for s in summaries]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     panels = [("nonowner_ttft_median_s", "non-owner TTFT median (s)"),
+              ("first_round_ttft_median_s", "round-1 TTFT median (s)"),
               ("makespan_s", "workflow makespan (s)"),
               ("peak_kv_bytes", "peak KV (MiB)")]
+    panels = [(k, title) for k, title in panels if any(s.get(k) for s in summaries)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, (k, title) in zip(axes, panels):
-        vals = [(s[k] or 0) / (2**20 if k == "peak_kv_bytes" else 1) for s in summaries]
+        vals = [(s.get(k) or 0) / (2**20 if k == "peak_kv_bytes" else 1) for s in summaries]
         ax.bar(arms, vals, color=["#888"] + ["#3a7"] * (len(arms) - 1))
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
