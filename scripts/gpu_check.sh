@@ -14,7 +14,8 @@
 #   scripts/gpu_check.sh --dry-run [OUT_DIR]  # print what it would run (any machine)
 #   scripts/gpu_check.sh --server [OUT_DIR]   # a user's CUDA machine with network: install the
 #                                             # GPU extras, then the quick head-to-heads on GPU
-#                                             # (prompt agents, then LoRA agents)
+#                                             # (prompt agents, LoRA agents, LoRA agents over a
+#                                             # task context: --shots 4)
 #
 # Python: $VENV (default .venv) when its torch sees CUDA, else the python3 on PATH (a machine with
 # PyTorch and Triton preinstalled and no network: nothing is installed; the packages are read from
@@ -27,7 +28,7 @@ MODE=check
 case "${1:-}" in
   --dry-run) MODE=dry; shift ;;
   --server) MODE=server; shift ;;
-  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
 esac
 OUT_DIR="$(mkdir -p "${1:-${OUT:-$ROOT/results/gpu_check}}" && cd "${1:-${OUT:-$ROOT/results/gpu_check}}" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -63,6 +64,8 @@ if [[ $MODE == server ]]; then
     --arms radix,kvcmas --out "$OUT_DIR"; rc=$?
   step lora_head_to_head 3600 "$VENV/bin/python" benchmark/serving/lora_head_to_head.py --quick \
     --out "$OUT_DIR" || rc=1
+  step lora_head_to_head_shots 3600 "$VENV/bin/python" benchmark/serving/lora_head_to_head.py \
+    --quick --shots 4 --arms stock,borrow,rebase --out "$OUT_DIR" || rc=1
   exit $rc
 fi
 
