@@ -80,8 +80,9 @@ PROBE_EVERY, PROBE_FIRST = 4, 2
 """The server's head-mass probe layers: 2, 6, 10, ..."""
 SELECTORS = ("tail", "mass", "own", "delta0", "dev1", "random", "oracle")
 BUDGETS = (0.05, 0.10, 0.25)
-ROW_ORDER = ("base", "one_start", "boundary4", "default", "boundary16", *SELECTORS)
 """Extra picks as a share of the borrowed tokens (beyond the defaults)."""
+ROW_ORDER = ("base", "one_start", "boundary4", "default", "boundary16", *SELECTORS)
+"""The summary's row order: the fixed pick sets, then the selectors."""
 
 
 def log(msg: str) -> None:

@@ -75,13 +75,17 @@ def prompt(question: str, *messages: str) -> str:
     return chat_text([*msgs, *(Message("assistant", m) for m in messages)], open_turn=True)
 
 
-def borrowed(out: dict) -> int:
-    """Prompt tokens read off another agent's (or the centroid's) transcript: re-positioned,
-    corrected, or recomputed at the reader's picks (the last ``--kvcmas-lora-recompute-tail``
-    among them)."""
-    rec = (out["meta_info"].get("kvcmas_reuse") or [{}])[0]
+def borrowed_in(rec: dict) -> int:
+    """Prompt tokens a reuse record read off another agent's (or the centroid's) transcript:
+    re-positioned, corrected, or recomputed at the reader's picks (the last
+    ``--kvcmas-lora-recompute-tail`` among them)."""
     return (rec.get("reused_repositioned", 0) + rec.get("reused_corrected", 0)
             + rec.get("recomputed_borrowed", 0))
+
+
+def borrowed(out: dict) -> int:
+    """:func:`borrowed_in` of a ``/generate`` response's reuse record."""
+    return borrowed_in((out["meta_info"].get("kvcmas_reuse") or [{}])[0])
 
 
 def boot(tmp_path_factory, name: str, flags: list[str]):
@@ -328,7 +332,7 @@ def test_rebase_reads_the_centroid_base_within_the_adapters_spread(rebase, serve
         if owner is not None:  # the first adapter to compute the transcript owns it
             generate(server, None, owner, input_ids=ids + cont, cache_salt=salt)
         got = forced(server, ids, cont, salt, config=config, body=solver)
-        assert borrowed({"meta_info": {"kvcmas_reuse": [got["record"]]}}) > 80, got["record"]
+        assert borrowed_in(got["record"]) > 80, got["record"]
         return compare(ref, got, cont)
 
     picked_all = read(url, (0, 1.0, 0))
