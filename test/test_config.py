@@ -70,3 +70,22 @@ def test_readme_lists_every_knob():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [k.flag for k in KNOBS if f"`{k.flag}`" not in readme or f"`{k.env}`" not in readme]
     assert not missing, f"README's knob table lacks {missing}"
+
+
+def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
+    from sglang_kvcmas import config
+    from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    monkeypatch.setitem(config.REMOVED, "old_knob", "use --kvcmas-new-knob")
+    monkeypatch.setitem(config.REMOVED_CHOICES, ("leaf_mode", "old"), "use 'factored'")
+    with pytest.raises(ConfigError, match="--kvcmas-old-knob is no longer served: use --kvcmas-new"):
+        resolve({"old_knob": "3"}, {})
+    with pytest.raises(ConfigError, match="KVCMAS_OLD_KNOB is no longer served"):
+        ServingConfig.from_env({"KVCMAS_OLD_KNOB": "1"})
+    with pytest.raises(RequestOptionError, match="custom_params.kvcmas_old_knob is no longer"):
+        RequestOptions.parse({"kvcmas_old_knob": 1})
+    with pytest.raises(ConfigError, match="leaf_mode=old is no longer served: use 'factored'"):
+        knob("leaf_mode").parse("old", "leaf_mode")
+    with pytest.raises(SystemExit, match="--kvcmas-old-knob is no longer served"):
+        parse_launcher_args(["--kvcmas-old-knob", "2", "--port", "1"])

@@ -83,6 +83,9 @@ class Knob:
         Raises:
             ConfigError: naming ``where``.
         """
+        if isinstance(value, str) and (self.name, value) in REMOVED_CHOICES:
+            raise ConfigError(f"{where}={value} is no longer served: "
+                              f"{REMOVED_CHOICES[self.name, value]}")
         if value is None:
             if self.optional:
                 return None
@@ -335,6 +338,10 @@ class ServingConfig:
             ConfigError: naming the variable.
         """
         environ = os.environ if environ is None else environ
+        for name, why in REMOVED.items():
+            env = "KVCMAS_" + name.upper()
+            if env in environ:
+                raise ConfigError(removed_message(env, why))
         values = {k.name: k.parse_text(environ[k.env], k.env) for k in KNOBS if k.env in environ}
         return cls(**values)
 
@@ -359,6 +366,19 @@ BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_
 """``custom_params`` field -> knob, for the knobs a request may set."""
 
 
+REMOVED: dict[str, str] = {}
+"""Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
+field fail with that message (:func:`removed_message`) instead of being ignored."""
+
+REMOVED_CHOICES: dict[tuple[str, str], str] = {}
+"""Values of a served knob that are no longer served: (knob name, value) -> what replaced it."""
+
+
+def removed_message(where: str, why: str) -> str:
+    """The error for a removed knob given as ``where`` (its flag, variable or request field)."""
+    return f"{where} is no longer served: {why}"
+
+
 def knob(name: str) -> Knob:
     for k in KNOBS:
         if k.name == name:
@@ -376,6 +396,9 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) 
     Raises:
         ConfigError: naming the flag or variable.
     """
+    for name, why in REMOVED.items():
+        if name in flags:
+            raise ConfigError(removed_message("--kvcmas-" + name.replace("_", "-"), why))
     base = ServingConfig.from_env(environ)
     values = {}
     for k in KNOBS:

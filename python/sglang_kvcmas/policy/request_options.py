@@ -35,7 +35,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kvcmas.config import BY_REQUEST_FIELD, ConfigError, Knob
+from sglang_kvcmas.config import (
+    BY_REQUEST_FIELD,
+    REMOVED,
+    ConfigError,
+    Knob,
+    removed_message,
+)
 
 PREFIX = "kvcmas_"
 AGENT_FIELD = "kvcmas_agent"
@@ -103,6 +109,10 @@ class RequestOptions:
                 f"custom_params must be an object, got {type(custom_params).__name__}")
         ours = {k: v for k, v in custom_params.items() if isinstance(k, str) and
                 k.startswith(PREFIX)}
+        for k in ours:
+            if k[len(PREFIX):] in REMOVED:
+                raise RequestOptionError(removed_message(f"custom_params.{k}",
+                                                         REMOVED[k[len(PREFIX):]]))
         unknown = sorted(k for k in ours if k not in _OWN_FIELDS and k not in BY_REQUEST_FIELD)
         if unknown:
             known = ", ".join(sorted((*_OWN_FIELDS, *BY_REQUEST_FIELD)))

@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_kvcmas.config import KNOBS, ConfigError, ServingConfig, resolve
+from sglang_kvcmas.config import KNOBS, REMOVED, ConfigError, ServingConfig, resolve
 from sglang_kvcmas.server.memory import (
     MIN_FRACTION,
     footprint_of_folder,
@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                                 default=argparse.SUPPRESS)
         else:
             parser.add_argument(k.flag, dest=k.name, default=argparse.SUPPRESS)
+    for name in REMOVED:  # parsed so that resolve() names what replaced them
+        parser.add_argument("--kvcmas-" + name.replace("_", "-"), dest=name, nargs="?",
+                            const=True, default=argparse.SUPPRESS)
     return parser
 
 
