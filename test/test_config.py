@@ -8,7 +8,6 @@ import pytest
 
 from sglang_kvcmas.config import KNOBS, ConfigError, ServingConfig, knob, resolve
 from sglang_kvcmas.policy.recompute import RecomputeConfig
-from sglang_kvcmas.policy.turn_order import TurnConfig
 
 
 def test_names_derive_from_the_field():
@@ -22,7 +21,6 @@ def test_names_derive_from_the_field():
 def test_policy_defaults_come_from_the_config():
     cfg = ServingConfig()
     assert RecomputeConfig() == RecomputeConfig.from_serving(cfg)
-    assert TurnConfig() == TurnConfig.from_serving(cfg)
     assert RecomputeConfig.from_serving(cfg, recompute_boundary=3).boundary_tokens == 3
 
 
@@ -30,7 +28,7 @@ def test_policy_defaults_come_from_the_config():
     ("recompute_boundary", True), ("recompute_boundary", 1.5), ("recompute_boundary", -1),
     ("recompute_boundary", None), ("recompute_boundary", "16"), ("recompute_boundary", [16]),
     ("recompute_mass_fraction", math.nan), ("recompute_mass_fraction", math.inf),
-    ("recompute_mass_fraction", 2), ("turn_order", "random"), ("share_context", 1),
+    ("recompute_mass_fraction", 2), ("leaf_mode", "random"), ("share_context", 1),
 ])
 def test_parse_is_strict(name, value):
     with pytest.raises(ConfigError, match="custom_params.x"):
@@ -39,15 +37,15 @@ def test_parse_is_strict(name, value):
 
 def test_parse_accepts_the_right_types():
     assert knob("recompute_mass_fraction").parse(0, "f") == 0.0
-    assert knob("leaf_mass_fraction").parse(None, "f") is None
-    assert knob("leaf_mass_fraction").parse_text("", "f") is None
+    assert knob("leaf_budget").parse(None, "f") is None
+    assert knob("leaf_budget").parse_text("", "f") is None
     assert knob("share_context").parse_text("on", "f") is True
 
 
 def test_environment_round_trip():
-    cfg = ServingConfig(share_context=True, recompute_boundary=4, leaf_mass_fraction=0.05)
+    cfg = ServingConfig(share_context=True, recompute_boundary=4, leaf_budget=0.05)
     assert ServingConfig.from_env(cfg.to_env()) == cfg
-    assert "KVCMAS_CPU_THREADS" not in cfg.to_env()  # launcher-only knobs stay with the launcher
+    assert "KVCMAS_STOCK_CACHE" not in cfg.to_env()  # launcher-only knobs stay with the launcher
 
 
 def test_resolve_order_flag_env_default():
@@ -61,7 +59,7 @@ def test_resolve_order_flag_env_default():
 
 def test_config_validates_its_own_fields():
     with pytest.raises(ConfigError):
-        ServingConfig(recompute_max_fraction=3.0)
+        ServingConfig(recompute_mass_fraction=3.0)
 
 
 def test_readme_lists_every_knob():

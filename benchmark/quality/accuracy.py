@@ -150,13 +150,13 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
         say(f"{arm}: all {len(wanted)} items already done")
         return
     say(f"{arm}: {len(todo)} items to run ({len(wanted) - len(todo)} done before)")
-    extra = ["--kvcmas-cpu-threads", str(args.cpu_threads)]
-    extra += ["--model-path", args.model_path] if args.model_path else []
+    extra = ["--model-path", args.model_path] if args.model_path else []
     if args.max_total_tokens:
         extra += ["--max-total-tokens", str(args.max_total_tokens)]
     lock = threading.Lock()
     t0 = time.perf_counter()
-    with ArmServer(arm, args.logs / f"server_{arm}.log", extra) as server:
+    threads = {"OMP_NUM_THREADS": str(args.cpu_threads)}
+    with ArmServer(arm, args.logs / f"server_{arm}.log", extra, env=threads) as server:
         stream_generate(server.url, tok.encode("Warm up."), 4)
 
         failed: list[str] = []

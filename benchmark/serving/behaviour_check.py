@@ -122,9 +122,6 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--debates", type=int, default=4)
     ap.add_argument("--chains", type=int, default=2)
-    ap.add_argument("--min-borrowed", type=int, default=64,
-                    help="KVCMAS_MIN_BORROWED for the server (lower than the default so that "
-                         "short answers still borrow)")
     add_model_arg(ap)
     args = ap.parse_args()
     if args.compare:
@@ -135,15 +132,14 @@ def main() -> int:
                             capture_output=True, text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    env = {"KVCMAS_MIN_BORROWED": str(args.min_borrowed)}
-    with ArmServer("kvcmas", args.out.with_suffix(".log"), model.server_args, env=env) as server:
+    with ArmServer("kvcmas", args.out.with_suffix(".log"), model.server_args) as server:
         print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
               flush=True)
         turns = record(server.url, args.max_new_tokens, args.debates, args.chains, model.folder)
     args.out.write_text(json.dumps({
         "commit": commit, "machine": platform.node(), "model": model.name,
         "max_new_tokens": args.max_new_tokens,
-        "min_borrowed": args.min_borrowed, "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
         "turns": turns}, indent=1))
     print(f"[behaviour] {len(turns)} turns in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0

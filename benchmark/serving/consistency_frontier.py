@@ -4,8 +4,8 @@ The head-to-head's debate workload (``head_to_head.run_workload``: N concurrent 
 debates, 3 rounds, one server at a time) runs once on SGLang's radix cache (the reference), then
 once per recompute configuration on a kvcmas server whose readers recompute ``boundary`` tokens
 at the start of every borrowed span plus the ``mass`` share of borrowed tokens with the largest
-owner head mass (``policy/recompute.py``; set through ``KVCMAS_RECOMPUTE_*``, with the cap
-``KVCMAS_RECOMPUTE_MAX_FRACTION`` raised to the mass share where it is above the default 0.5).
+owner head mass (``policy/recompute.py``; set through ``KVCMAS_RECOMPUTE_*``; the recompute cap
+rises to the mass share where it is above the default 0.5).
 ``100000:1.0`` recomputes every borrowed token: a reader then reads nothing approximate, which is
 the exact end of the curve (the control of ``recompute_fidelity_all_recomputed.txt``).
 
@@ -69,8 +69,7 @@ def config_env(boundary: int, mass: float, tail: int) -> dict[str, str]:
     """The kvcmas server's environment for one recompute configuration."""
     return {"KVCMAS_RECOMPUTE_BOUNDARY": str(boundary),
             "KVCMAS_RECOMPUTE_MASS_FRACTION": str(mass),
-            "KVCMAS_RECOMPUTE_TAIL": str(tail),
-            "KVCMAS_RECOMPUTE_MAX_FRACTION": str(max(0.5, mass))}
+            "KVCMAS_RECOMPUTE_TAIL": str(tail)}
 
 
 def run_arm(arm: str, env: dict[str, str], args, tok, name: str) -> dict:

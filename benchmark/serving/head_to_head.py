@@ -517,7 +517,7 @@ def main() -> int:
     }
     if ours["nonowner_ttft_median_s"] is None:
         print("[head_to_head] warning: no kvcmas turn read another agent's KV (every borrowed "
-              "span was below KVCMAS_MIN_BORROWED?): no non-owner TTFT to compare",
+              "span was below policy.recompute.MIN_BORROWED?): no non-owner TTFT to compare",
               file=sys.stderr)
         ttft_speedup = float("nan")
     else:

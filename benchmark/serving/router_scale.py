@@ -21,7 +21,7 @@ Measures:
     together. ``workers_share_min`` = the smaller worker's share of the workflows in kvcmas x2,
     from each worker's request log (``split_workflows``: workflows seen by both, must be 0).
 (b) ``throughput_2v1`` = workflows per second of kvcmas x2 over kvcmas x1 (makespan ratio).
-    Every server runs one CPU thread (``--kvcmas-cpu-threads`` 1, the default), so one server
+    Every server runs one CPU thread (the launcher's default), so one server
     computes on one core and two on two; on a 2-core machine the router, the tokenizer
     processes and this client share those cores. ``--pin-cores`` pins worker i to core i.
     Throughput is a saturated server's: the default 24 workflows keep one server busy (with

@@ -167,26 +167,6 @@ class ServingConfig:
     stock_cache: bool = _knob(
         False, "Serve with SGLang's default tree cache instead of ours (the baseline).",
         kind=bool, launcher_only=True)
-    cpu_threads: int = _knob(
-        1, "OpenMP threads for the server on CPU when OMP_NUM_THREADS is unset (one is robust "
-        "on a shared machine: two spin-wait on each other when another process holds a core).",
-        kind=int, low=1, launcher_only=True)
-    turn_order: str = _knob(
-        "leader", "When several agents' requests over one new transcript segment wait "
-        "together: 'leader' (one computes it, the others wait and reuse it) or 'fifo' "
-        "(nobody waits).", kind=str, choices=("leader", "fifo"))
-    turn_max_wait_s: float = _knob(
-        60.0, "Longest a request is held back, counted from when it is first held, waiting "
-        "for another agent to compute its segment (a safety bound).", kind=float, low=0)
-    turn_min_gain: int = _knob(
-        32, "Fewest shared tokens a waiting request must gain from a leader for it to wait "
-        "(at least min_borrowed).", kind=int, low=1)
-    min_borrowed: int = _knob(
-        128, "Fewest tokens of other agents' KV a reader borrows; below this it computes them "
-        "exactly (they save little and risk a flipped token).", kind=int, low=0)
-    cache_agent_outputs: bool = _knob(
-        False, "Keep an agent request's generated tokens in the tree cache after it finishes "
-        "(off: only its prompt; outputs re-enter through the shared transcript).", kind=bool)
     leaf_budget: float | None = _knob(
         None, "Most KV readers' leaves may hold (exact leaves' pool slots, and low-rank "
         "factors' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
@@ -214,34 +194,9 @@ class ServingConfig:
         0.1, "A reader also recomputes this share of its borrowed tokens: those with the "
         "largest attention mass on their owner's head (recorded in the owner's pass).",
         kind=float, low=0, high=1, per_request=True)
-    recompute_mass_max_tokens: int | None = _knob(
-        None, "Most of a reader's borrowed tokens chosen by owner head mass (recomputed this "
-        "turn or held as its exact leaves), whatever the share gives; bounds the KV each reader "
-        "holds of its own over a long transcript (unset: the share alone).", kind=int, low=0,
-        optional=True, per_request=True)
-    recompute_segment_share: float | None = _knob(
-        0.2, "Most of their borrowed tokens that the readers of one new segment recompute by "
-        "owner head mass together: a reader that waited with N-1 others for the same "
-        "leader recomputes min(mass share, this / N) of its own (N >= 2), so the KV readers "
-        "hold of their own stays bounded as agents are added (unset: each reader the mass "
-        "share).",
-        kind=float, low=0, high=1, optional=True, per_request=True)
-    recompute_max_fraction: float = _knob(
-        0.5, "Cap on the share of a reader's borrowed tokens that it recomputes.", kind=float,
-        low=0, high=1)
     recompute_tail: int = _knob(
         0, "A reader recomputes the last N foreign borrowed tokens before its own suffix.",
         kind=int, low=0, per_request=True)
-    recompute_batch_tokens: int | None = _knob(
-        None, "Most borrowed tokens the readers of one prefill batch recompute together; a "
-        "reader that would pass it waits for the next batch (one reader is always admitted). "
-        "Under leaf mode 'factored' a reader's recomputed slots are freed right after its "
-        "prefill, so this bounds the KV they hold at once (unset: no cap).", kind=int, low=1,
-        optional=True)
-    leaf_mass_fraction: float | None = _knob(
-        None, "Share of its borrowed tokens, by owner head mass, that a reader keeps as exact "
-        "leaves after recomputing them (unset: all it recomputes); the rest is recomputed "
-        "every turn, so leaf memory stays bounded.", kind=float, low=0, high=1, optional=True)
     leaf_mode: str = _knob(
         "factored", "What a reader keeps of the borrowed tokens it recomputes: 'factored' "
         "(their deviation from the owner's KV as rank-r factors: host memory, up to "
@@ -250,15 +205,6 @@ class ServingConfig:
         "leaves: pool slots, read exactly), 'lowrank' (a per-agent low-rank correction of "
         "every other borrowed token, fitted on them; no leaves) or 'lowrank+exact' (both).",
         kind=str, choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
-    factored_reread: str = _knob(
-        "auto", "Leaf mode 'factored': when a reader's recomputed slots are freed. 'on': right "
-        "after its prefill, its decode reading those tokens through its new leaves (the least "
-        "KV; each decode step adds their deviations); 'off': when it finishes (its decode reads "
-        "them exactly); 'auto': 'off' for a reader with an adapter (lora_share 'borrow' or "
-        "'rebase') that reads every borrowed token at its own position (under 'rebase' the "
-        "centroid prefilled the same prompt), whose decode would otherwise leave the plain "
-        "path for the deviations alone; 'on' for every other reader.",
-        kind=str, choices=("auto", "on", "off"))
     lowrank_rank: int = _knob(
         4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "
         "('lowrank', 'lowrank+exact'), per layer and KV head.", kind=int,
@@ -366,7 +312,23 @@ BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_
 """``custom_params`` field -> knob, for the knobs a request may set."""
 
 
-REMOVED: dict[str, str] = {}
+REMOVED: dict[str, str] = {
+    "cpu_threads": "set OMP_NUM_THREADS (the launcher uses one thread on CPU when it is unset)",
+    "turn_order": "the leader rule always applies (kvcmas_exact serves a request exactly)",
+    "turn_max_wait_s": "a fixed bound (policy/turn_order.py: MAX_WAIT_S)",
+    "turn_min_gain": "a fixed minimum (policy/turn_order.py: MIN_GAIN)",
+    "min_borrowed": "a fixed minimum (policy/recompute.py: MIN_BORROWED)",
+    "cache_agent_outputs": "an agent's outputs enter the cache through the shared transcript",
+    "recompute_mass_max_tokens": "bound reader leaves with --kvcmas-leaf-budget",
+    "recompute_segment_share": "a fixed share (policy/recompute.py: SEGMENT_SHARE)",
+    "recompute_max_fraction": "a fixed cap (policy/recompute.py: MAX_FRACTION), lifted for a "
+                              "request asking a larger kvcmas_recompute_mass_fraction",
+    "recompute_batch_tokens": "bound reader leaves with --kvcmas-leaf-budget",
+    "leaf_mass_fraction": "a reader keeps what it recomputes; bound it with --kvcmas-leaf-budget",
+    "factored_reread": "decided per reader (integration/shared_tree_cache.py: _rereads)",
+    "allow_sgl_kernel_standin": "the raising sgl_kernel stand-in serves only where no real "
+                                "sgl_kernel is installed",
+}
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
 

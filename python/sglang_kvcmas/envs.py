@@ -30,12 +30,6 @@ KVCMAS_CACHE_DIR = EnvVar(
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang-kvcmas"),
     "Where converted models and other derived artifacts are kept.",
 )
-KVCMAS_ALLOW_SGL_KERNEL_STANDIN = EnvVar(
-    "KVCMAS_ALLOW_SGL_KERNEL_STANDIN",
-    "1",
-    "Allow the raising sgl_kernel stand-in when no real sgl_kernel is installed (CPU only).",
-)
-
 KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
     "KVCMAS_SGL_KERNEL_STANDIN_LOG",
     "",
@@ -49,7 +43,7 @@ KVCMAS_CPU_LORA_OPS = EnvVar(
     "lora/grouped_ops.py) or 'sglang' (SGLang's torch_native ops, one pass per request).",
 )
 
-ALL = (KVCMAS_CACHE_DIR, KVCMAS_ALLOW_SGL_KERNEL_STANDIN, KVCMAS_SGL_KERNEL_STANDIN_LOG,
+ALL = (KVCMAS_CACHE_DIR, KVCMAS_SGL_KERNEL_STANDIN_LOG,
        KVCMAS_CPU_LORA_OPS)
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----

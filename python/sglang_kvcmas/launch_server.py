@@ -13,8 +13,8 @@ Same routes as ``python -m sglang.launch_server`` (``/generate``, OpenAI ``/v1/*
   the model), ``--sleep-on-idle`` (an idle scheduler would poll on a full core),
   ``--lora-backend torch_native`` (used only with ``--enable-lora``),
   ``SGLANG_USE_CPU_ENGINE=1`` and, only if no real ``sgl_kernel`` is installed, our raising
-  ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS`` = ``--kvcmas-cpu-threads`` (default 1, see
-  ``config.py``) unless the environment sets it.
+  ``sgl_kernel`` stand-in; ``OMP_NUM_THREADS=1`` unless the environment sets it (one thread is
+  robust on a shared machine: two spin-wait on each other when another process holds a core).
 - Always: ``--enable-cache-report``, ``--enable-metrics`` (when prometheus_client is installed),
   and ``--radix-cache-backend kvcmas`` (our tree cache). ``--kvcmas-stock-cache`` leaves the
   backend unset, i.e. SGLang's default tree cache (``UnifiedRadixCache``), for baselines.
@@ -95,6 +95,10 @@ def centroid_argv(options: LauncherOptions, ranks: dict[str, int]) -> list[str]:
     return with_centroid(list(options.sglang_argv), folder, rank, CENTROID)
 
 
+CPU_THREADS = 1
+"""OpenMP threads of a CPU server when ``OMP_NUM_THREADS`` is unset."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server; returns (or exits with) a non-zero status on a bad model path."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[knob("forecast_artifact").env] = str(forecaster)
     if options.on_cpu:
         # Threads are read once by the OpenMP runtime: set them before torch is imported.
-        os.environ.setdefault("OMP_NUM_THREADS", str(options.cpu_threads))
+        os.environ.setdefault("OMP_NUM_THREADS", str(CPU_THREADS))
         from sglang_kvcmas.integration.cpu_runtime import prepare_cpu_server_process
 
         kernel = prepare_cpu_server_process()

@@ -65,10 +65,10 @@ def test_gpu_device_gets_no_cpu_defaults():
 
 def test_share_context_flag_sets_delta_backend_and_server_env(monkeypatch):
     monkeypatch.delenv("KVCMAS_SHARE_CONTEXT", raising=False)
-    opts = parse_launcher_args(["--kvcmas-share-context", "--kvcmas-turn-order", "fifo"])
+    opts = parse_launcher_args(["--kvcmas-share-context", "--kvcmas-recompute-tail", "8"])
     assert opts.share_context and "--kvcmas-share-context" not in opts.sglang_argv
     env = opts.server_env()
-    assert env["KVCMAS_SHARE_CONTEXT"] == "1" and env["KVCMAS_TURN_ORDER"] == "fifo"
+    assert env["KVCMAS_SHARE_CONTEXT"] == "1" and env["KVCMAS_RECOMPUTE_TAIL"] == "8"
     assert env["KVCMAS_RECOMPUTE_BOUNDARY"] == "16"  # every scheduler knob, parsed once here
     argv = build_sglang_argv(opts, "/models/m", set())
     assert _value(argv, "--attention-backend") == "kvcmas_delta"
@@ -82,19 +82,21 @@ def test_share_context_flag_sets_delta_backend_and_server_env(monkeypatch):
     assert parse_launcher_args([]).share_context
 
 
-def test_cpu_threads_flag():
-    assert parse_launcher_args(["--kvcmas-cpu-threads", "2"]).cpu_threads == 2
-    with pytest.raises(SystemExit):
-        parse_launcher_args(["--kvcmas-cpu-threads", "0"])
+def test_a_removed_flag_fails_naming_what_replaced_it():
+    with pytest.raises(SystemExit, match="--kvcmas-cpu-threads is no longer served: set OMP_NUM"):
+        parse_launcher_args(["--kvcmas-cpu-threads", "2"])
+    with pytest.raises(SystemExit, match="--kvcmas-turn-order is no longer served"):
+        parse_launcher_args(["--kvcmas-turn-order", "fifo"])
 
 
 @pytest.mark.parametrize("argv, env, names", [
     (["--kvcmas-recompute-boundary", "x"], {}, "--kvcmas-recompute-boundary"),
     (["--kvcmas-recompute-mass-fraction", "1.5"], {}, "--kvcmas-recompute-mass-fraction"),
-    (["--kvcmas-turn-order", "random"], {}, "--kvcmas-turn-order"),
-    ([], {"KVCMAS_MIN_BORROWED": "-3"}, "KVCMAS_MIN_BORROWED"),
+    (["--kvcmas-leaf-mode", "random"], {}, "--kvcmas-leaf-mode"),
+    ([], {"KVCMAS_RECOMPUTE_TAIL": "-3"}, "KVCMAS_RECOMPUTE_TAIL"),
     ([], {"KVCMAS_SHARE_CONTEXT": "maybe"}, "KVCMAS_SHARE_CONTEXT"),
-    ([], {"KVCMAS_TURN_MAX_WAIT_S": "nan"}, "KVCMAS_TURN_MAX_WAIT_S"),
+    ([], {"KVCMAS_LEAF_BUDGET": "nan"}, "KVCMAS_LEAF_BUDGET"),
+    ([], {"KVCMAS_MIN_BORROWED": "64"}, "KVCMAS_MIN_BORROWED is no longer served"),
 ])
 def test_bad_knob_fails_at_startup_naming_it(monkeypatch, capsys, argv, env, names):
     for k, v in env.items():

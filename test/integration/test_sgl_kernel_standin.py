@@ -71,15 +71,6 @@ def test_real_sgl_kernel_is_never_shadowed(isolated_path, tmp_path):
     assert str(cpu_runtime.STANDIN_DIR) not in sys.path and env == {}
 
 
-def test_can_be_disallowed(isolated_path, monkeypatch):
-    if importlib.util.find_spec("sgl_kernel") is not None:
-        pytest.skip("a real sgl_kernel is installed here")
-    monkeypatch.setenv("KVCMAS_ALLOW_SGL_KERNEL_STANDIN", "0")
-    env: dict[str, str] = {}
-    assert cpu_runtime.install_sgl_kernel_standin(env).source == "missing"
-    assert env == {}
-
-
 def test_cpu_server_process_env(isolated_path):
     env: dict[str, str] = {}
     cpu_runtime.prepare_cpu_server_process(env)

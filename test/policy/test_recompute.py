@@ -11,7 +11,6 @@ from sglang_kvcmas.policy.recompute import (
     BorrowedSpan,
     RecomputeConfig,
     boundary_offsets,
-    kept_offsets,
     mass_offsets,
     message_starts,
     split_spans,
@@ -93,22 +92,6 @@ def test_mass_offsets_count_what_the_reader_already_holds_exactly():
     assert mass_offsets(cand, mass, {11, 14}, (), 10, cfg) == (13,)
 
 
-def test_mass_max_tokens_bounds_the_share_over_a_long_transcript():
-    """The cap counts exact tokens like the share does: a reader holding the top tokens as
-    leaves recomputes nothing new, so what it holds of its own stays at the cap."""
-    cand = list(range(1000))
-    mass = [(i * 7919 % 1000) / 1000 for i in cand]
-    cfg = RecomputeConfig(boundary_tokens=0, mass_fraction=0.1, mass_max_tokens=8,
-                          max_fraction=1.0)
-    top8 = sorted(sorted(cand, key=lambda i: -mass[i])[:8])
-    assert cfg.mass_tokens(1000) == 8 and cfg.mass_tokens(50) == 5  # the share when smaller
-    assert mass_offsets(cand, mass, (), (), 1000, cfg) == tuple(top8)
-    assert mass_offsets(cand, mass, set(top8), (), 1000, cfg) == ()
-    assert RecomputeConfig(mass_max_tokens=0).mass_tokens(10**6) == 0
-    with pytest.raises(ValueError):
-        RecomputeConfig(mass_max_tokens=-1)
-
-
 def test_segment_share_is_split_among_the_readers_that_waited_together():
     """Two readers keep the mass share (0.2 / 2 = 0.1); fifteen take 0.2 / 15 each, so what
     the readers of one segment hold of their own stays about a fifth of it; unset: the share."""
@@ -121,11 +104,6 @@ def test_segment_share_is_split_among_the_readers_that_waited_together():
     assert base.with_readers(15).mass_tokens(1000) == 13
     assert base.with_readers(15).reader_mass_fraction == pytest.approx(0.2 / 15)
     assert replace(base, segment_share=None).with_readers(15).mass_tokens(1000) == 100
-    capped = replace(base, mass_max_tokens=8).with_readers(4)  # the cap still bounds it
-    assert capped.mass_tokens(1000) == 8 and capped.with_readers(50).mass_tokens(1000) == 4
-    # the kept leaves follow the same split: a leaf share above the reader's share keeps all
-    leafy = replace(base, leaf_mass_fraction=0.05)
-    assert not leafy.keeps_all and leafy.with_readers(15).keeps_all
     cand = list(range(1000))
     mass = [(i * 7919 % 1000) / 1000 for i in cand]
     top13 = sorted(sorted(cand, key=lambda i: -mass[i])[:13])
@@ -156,20 +134,12 @@ def test_tail_takes_the_last_foreign_tokens_across_spans():
     assert tail_offsets(spans, capped) == (9, 13, 14, 15)
 
 
-def test_leaf_config_keeps_the_top_of_the_same_ranking():
-    cfg = RecomputeConfig(boundary_tokens=2, mass_fraction=0.4, leaf_mass_fraction=0.2,
-                          max_fraction=1.0)
-    assert not cfg.keeps_all
-    leaf = cfg.for_leaves()
-    assert (leaf.mass_fraction, leaf.leaf_mass_fraction, leaf.boundary_tokens) == (0.2, None, 2)
-    spans = [BorrowedSpan(0, 10, True)]
-    mass = [0.0, 0.0, 0.9, 0.1, 0.8, 0.2, 0.7, 0.3, 0.6, 0.05]
+def test_the_served_cap_rises_to_a_larger_mass_share_asked():
+    """The deployment's recompute cap is ``MAX_FRACTION``; a request asking a larger mass share
+    (every token: 1.0) gets that share as its cap."""
+    from sglang_kvcmas.config import ServingConfig
+    from sglang_kvcmas.policy.recompute import MAX_FRACTION
 
-    def pick(c):
-        return mass_offsets(list(range(10)), mass, set(), boundary_offsets(spans, c), 10, c)
-    assert pick(cfg) == (0, 1, 2, 4, 6, 8)
-    assert kept_offsets(pick(cfg), pick(leaf)) == (0, 1, 2, 4)
-    assert RecomputeConfig(mass_fraction=0.1, leaf_mass_fraction=0.2).keeps_all
-    assert RecomputeConfig().keeps_all and RecomputeConfig().for_leaves() == RecomputeConfig()
-    with pytest.raises(ValueError):
-        RecomputeConfig(leaf_mass_fraction=1.5)
+    assert RecomputeConfig.from_serving(ServingConfig()).max_fraction == MAX_FRACTION
+    every = RecomputeConfig.from_serving(ServingConfig(), recompute_mass_fraction=1.0)
+    assert every.max_fraction == 1.0 and every.mass_tokens(40) == 40

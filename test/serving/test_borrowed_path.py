@@ -90,9 +90,8 @@ CONFIGS = [
     RecomputeConfig(boundary_tokens=1, mass_fraction=1.0, max_fraction=1.0, min_borrowed=0,
                     tail_tokens=5),
     RecomputeConfig(boundary_tokens=0, mass_fraction=0.5, max_fraction=0.05, min_borrowed=0),
-    RecomputeConfig(boundary_tokens=2, mass_fraction=0.5, mass_max_tokens=3, max_fraction=1.0,
-                    min_borrowed=0),
-    RecomputeConfig(boundary_tokens=0, mass_fraction=1.0, mass_max_tokens=0, min_borrowed=0),
+    RecomputeConfig(boundary_tokens=2, mass_fraction=0.5, max_fraction=1.0, min_borrowed=0),
+    RecomputeConfig(boundary_tokens=0, mass_fraction=1.0, min_borrowed=0),
 ]
 
 

@@ -214,22 +214,18 @@ def test_a_request_with_its_own_knobs_reads_the_leaves_only_when_it_asks():
     assert_slots_conserved(h)
 
 
-@pytest.mark.parametrize("mode,rereads", [("on", 1), ("off", 0), ("auto", 1)])
-def test_the_reread_knob_decides_when_the_recomputed_slots_go(mode, rereads):
-    """``--kvcmas-factored-reread``: 'off' keeps a factored reader's recomputed slots until it
-    finishes (its decode reads them exactly); 'auto' re-points these prompt agents' rows."""
-    from dataclasses import replace
-
+def test_a_prompt_readers_recomputed_slots_go_right_after_its_prefill():
+    """A factored prompt reader's row is re-pointed at the owners' slots after its prefill (its
+    decode reads the recomputed tokens through its leaves); the leaves are kept."""
     h = _harness()
     h.cache._overlap = False
-    h.cache.config = replace(h.cache.config, factored_reread=mode)
     _turns(h)
-    assert h.cache.rows_reread == rereads
-    assert h.cache.shared_stats()["factored_tokens"] == K  # the leaves are kept either way
+    assert h.cache.rows_reread == 1
+    assert h.cache.shared_stats()["factored_tokens"] == K
     assert_slots_conserved(h)
 
 
-def test_auto_keeps_the_slots_of_an_adapter_reader_at_its_own_positions():
+def test_an_adapter_reader_at_its_own_positions_keeps_its_slots():
     from types import SimpleNamespace
 
     h = _harness()

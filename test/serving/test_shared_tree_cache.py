@@ -425,39 +425,6 @@ def test_readers_that_waited_together_split_the_segment_share(monkeypatch):
     assert_slots_conserved(h)
 
 
-def test_reader_keeps_only_the_leaf_share_of_what_it_recomputes():
-    """With leaf_mass_fraction below mass_fraction, a reader recomputes the boundary and the top
-    mass_fraction by owner head mass, keeps the boundary and the top leaf_mass_fraction as delta
-    leaves, and frees the rest at release; its next turn reads the leaves exactly and recomputes
-    only the band between the two shares."""
-    h = Harness()
-    h.cache.recompute_config = RecomputeConfig(boundary_tokens=2, mass_fraction=0.2,
-                                               leaf_mass_fraction=0.1, min_borrowed=0,
-                                               max_fraction=0.5)
-    a, b = head(50, 20), head(60, 8)
-    h.serve(Req("a1", a + T1 + SUFFIX), 0)
-    h.serve(Req("b1", b + T1 + SUFFIX), 1)
-    t2_at = len(a) + len(T1)
-    ranked = [7, 20, 25, 11, 14, 29]  # owner head mass, largest first
-    mass = {t2_at + o: 0.9 - 0.1 * r for r, o in enumerate(ranked)}
-    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2, mass=lambda i: mass.get(i, 0.01))
-    borrowed = len(T2) + END  # 32: 6 by mass (20%), 3 of them kept (10%)
-    b2 = Req("b2", b + T1 + T2 + SUFFIX)
-    spans, _ = h.serve(b2, 3)
-    at = len(b) + len(T1)
-    assert spans.recomputed.positions == tuple(at + o for o in sorted([0, 1, *ranked]))
-    assert h.cache.shared.delta_tokens() == 2 + 3  # boundary + top 10%; the band was freed
-    assert_slots_conserved(h)
-    b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])
-    spans, _ = h.serve(b3, 4)
-    assert spans.recomputed.positions == tuple(at + o for o in sorted(ranked[3:]))
-    rec = b3.customized_info["kvcmas_reuse"][0]
-    assert (rec["recomputed_borrowed"], rec["exact_from_leaves"]) == (3, 5)
-    assert rec["reused_repositioned"] == borrowed - 8
-    assert h.cache.shared.delta_tokens() == 5  # the band is recomputed again, never kept
-    assert_slots_conserved(h)
-
-
 def test_turn_order_holds_a_reader_back_from_when_it_is_first_held(monkeypatch):
     """The wait bound counts from the first hold, not from arrival: a reader that queued for
     longer than the bound before its leader showed up still waits for the leader, and is
@@ -575,19 +542,6 @@ def test_reader_recomputes_the_tail_of_what_it_borrows():
     assert_slots_conserved(h)
 
 
-def test_leaf_share_is_read_from_the_environment(monkeypatch):
-    def config():
-        return KvcmasSharedTreeCache(
-            CacheInitParams(disable=False, req_to_token_pool=Pool(),
-                            token_to_kv_pool_allocator=Allocator(), page_size=1),
-            markers=CHAT, share_context=True).recompute_config
-
-    monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "0.1")
-    assert config().leaf_mass_fraction == 0.1
-    monkeypatch.setenv("KVCMAS_LEAF_MASS_FRACTION", "")
-    assert config().keeps_all and config().leaf_mass_fraction is None
-
-
 def test_a_chunked_leader_stays_pending_until_its_last_chunk(monkeypatch):
     """SGLang checkpoints a chunked prefill after every chunk: the leader's first chunks
     publish part of the new segment, and its readers must still wait for the rest."""
@@ -652,43 +606,6 @@ def test_a_reader_that_recomputes_is_admitted_whole_or_not_at_all():
     assert b2.prefix_len == b2.kv.cache_protected_len == b2.num_matched_prefix_tokens == before + k
     assert b2.prefix_len == len(b + T1 + T2) + END
     assert calls == [before, before, before, before + k]
-
-
-def test_readers_past_the_recompute_batch_cap_wait_for_the_next_batch():
-    """``--kvcmas-recompute-batch-tokens``: a reader whose recomputed tokens would take the
-    batch's past the cap ends the batch before it; the batch's first reader always goes, and
-    a reader that recomputes nothing, or a batch without readers, is never held."""
-    from sglang.srt.managers.schedule_policy import AddReqResult
-
-    from sglang_kvcmas.integration.admission_hook import admission_around
-
-    k = 4
-    h = Harness(boundary=k)
-    a, b = head(50, 20), head(60, 8)
-    h.serve(Req("a1", a + T1 + SUFFIX), 0)
-    h.serve(Req("b1", b + T1 + SUFFIX), 1)
-    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
-    readers = [Req(f"b{i}", b + T1 + T2 + SUFFIX + [i]) for i in range(2, 5)]
-    for r in readers:
-        h.match(r)
-    assert [h.cache.recomputed_tokens(r) for r in readers] == [k] * 3
-
-    def select(adder, req):
-        return "admitted"
-
-    def admit(cap, batch, req):
-        h.cache.config = h.cache.config.with_values(recompute_batch_tokens=cap)
-        return admission_around(select, SimpleNamespace(tree_cache=h.cache,
-                                                        can_run_list=batch), req)
-
-    assert admit(2 * k, [], readers[0]) == "admitted"  # the first reader always goes
-    assert admit(k - 1, [], readers[0]) == "admitted"
-    assert admit(2 * k, readers[:1], readers[1]) == "admitted"
-    assert admit(2 * k, readers[:2], readers[2]) is AddReqResult.OTHER
-    assert admit(None, readers[:2], readers[2]) == "admitted"  # no cap
-    plain = Req("c1", head(70, 8) + T1 + SUFFIX)
-    assert admit(1, readers[:2], plain) == "admitted"  # recomputes nothing
-    assert admit(1, ["exact request"], readers[0]) == "admitted"
 
 
 def test_a_fault_in_our_match_serves_the_request_exactly_and_stops_sharing_there(monkeypatch):

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import MutableMapping
 
-from sglang_kvcmas import envs
 
 STANDIN_DIR = Path(__file__).resolve().parent / "sgl_kernel_standin"
 """Directory that, on ``sys.path``, makes ``import sgl_kernel`` load the stand-in."""
@@ -31,8 +30,7 @@ class SglKernelStatus:
     """Which ``sgl_kernel`` a server process will import.
 
     Attributes:
-        source: ``"real"`` (an installed sgl_kernel), ``"standin"`` (ours, on the path), or
-            ``"missing"`` (none, and the stand-in was not allowed).
+        source: ``"real"`` (an installed sgl_kernel) or ``"standin"`` (ours, on the path).
         location: file or directory of the module that ``import sgl_kernel`` will load.
     """
 
@@ -58,8 +56,7 @@ def _real_sgl_kernel_location() -> str | None:
 def install_sgl_kernel_standin(environ: MutableMapping[str, str] | None = None) -> SglKernelStatus:
     """Make ``import sgl_kernel`` work in this process and its children, if it must.
 
-    Does nothing when a real ``sgl_kernel`` is installed, or when
-    ``KVCMAS_ALLOW_SGL_KERNEL_STANDIN`` is off. Otherwise appends the stand-in directory to
+    Does nothing when a real ``sgl_kernel`` is installed. Otherwise appends the stand-in directory to
     ``sys.path`` (inherited by spawned processes) and to ``PYTHONPATH`` in ``environ`` (for
     any other child). Appending, not prepending: a real package always wins. Idempotent.
 
@@ -70,8 +67,6 @@ def install_sgl_kernel_standin(environ: MutableMapping[str, str] | None = None) 
     real = _real_sgl_kernel_location()
     if real is not None:
         return SglKernelStatus("real", real)
-    if not envs.KVCMAS_ALLOW_SGL_KERNEL_STANDIN.get_bool():
-        return SglKernelStatus("missing", None)
     entry = str(STANDIN_DIR)
     if entry not in sys.path:
         sys.path.append(entry)

@@ -92,7 +92,6 @@ from sglang_kvcmas.policy.recompute import (
     BorrowedSpan,
     RecomputeConfig,
     borrow_pays,
-    kept_offsets,
     message_starts,
     select_recompute_arrays,
     split_spans,
@@ -166,10 +165,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.markers = markers
         self.requests = AgentRequests(markers, config.lora_share)
         self.share_context = config.share_context
-        self.cache_agent_outputs = config.cache_agent_outputs
         self.recompute_config = RecomputeConfig.from_serving(config)
         self.leaf_config = LeafConfig.from_serving(config)
-        self.turn_config = TurnConfig.from_serving(config)
+        self.turn_config = TurnConfig()
         self.chunk_limit = chunk_limit
         self.pending_owners: dict[str, PendingOwner] = {}
         self.broken_namespaces: set[tuple] = set()
@@ -342,9 +340,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         start = getattr(req, "logprob_start_len", -1)
         if getattr(req, "return_logprob", False) and 0 <= start <= handle.prefix_len:
             return (), None
-        if config.keeps_all:
-            return offsets, None
-        return offsets, kept_offsets(offsets, select(config.for_leaves()))
+        return offsets, None
 
     @staticmethod
     def recomputes(req: Req) -> bool:
@@ -490,7 +486,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             except Exception:  # what it computed is not shared; its slots go at release
                 self._fault(req, "checkpoint")
         else:
-            if split is not None and req.finished() and not self.cache_agent_outputs:
+            if split is not None and req.finished():
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
@@ -555,8 +551,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         factors its extend made of them, and every recomputed slot is freed: now, with the row
         re-pointed at the owners' slots read through those leaves
         (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may
-        still read the row (``rows_in_flight``), ``--kvcmas-factored-reread`` keeps them
-        (:meth:`_rereads`) or some recomputed token has no leaf; else at release."""
+        still read the row (``rows_in_flight``), :meth:`_rereads` keeps them or some recomputed
+        token has no leaf; else at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
@@ -584,15 +580,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self._trim_leaves()
 
     def _rereads(self, req: Req, handle: SharedPrefixHandle) -> bool:
-        """Whether a factored reader's row is re-pointed right after its prefill
-        (``--kvcmas-factored-reread``): never while a launched batch may still read it; under
-        ``auto`` always but for a reader with an adapter (``lora_share=borrow|rebase``) that
-        reads every borrowed token at its own position (``rebase``: the centroid prefilled the
-        same prompt), whose decode stays on the plain path with its recomputed slots."""
-        mode = self.config.factored_reread
-        if self.rows_in_flight or mode == "off":
+        """Whether a factored reader's row is re-pointed right after its prefill: never while a
+        launched batch may still read it; else always but for a reader with an adapter
+        (``lora_share=borrow|rebase``) that reads every borrowed token at its own position
+        (``rebase``: the centroid prefilled the same prompt), whose decode stays on the plain
+        path with its recomputed slots (re-reading would leave it for the deviations alone)."""
+        if self.rows_in_flight:
             return False
-        if mode == "on" or not self.requests.reads_across_adapters(req):
+        if not self.requests.reads_across_adapters(req):
             return True
         return bool(handle.borrowed().shift.any())
 

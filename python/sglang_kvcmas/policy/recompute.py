@@ -35,11 +35,18 @@ from sglang_kvcmas.config import ServingConfig
 
 _DEFAULTS = ServingConfig()
 _KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute_mass_fraction",
-            "mass_max_tokens": "recompute_mass_max_tokens",
-            "max_fraction": "recompute_max_fraction", "min_borrowed": "min_borrowed",
-            "tail_tokens": "recompute_tail", "leaf_mass_fraction": "leaf_mass_fraction",
-            "segment_share": "recompute_segment_share"}
+            "tail_tokens": "recompute_tail"}
 """``RecomputeConfig`` field -> the ``ServingConfig`` knob it comes from."""
+
+MAX_FRACTION = 0.5
+"""Most of a reader's borrowed tokens it recomputes under the boundary and tail rules, so a
+transcript of many short spans never degenerates into a full prefill (a request that asks for a
+larger mass share gets that share as its cap: :meth:`RecomputeConfig.from_serving`)."""
+MIN_BORROWED = 128
+"""Fewest foreign tokens worth borrowing: fewer are computed exactly (they save little and risk
+a flipped greedy token)."""
+SEGMENT_SHARE = 0.2
+"""Most of their borrowed tokens the readers of one new segment recompute by mass together."""
 
 
 @dataclass(frozen=True)
@@ -92,19 +99,11 @@ class RecomputeConfig:
         boundary_tokens: tokens recomputed at the start of every foreign span (0: none).
         mass_fraction: share of the borrowed foreign tokens recomputed in addition, largest owner
             head mass first (0: none).
-        mass_max_tokens: most tokens that share may be, whatever the borrowed length (None: no
-            bound); over a long transcript it bounds what each reader holds of its own.
         max_fraction: cap on the recomputed share of the borrowed tokens, so a transcript of
             many short spans never degenerates into a full prefill.
         min_borrowed: fewest foreign tokens worth borrowing (``borrow_pays``).
         tail_tokens: the last foreign tokens before the reader's own suffix, recomputed (0:
             none); a reader's first answer tokens attend most to them.
-        leaf_mass_fraction: share of the borrowed tokens, by owner head mass, that a reader keeps
-            as delta leaves once it has recomputed them (its later turns read them exactly); the
-            other mass tokens it recomputes are freed with the request and recomputed on its
-            next turn. Boundary and tail tokens are always kept. None: keep all (leaf memory
-            grows with ``mass_fraction``); below ``mass_fraction`` it bounds leaf memory while
-            the recomputed share grows (``kept_offsets``).
         segment_share: most of the borrowed tokens the readers of one new segment recompute by
             mass together: with ``readers`` of them (two or more), each takes
             ``min(mass_fraction, segment_share / readers)`` (None: ``mass_fraction`` whatever
@@ -115,29 +114,29 @@ class RecomputeConfig:
 
     boundary_tokens: int = _DEFAULTS.recompute_boundary
     mass_fraction: float = _DEFAULTS.recompute_mass_fraction
-    mass_max_tokens: int | None = _DEFAULTS.recompute_mass_max_tokens
-    max_fraction: float = _DEFAULTS.recompute_max_fraction
-    min_borrowed: int = _DEFAULTS.min_borrowed
+    max_fraction: float = MAX_FRACTION
+    min_borrowed: int = MIN_BORROWED
     tail_tokens: int = _DEFAULTS.recompute_tail
-    leaf_mass_fraction: float | None = _DEFAULTS.leaf_mass_fraction
-    segment_share: float | None = _DEFAULTS.recompute_segment_share
+    segment_share: float | None = SEGMENT_SHARE
     readers: int = 1
 
     def __post_init__(self) -> None:
-        leaf, share = self.leaf_mass_fraction, self.segment_share
+        share = self.segment_share
         if self.readers < 1 or (share is not None and not 0.0 <= share <= 1.0):
             raise ValueError(f"bad recompute config {self}")
-        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or (
-            self.mass_max_tokens is not None and self.mass_max_tokens < 0) or not (
+        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or not (
             0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
-        ) or (leaf is not None and not 0.0 <= leaf <= 1.0):
+        ):
             raise ValueError(f"bad recompute config {self}")
 
     @classmethod
     def from_serving(cls, config: ServingConfig, **overrides: float) -> RecomputeConfig:
-        """The deployment's recompute knobs, with a request's overrides (knob names)."""
+        """The deployment's recompute knobs, with a request's overrides (knob names); the cap on
+        the recomputed share is :data:`MAX_FRACTION`, or the mass share asked when larger (a
+        request asking for every token by mass gets every token)."""
         values = {**{k: getattr(config, k) for k in _KNOB_OF.values()}, **overrides}
-        return cls(**{field: values[k] for field, k in _KNOB_OF.items()})
+        fields = {field: values[k] for field, k in _KNOB_OF.items()}
+        return cls(**fields, max_fraction=max(MAX_FRACTION, fields["mass_fraction"]))
 
     def with_readers(self, readers: int) -> RecomputeConfig:
         """This config for a reader that waited with ``readers - 1`` others."""
@@ -145,8 +144,7 @@ class RecomputeConfig:
 
     def mass_tokens(self, num_borrowed: int) -> int:
         """How many of ``num_borrowed`` tokens the mass ranking takes (exact ones included)."""
-        top = round(self.reader_mass_fraction * num_borrowed)
-        return top if self.mass_max_tokens is None else min(top, self.mass_max_tokens)
+        return round(self.reader_mass_fraction * num_borrowed)
 
     @property
     def reader_mass_fraction(self) -> float:
@@ -155,18 +153,6 @@ class RecomputeConfig:
         if self.segment_share is None or self.readers == 1:
             return self.mass_fraction
         return min(self.mass_fraction, self.segment_share / self.readers)
-
-    @property
-    def keeps_all(self) -> bool:
-        """Whether every recomputed token becomes a delta leaf."""
-        return (self.leaf_mass_fraction is None
-                or self.leaf_mass_fraction >= self.reader_mass_fraction)
-
-    def for_leaves(self) -> RecomputeConfig:
-        """The config whose selection a reader keeps as delta leaves (``kept_offsets``)."""
-        if self.keeps_all:
-            return self
-        return replace(self, mass_fraction=self.leaf_mass_fraction, leaf_mass_fraction=None)
 
 
 def borrow_pays(foreign_tokens: int, config: RecomputeConfig) -> bool:
@@ -270,7 +256,7 @@ def mass_offsets(
     config: RecomputeConfig,
 ) -> tuple[int, ...]:
     """Offsets to recompute: ``chosen`` (the boundary) plus, among the other borrowed tokens, the
-    ``mass_fraction`` (of all borrowed; at most ``mass_max_tokens``) with the largest owner head
+    ``mass_fraction`` (of all borrowed) with the largest owner head
     mass that are not already exact — within ``max_fraction`` recomputed.
 
     Ranking includes the tokens the reader already holds exactly (its delta leaves), so over a
@@ -301,21 +287,6 @@ def mass_offsets(
             out.add(candidates[i])
             room -= 1
     return tuple(sorted(out))
-
-
-def kept_offsets(recomputed: Sequence[int], leaf_selection: Sequence[int]) -> tuple[int, ...]:
-    """Recomputed offsets a reader keeps as delta leaves: those the leaf config
-    (``RecomputeConfig.for_leaves``) would also have recomputed, over the same borrowed tokens.
-
-    The leaf config differs only by a smaller mass share, so its selection is the boundary, the
-    tail and the top of the same mass ranking: the kept set is the top share by mass, as with
-    all leaves kept, and only the band between the two shares is recomputed every turn.
-
-    Returns:
-        sorted offsets, a subset of ``recomputed``.
-    """
-    keep = set(leaf_selection)
-    return tuple(o for o in sorted(recomputed) if o in keep)
 
 
 def select_recompute(

@@ -4,9 +4,8 @@ When several agents' requests over the same *new* shared transcript arrive toget
 them in one batch computes that transcript once per agent. The ``leader`` policy lets one request
 (the leader) compute it exactly; the others wait until the leader has published it in the shared
 tree, then reuse it. Pure functions over plain values: the scheduler hook
-(``integration/turn_order_hook.py``) builds the inputs and applies the decision.
-
-``fifo`` is the naive baseline: nobody waits (SGLang's own order).
+(``integration/turn_order_hook.py``) builds the inputs and applies the decision. Nobody waiting
+(SGLang's own order) is what ``kvcmas_exact`` requests and a server without sharing get.
 """
 
 from __future__ import annotations
@@ -14,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Hashable, MutableMapping, Sequence
 from dataclasses import dataclass
 
-from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.tokens import as_token_array, common_prefix
 
-_DEFAULTS = ServingConfig()
+MIN_GAIN = 32
+"""Fewest extra shared tokens a wait must buy (the hook also asks for at least the tokens a
+reader needs to borrow at all, ``policy.recompute.MIN_BORROWED``)."""
+MAX_WAIT_S = 60.0
+"""A safety bound: a request held back this long in total is never held back again."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,26 +57,17 @@ class TurnLeader:
 
 @dataclass(frozen=True)
 class TurnConfig:
-    """Policy knobs.
+    """Policy constants (fields so that tests can vary them).
 
     Attributes:
-        policy: ``"leader"`` or ``"fifo"``.
         min_gain: fewest extra shared tokens a wait must buy.
         max_wait_s: a request held back this long in total is never held back again.
     """
 
-    policy: str = _DEFAULTS.turn_order
-    min_gain: int = _DEFAULTS.turn_min_gain
-    max_wait_s: float = _DEFAULTS.turn_max_wait_s
-
-    @classmethod
-    def from_serving(cls, config: ServingConfig) -> TurnConfig:
-        """The deployment's turn knobs."""
-        return cls(config.turn_order, config.turn_min_gain, config.turn_max_wait_s)
+    min_gain: int = MIN_GAIN
+    max_wait_s: float = MAX_WAIT_S
 
     def __post_init__(self) -> None:
-        if self.policy not in ("leader", "fifo"):
-            raise ValueError(f"unknown turn-order policy {self.policy!r}")
         if self.min_gain < 1 or self.max_wait_s < 0:
             raise ValueError(f"bad turn-order config {self}")
 
@@ -117,8 +110,6 @@ def plan_turns(
             shared tokens never change, so a caller that passes the same sequence objects
             across passes compares each pair once; it drops entries of requests that left.
     """
-    if config.policy == "fifo":
-        return TurnPlan(frozenset(), {})
     leaders = list(in_flight)
     deferred: dict[str, str] = {}
     for cand in sorted(waiting, key=lambda c: -c.own):  # stable: queue order among equals

@@ -97,10 +97,6 @@ class LauncherOptions:
     def share_context(self) -> bool:
         return self.config.share_context
 
-    @property
-    def cpu_threads(self) -> int:
-        return self.config.cpu_threads
-
     def server_env(self) -> dict[str, str]:
         """Environment the server processes read the parsed knobs from (every one, so a
         scheduler never falls back to a default the launcher did not choose)."""
