@@ -36,10 +36,6 @@ server binary, one server at a time, the same KV pool for every arm:
                     16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
                     ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
                     (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
-                    ``ahead`` / ``ahead16`` (--kvcmas-lora-centroid-ahead 32 / 16: the
-                    centroid prefills a streamed answer every 32 / 16 tokens while it decodes;
-                    it can only pay off with ``--own-transcripts``, where the answers it
-                    prefills are the ones the next prompt holds),
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
                     0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
@@ -148,8 +144,6 @@ ARMS: dict[str, list[str]] = {
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                                  "--kvcmas-lora-recompute-tail", "48"],
     "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
-    "rebase_ahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
-    "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],
@@ -449,12 +443,6 @@ def background_prefilled(url: str) -> int:
                               "kvcmas:lora_centroid_tokens_total"), 'kind="prefilled"')
 
 
-def ahead_prefills(url: str) -> int:
-    """Centroid prefills of streamed answers ahead of the next turn
-    (``kvcmas:lora_centroid_ahead_requests_total``; 0 where none ran)."""
-    return metric_total(url, ("kvcmas:lora_centroid_ahead_requests_total",))
-
-
 def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
     """A centroid-base arm's fidelity with its replay without recompute renamed ``base_*`` and
     its KL recovered taken against ``naive_from``'s (a borrow arm's) naive cross-adapter reuse,
@@ -473,8 +461,8 @@ def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
 
 
 def flush(url: str, timeout_s: float = 120.0) -> None:
-    """Flush the server's caches once background prefills (catch-ups, the centroid's ahead
-    prefills) have drained: SGLang refuses (400) while requests run."""
+    """Flush the server's caches once background prefills (catch-ups) have drained: SGLang
+    refuses (400) while requests run."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -610,10 +598,8 @@ def main() -> int:
                     profile_report(raw))
             extra = lowrank_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
-            aheads = f", {ahead_prefills(server.url)} ahead prefills" if "ahead" in arm else ""
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
-                  f"{aheads} (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
-                  flush=True)
+                  f" (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
             if arm != "stock":
                 fid[arm] = fidelity(server.url, runs["stock"][0],
                                     lambda: warm_heads(server.url, list(adapters), tok),

@@ -292,14 +292,6 @@ class ServingConfig:
         "the centroid computes at least turn_min_gain tokens it lacks: a shorter new segment "
         "the request computes itself, exactly, and keeps in its own cache (less TTFT, more KV).",
         kind=str, choices=("response", "scheduler"))
-    lora_centroid_ahead: int = _knob(
-        0, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
-        "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "
-        "centroid prefill computes only the answer's last tokens and what follows (background "
-        "prefill, counted; only streamed answers to prompts sent as ids with an explicit head, as "
-        "the chat route sends them). Of agents "
-        "that answer one prompt together only the first to arrive does (the order their answers "
-        "join the transcript is unknown). 0: off.", kind=int, low=0)
     lora_leaves: str = _knob(
         "keep", "Under lora_share 'borrow' or 'rebase', what a reader with an adapter keeps of "
         "the borrowed tokens it recomputes: 'keep' (as leaves of the leaf mode, read on its "
@@ -366,7 +358,11 @@ BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_
 """``custom_params`` field -> knob, for the knobs a request may set."""
 
 
-REMOVED: dict[str, str] = {}
+REMOVED: dict[str, str] = {
+    "lora_centroid_ahead": "the centroid no longer prefills a streamed answer ahead of the next "
+    "turn (it lengthened the makespan); each turn's centroid prefill computes the answers "
+    "before it",
+}
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
 

@@ -148,19 +148,18 @@ def test_requests_name_the_chat_templates_head_and_shared_transcript():
     assert template_split(tok)(tok.encode("no template here", add_special_tokens=False)) == {}
 
 
-def test_background_and_ahead_prefills_are_read_from_the_servers_metrics():
+def test_background_prefills_are_read_from_the_servers_metrics():
     """Only the named samples count (``_created`` and other kinds do not); absent ones are 0."""
     import http.server
     import threading
 
-    from benchmark.serving.lora_head_to_head import ahead_prefills, background_prefilled
+    from benchmark.serving.lora_head_to_head import background_prefilled
 
     body = b"\n".join([
         b'kvcmas:lora_centroid_tokens_total{kind="prompt"} 500.0',
         b'kvcmas:lora_centroid_tokens_total{kind="prefilled"} 300.0',
         b'kvcmas:lora_catchup_tokens_total{kind="prefilled"} 20.0',
-        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9',
-        b"kvcmas:lora_centroid_ahead_requests_total 7.0", b""])
+        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9', b""])
 
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -175,8 +174,8 @@ def test_background_and_ahead_prefills_are_read_from_the_servers_metrics():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}"
-        assert background_prefilled(url) == 320 and ahead_prefills(url) == 7
+        assert background_prefilled(url) == 320
         body = b"# nothing of ours\n"
-        assert background_prefilled(url) == 0 and ahead_prefills(url) == 0
+        assert background_prefilled(url) == 0
     finally:
         server.shutdown()

@@ -157,41 +157,6 @@ def test_an_adapter_reader_waits_in_the_scheduler_behind_a_queued_centroid_prefi
     assert turn_order_hook.queued_writers(h.cache, [centroid]) == []
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_an_answer_prefilled_ahead_is_one_segment_for_its_readers(ahead):
-    """The centroid prefills an answer in two pieces while it streams (``AHEAD_RID``), then the
-    next turn's prompt: the answer's second piece and what follows continue the answer's
-    segment, so a reader recomputes the boundary of the answer once (the same pieces sent as
-    plain centroid prefills would be three segments)."""
-    from sglang_kvcmas.policy.lora_share import AHEAD_RID
-    from sglang_kvcmas.tree.borrowed import borrowed_spans
-
-    h = LoraHarness(boundary=4)
-    h.cache.requests.lora_share = "rebase"
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=0)
-    a, b = head(50, 20), head(60, 8)
-    h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
-    h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
-    answer = list(range(300, 330))
-    rid = AHEAD_RID if ahead else CENTROID_RID
-    for row, n in ((2, 10), (3, 20)):  # the answer so far, its shared transcript to its end
-        piece = _req(f"{rid}{n}", a + T1 + SUFFIX + answer[:n], CENTROID)
-        piece.sampling_params.custom_params = {"kvcmas_head_len": len(a),
-                                               "kvcmas_shared_end": len(piece.origin_input_ids)}
-        h.serve(piece, row)
-    nxt = T1 + SUFFIX + answer + SUFFIX
-    h.serve(_req(f"{CENTROID_RID}2", a + nxt, CENTROID), 4)
-    b2 = _req("b2", b + nxt, "solver")
-    h.match(b2)  # b's own exact prefix runs through T1 and the assistant opener
-    got = [(s.begin, s.end) for s in borrowed_spans(b2.last_node)]
-    start, end = len(T1) + len(SUFFIX), len(T1) + len(SUFFIX) + len(answer) + END
-    assert got == ([(start, end)] if ahead else
-                   [(start, start + 10), (start + 10, start + 20), (start + 20, end)])
-    assert b2.last_node.recompute == (
-        tuple(range(start, start + 4)) if ahead else
-        tuple(o for s in (start, start + 10, start + 20) for o in range(s, s + 4)))
-
-
 def test_an_adapter_reader_takes_the_lora_boundary():
     """``--kvcmas-lora-recompute-boundary`` replaces the deployment's boundary for an adapter
     reader (the harness's deployment boundary is 0); a reader without an adapter keeps it."""

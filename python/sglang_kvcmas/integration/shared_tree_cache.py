@@ -98,7 +98,6 @@ from sglang_kvcmas.policy.recompute import (
     split_spans,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
-from sglang_kvcmas.policy.lora_share import is_ahead
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.template_markers import TemplateMarkers
@@ -530,7 +529,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.shared.insert(
             ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor,
             head_mass=self._recorded_mass(req, split.head_len + known, end),
-            segment_start=continues_at(req) != known, open_end=is_ahead(req.rid),
+            segment_start=continues_at(req) != known,
         )
         setattr(req, REGISTERED_ATTR, len(tokens))
 

@@ -61,19 +61,9 @@ CENTROID_RID = "kvcmas-centroid-"
 """Prefix of the request ids of centroid prefills (the scheduler tells them by it)."""
 
 
-AHEAD_RID = CENTROID_RID + "ahead-"
-"""Prefix of the request ids of centroid prefills of an answer still being written (``rebase``
-with ``--kvcmas-lora-centroid-ahead``): centroid prefills whose transcript ends mid-message."""
-
-
 def is_centroid(rid: Any) -> bool:
     """Whether a request id is one of ``rebase``'s centroid prefills."""
     return isinstance(rid, str) and rid.startswith(CENTROID_RID)
-
-
-def is_ahead(rid: Any) -> bool:
-    """Whether a request id is a centroid prefill of an answer still being written."""
-    return isinstance(rid, str) and rid.startswith(AHEAD_RID)
 
 
 def writes_shared(mode: str, lora_id: str | None, rid: Any) -> bool:
