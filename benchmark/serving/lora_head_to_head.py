@@ -29,11 +29,8 @@ server binary, one server at a time, the same KV pool for every arm:
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``scheduler``
-                    (--kvcmas-lora-centroid-handoff scheduler: the request sent right behind
-                    the centroid's, held in the scheduler's turn order),
-                    ``noboundary`` / ``boundary16`` (--kvcmas-lora-recompute-boundary 0 /
-                    16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
+    rebase_*        the same with one knob changed: ``noboundary`` / ``boundary16``
+                    (--kvcmas-lora-recompute-boundary 0 / 16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
                     ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
                     (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
@@ -138,7 +135,6 @@ ARMS: dict[str, list[str]] = {
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
-    "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
     "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
     "rebase_boundary16": [*REBASE, "--kvcmas-lora-recompute-boundary", "16"],
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",

@@ -284,14 +284,6 @@ class ServingConfig:
         "the last N borrowed tokens before its suffix (what it attends to most; across "
         "adapters every borrowed token deviates, not only a segment's first ones), unless the "
         "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
-    lora_centroid_handoff: str = _knob(
-        "response", "Under lora_share 'rebase', when an adapter request goes to the scheduler "
-        "after the centroid prefill of its prompt: 'response' once the centroid's response is "
-        "back in the HTTP process; 'scheduler' as soon as that prefill has been sent, the "
-        "scheduler's turn order holding the request behind it (a round trip less) only while "
-        "the centroid computes at least turn_min_gain tokens it lacks: a shorter new segment "
-        "the request computes itself, exactly, and keeps in its own cache (less TTFT, more KV).",
-        kind=str, choices=("response", "scheduler"))
     lora_leaves: str = _knob(
         "keep", "Under lora_share 'borrow' or 'rebase', what a reader with an adapter keeps of "
         "the borrowed tokens it recomputes: 'keep' (as leaves of the leaf mode, read on its "
@@ -362,6 +354,8 @@ REMOVED: dict[str, str] = {
     "lora_centroid_ahead": "the centroid no longer prefills a streamed answer ahead of the next "
     "turn (it lengthened the makespan); each turn's centroid prefill computes the answers "
     "before it",
+    "lora_centroid_handoff": "an adapter request under lora_share 'rebase' always goes to the "
+    "scheduler once the centroid's response is back (the former 'response')",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

@@ -121,42 +121,6 @@ def test_lora_leaves_none_keeps_nothing_an_adapter_reader_recomputes(leaves):
     assert h.cache.shared.delta_tokens() == (16 if leaves == "keep" else 8)
 
 
-def test_an_adapter_reader_waits_in_the_scheduler_behind_a_queued_centroid_prefill(monkeypatch):
-    """Under ``rebase`` the centroid prefill of a prompt is queued just ahead of the adapter
-    request for it: the turn order lets the centroid through and holds the reader (which would
-    otherwise compute the new transcript itself); the next pass, with the centroid's transcript
-    in the tree, admits it and it borrows."""
-    from types import SimpleNamespace
-
-    from sglang_kvcmas.integration import turn_order_hook
-
-    monkeypatch.setattr(turn_order_hook, "_held_since", {})
-    h = LoraHarness(boundary=0)
-    h.cache.requests.lora_share = "rebase"
-    a, b = head(50, 20), head(60, 8)
-    h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
-    h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
-    t2 = list(range(200, 260))
-    centroid, reader = (_req(f"{CENTROID_RID}2", a + T1 + t2 + SUFFIX, CENTROID),
-                        _req("b2", b + T1 + t2 + SUFFIX, "solver"))
-    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[centroid, reader])
-    seen = []
-    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
-                                      scheduler)
-    assert seen == [[centroid.rid]] and [r.rid for r in scheduler.waiting_queue] == \
-        [reader.rid, centroid.rid]
-    h.serve(centroid, 2)
-    scheduler.waiting_queue = [reader]
-    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
-                                      scheduler)
-    assert seen[-1] == [reader.rid]
-    h.serve(reader, 3)
-    rec = reader.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_repositioned"] + rec["recomputed_borrowed"] == len(t2) + END
-    h.cache.requests.lora_share = "borrow"  # only rebase's centroid prefills lead from the queue
-    assert turn_order_hook.queued_writers(h.cache, [centroid]) == []
-
-
 def test_an_adapter_reader_takes_the_lora_boundary():
     """``--kvcmas-lora-recompute-boundary`` replaces the deployment's boundary for an adapter
     reader (the harness's deployment boundary is 0); a reader without an adapter keeps it."""

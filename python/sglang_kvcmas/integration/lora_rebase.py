@@ -8,13 +8,7 @@ writes it there (an exact owner: it is the only writer under ``rebase``), so the
 that follows reads the whole transcript as a borrower: its head exact, the centroid's KV
 re-positioned, the tokens the recompute policy picks recomputed with its own adapter.
 
-With ``--kvcmas-lora-centroid-handoff scheduler`` the request does not wait for the centroid's
-response: it goes to the scheduler once the centroid request has been sent (SGLang's one socket
-keeps them in order), and the scheduler's turn order holds it while the centroid prefill is
-queued or running (``turn_order_hook.queued_writers``), so it is admitted in the pass after the
-centroid's, a round trip sooner. The turn order holds a request only for at least
-``turn_min_gain`` tokens, so behind a shorter new segment the request computes that segment
-itself (exactly, in its own cache). The default, ``response``, waits here for the response.
+The adapter request waits here for the centroid's response before it goes to the scheduler.
 
 Identical prompts in flight at once (agents of one workflow that answer together) share one
 centroid prefill. Skipped for requests that ask to read no other agent's KV
@@ -33,12 +27,7 @@ import logging
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
-from sglang_kvcmas.integration.prefill_requests import (
-    mode,
-    one_token_request,
-    run_counted,
-    serving_config,
-)
+from sglang_kvcmas.integration.prefill_requests import mode, one_token_request, run_counted
 from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID
 from sglang_kvcmas.policy.request_options import RequestOptions
 
@@ -47,10 +36,8 @@ logger = logging.getLogger(__name__)
 TOTALS = {"requests": 0, "prompt": 0, "prefilled": 0, "failed": 0, "coalesced": 0}
 """What centroid prefills have cost in this process: requests, their prompt tokens, tokens
 prefilled; failed ones, and adapter requests that joined one already in flight."""
-_IN_FLIGHT: dict[tuple, tuple[asyncio.Future, str]] = {}
-"""Prompt key -> the centroid prefill in flight for it, and its rid."""
-SENT_POLL_S = 0.001
-"""How often an adapter request looks whether its centroid prefill has been sent."""
+_IN_FLIGHT: dict[tuple, asyncio.Future] = {}
+"""Prompt key -> the centroid prefill in flight for it."""
 
 
 def _counter() -> Any:
@@ -73,11 +60,6 @@ def centroid_request(obj: Any) -> Any:
     return one_token_request(obj, CENTROID, CENTROID_RID, keep_custom=True)
 
 
-def handoff() -> str:
-    """``--kvcmas-lora-centroid-handoff`` as the launcher set it."""
-    return serving_config().lora_centroid_handoff
-
-
 def _prompt_key(obj: Any) -> tuple:
     ids = getattr(obj, "input_ids", None)
     return (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None),
@@ -86,8 +68,7 @@ def _prompt_key(obj: Any) -> tuple:
 
 def around_request(original: Any, manager: Any, obj: Any,
                    options: list[RequestOptions | None], outputs: Any) -> Any:
-    """``outputs``, started only once the centroid has prefilled ``obj``'s prompt (``response``)
-    or its prefill request has been sent (``scheduler``; see the module docstring); untouched
+    """``outputs``, started only once the centroid has prefilled ``obj``'s prompt; untouched
     when ``obj`` needs no centroid prefill."""
     if not _wants_centroid(obj, options):
         return outputs
@@ -96,34 +77,20 @@ def around_request(original: Any, manager: Any, obj: Any,
     except RuntimeError:  # not called from the server's event loop (tests): nothing to start
         return outputs
     key = _prompt_key(obj)
-    entry = _IN_FLIGHT.get(key)
-    if entry is None:
-        req = centroid_request(obj)
-        fut = asyncio.ensure_future(_prefill(original, manager, req))
-        entry = _IN_FLIGHT[key] = (fut, req.rid)
+    fut = _IN_FLIGHT.get(key)
+    if fut is None:
+        fut = _IN_FLIGHT[key] = asyncio.ensure_future(
+            _prefill(original, manager, centroid_request(obj)))
         fut.add_done_callback(lambda _: _IN_FLIGHT.pop(key, None))
     else:
         TOTALS["coalesced"] += 1
-    fut, rid = entry
-    ready = _sent(manager, rid, fut) if handoff() == "scheduler" else asyncio.shield(fut)
-    return _after(ready, outputs)
+    return _after(fut, outputs)
 
 
-async def _after(ready: Any, outputs: Any) -> Any:
-    await ready  # never raises: _prefill logs its failures
+async def _after(fut: asyncio.Future, outputs: Any) -> Any:
+    await asyncio.shield(fut)  # never raises: _prefill logs its failures
     async for out in outputs:
         yield out
-
-
-async def _sent(manager: Any, rid: str, fut: asyncio.Future) -> None:
-    """Until the centroid prefill ``rid`` has been sent to the scheduler, or has ended (failed,
-    or a manager without SGLang's request states: its response)."""
-    states = getattr(manager, "rid_to_state", None)
-    while not fut.done():
-        state = states.get(rid) if isinstance(states, dict) else None
-        if state is not None and getattr(state, "dispatched", False):
-            return
-        await asyncio.sleep(SENT_POLL_S)
 
 
 async def _prefill(original: Any, manager: Any, req: Any) -> None:
