@@ -31,8 +31,7 @@ server binary, one server at a time, the same KV pool for every arm:
                     recovered is against the borrow arm's naive reuse on the same turns)
     rebase_*        the same with one knob changed: ``noboundary`` / ``boundary16``
                     (--kvcmas-lora-recompute-boundary 0 / 16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
-                    ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
-                    (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
+                    ``noboundary_tail48`` (no boundary, a 48-token tail),
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
                     0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
@@ -139,7 +138,6 @@ ARMS: dict[str, list[str]] = {
     "rebase_boundary16": [*REBASE, "--kvcmas-lora-recompute-boundary", "16"],
     "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                                  "--kvcmas-lora-recompute-tail", "48"],
-    "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
     "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
     "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
     "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],

@@ -284,13 +284,6 @@ class ServingConfig:
         "the last N borrowed tokens before its suffix (what it attends to most; across "
         "adapters every borrowed token deviates, not only a segment's first ones), unless the "
         "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
-    lora_leaves: str = _knob(
-        "keep", "Under lora_share 'borrow' or 'rebase', what a reader with an adapter keeps of "
-        "the borrowed tokens it recomputes: 'keep' (as leaves of the leaf mode, read on its "
-        "later turns) or 'none' (nothing: it recomputes its picks every turn, holds no leaf "
-        "memory and fits no factors, and a reader that reads every borrowed token at its own "
-        "position ('rebase') decodes on SGLang's own attention), unless the request sets "
-        "kvcmas_read_leaves.", kind=str, choices=("keep", "none"))
     lora_recompute_boundary: int = _knob(
         8, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
         "with an adapter borrows that it recomputes, in place of recompute_boundary, unless the "
@@ -356,6 +349,8 @@ REMOVED: dict[str, str] = {
     "before it",
     "lora_centroid_handoff": "an adapter request under lora_share 'rebase' always goes to the "
     "scheduler once the centroid's response is back (the former 'response')",
+    "lora_leaves": "a reader with an adapter always keeps the borrowed tokens it recomputes as "
+    "leaves of the leaf mode (the former 'keep'); a request may still set kvcmas_read_leaves",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

@@ -98,14 +98,13 @@ def test_an_adapter_reader_takes_the_lora_mass_share():
                                "kvcmas_recompute_boundary": 0}) == three
 
 
-@pytest.mark.parametrize("leaves", ["keep", "none"])
-def test_lora_leaves_none_keeps_nothing_an_adapter_reader_recomputes(leaves):
-    """``--kvcmas-lora-leaves none``: an adapter reader recomputes its tail but keeps no leaf of
-    it (the tree holds no delta tokens after it); ``keep`` keeps them; a request's own
-    ``kvcmas_read_leaves`` wins."""
+def test_an_adapter_reader_keeps_what_it_recomputes_unless_it_asks_not_to():
+    """An adapter reader keeps the tail it recomputes as leaves (the tree holds its delta tokens
+    after it); one whose request sets ``kvcmas_read_leaves: false`` recomputes the same tail and
+    keeps nothing."""
     h = LoraHarness(boundary=0)
     h.cache.requests.lora_share = "rebase"
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=8, lora_leaves=leaves)
+    h.cache.config = replace(h.cache.config, lora_recompute_tail=8)
     a, b = head(50, 20), head(60, 8)
     h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
     h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
@@ -114,11 +113,12 @@ def test_lora_leaves_none_keeps_nothing_an_adapter_reader_recomputes(leaves):
     b2 = _req("b2", b + T1 + T2 + SUFFIX, "solver")
     h.serve(b2, 4)
     assert b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
-    assert h.cache.shared.delta_tokens() == (8 if leaves == "keep" else 0)
+    assert h.cache.shared.delta_tokens() == 8
     c2 = _req("c2", b + T1 + T2 + SUFFIX, "critic")
-    c2.sampling_params.custom_params = {"kvcmas_read_leaves": True}
+    c2.sampling_params.custom_params = {"kvcmas_read_leaves": False}
     h.serve(c2, 5)
-    assert h.cache.shared.delta_tokens() == (16 if leaves == "keep" else 8)
+    assert c2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
+    assert h.cache.shared.delta_tokens() == 8
 
 
 def test_an_adapter_reader_takes_the_lora_boundary():

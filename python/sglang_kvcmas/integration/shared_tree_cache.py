@@ -274,13 +274,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
-        across = self.requests.reads_across_adapters(req)
-        use_leaves = options.reads_leaves if options.read_leaves is not None or not across \
-            else options.reads_leaves and self.config.lora_leaves == "keep"
-        handle = replace(handle, use_leaves=use_leaves).walked()
+        handle = replace(handle, use_leaves=options.reads_leaves).walked()
         config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
                   else self.recompute_config)
-        if across:
+        if self.requests.reads_across_adapters(req):
             config = self._across_adapters(config, own_knobs)
             spans = self._at_messages(spans, shared_tokens)
         config = config.with_readers(readers_of(req))
