@@ -91,7 +91,8 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
         parse_launcher_args(["--kvcmas-old-knob", "2", "--port", "1"])
 
 
-RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves")
+RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
+           "lora_recompute_boundary_at")
 """Knobs this package once served, each in ``REMOVED``."""
 
 

@@ -38,9 +38,7 @@ server binary, one server at a time, the same KV pool for every arm:
                     a quarter of the borrowed tokens by head mass; default none), ``lowrank``
                     (lowrank+exact leaves), ``naive`` (no boundary, no tail: nothing
                     recomputed but what the reader's suffix needs, the ceiling of the
-                    centroid base's TTFT),
-                    ``segment`` (--kvcmas-lora-recompute-boundary-at segment: the boundary
-                    at every span's start only, not at every message's)
+                    centroid base's TTFT)
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -146,7 +144,6 @@ ARMS: dict[str, list[str]] = {
     "rebase_mass10": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.1"],
     "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
-    "rebase_segment": [*REBASE, "--kvcmas-lora-recompute-boundary-at", "segment"],
     "rebase_naive": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                      "--kvcmas-lora-recompute-tail", "0"],
 }

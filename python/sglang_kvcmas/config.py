@@ -288,12 +288,6 @@ class ServingConfig:
         8, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
         "with an adapter borrows that it recomputes, in place of recompute_boundary, unless the "
         "request sets its own kvcmas_recompute_boundary.", kind=int, low=0)
-    lora_recompute_boundary_at: str = _knob(
-        "message", "Under lora_share 'borrow' or 'rebase', where a reader with an adapter takes "
-        "its boundary tokens: 'message' (the first tokens of every message the chat template "
-        "closes inside a borrowed span, as well as of every span: a turn's new messages "
-        "prefilled in one pass are one span) or 'segment' (of every span only). Without a "
-        "detected chat template, 'segment'.", kind=str, choices=("message", "segment"))
     lora_recompute_mass_fraction: float = _knob(
         0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
         "reader with an adapter recomputes by owner head mass, in place of "
@@ -351,6 +345,9 @@ REMOVED: dict[str, str] = {
     "scheduler once the centroid's response is back (the former 'response')",
     "lora_leaves": "a reader with an adapter always keeps the borrowed tokens it recomputes as "
     "leaves of the leaf mode (the former 'keep'); a request may still set kvcmas_read_leaves",
+    "lora_recompute_boundary_at": "a reader with an adapter always takes its boundary tokens at "
+    "every message the chat template closes inside a borrowed span, and at every span (the "
+    "former 'message'; without a detected chat template, at every span)",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

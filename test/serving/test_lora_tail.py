@@ -144,14 +144,16 @@ def test_an_adapter_reader_takes_the_lora_boundary():
 
 
 def test_an_adapter_readers_boundary_opens_every_message_it_borrows():
-    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; with
-    ``--kvcmas-lora-recompute-boundary-at message`` (the default) the reader's boundary picks
-    open each message the chat template closes inside it, with ``segment`` only the span."""
-    def picks(at: str) -> tuple[int, ...]:
+    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; the
+    reader's boundary picks open each message the chat template closes inside it, and without a
+    detected chat template only the span."""
+    def picks(template: bool) -> tuple[int, ...]:
         h = LoraHarness(boundary=0)
         h.cache.requests.lora_share = "rebase"
         h.cache.config = replace(h.cache.config, lora_recompute_tail=0,
-                                 lora_recompute_boundary=3, lora_recompute_boundary_at=at)
+                                 lora_recompute_boundary=3)
+        if not template:
+            h.cache.markers = None
         a, b = head(50, 20), head(60, 8)
         msgs = T2[:10] + [2, NL] + T2[10:20] + [2, NL] + T2[20:]  # three messages
         h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
@@ -162,6 +164,6 @@ def test_an_adapter_readers_boundary_opens_every_message_it_borrows():
         return b2.last_node.recompute
 
     start = len(T1)
-    assert picks("segment") == (start, start + 1, start + 2)
-    assert picks("message") == tuple(o for s in (start, start + 12, start + 24)
-                                     for o in range(s, s + 3))
+    assert picks(template=False) == (start, start + 1, start + 2)
+    assert picks(template=True) == tuple(o for s in (start, start + 12, start + 24)
+                                         for o in range(s, s + 3))

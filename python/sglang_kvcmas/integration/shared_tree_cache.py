@@ -307,11 +307,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return replace(config, **changes)
 
     def _at_messages(self, spans: list[BorrowedSpan], shared_tokens: Any) -> list[BorrowedSpan]:
-        """A reader with an adapter's ``spans`` cut at every message start of the chat template
-        (``lora_recompute_boundary_at``), so its boundary picks open every message it borrows;
-        unchanged without a detected template. ``shared_tokens``: the request's ids from the
-        shared transcript's start (offset 0)."""
-        if self.markers is None or self.config.lora_recompute_boundary_at != "message":
+        """A reader with an adapter's ``spans`` cut at every message start of the chat template,
+        so its boundary picks open every message it borrows; unchanged without a detected
+        template. ``shared_tokens``: the request's ids from the shared transcript's start
+        (offset 0)."""
+        if self.markers is None:
             return spans
         return split_spans(spans, message_starts(shared_tokens, self.markers.head_close))
 
