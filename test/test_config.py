@@ -92,7 +92,8 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
 
 
 RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
-           "lora_recompute_boundary_at")
+           "lora_recompute_boundary_at", "lora_recompute_tail", "lora_recompute_boundary",
+           "lora_recompute_mass_fraction")
 """Knobs this package once served, each in ``REMOVED``."""
 
 

@@ -276,26 +276,11 @@ class ServingConfig:
         "another adapter computed, through the same read path as prompt agents (recompute, "
         "leaf mode); 'rebase' has every adapter request's prompt prefilled first under the "
         "adapters' centroid (a synthetic adapter, the mean of their deltas), which alone "
-        "writes the shared transcript, and every adapter reads it as 'borrow' reads. "
-        "Requests without an adapter never read an adapter's KV.",
+        "writes the shared transcript, and every adapter reads it as 'borrow' reads. Under "
+        "both a reader with an adapter recomputes the first 8 tokens of every span and message "
+        "it borrows and at least the last 32, unless its request sets kvcmas_recompute_boundary "
+        "/ kvcmas_recompute_tail. Requests without an adapter never read an adapter's KV.",
         kind=str, choices=("separate", "catchup", "borrow", "rebase"))
-    lora_recompute_tail: int = _knob(
-        32, "Under lora_share 'borrow' or 'rebase', a reader with an adapter recomputes at least "
-        "the last N borrowed tokens before its suffix (what it attends to most; across "
-        "adapters every borrowed token deviates, not only a segment's first ones), unless the "
-        "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
-    lora_recompute_boundary: int = _knob(
-        8, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
-        "with an adapter borrows that it recomputes, in place of recompute_boundary, unless the "
-        "request sets its own kvcmas_recompute_boundary.", kind=int, low=0)
-    lora_recompute_mass_fraction: float = _knob(
-        0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
-        "reader with an adapter recomputes by owner head mass, in place of "
-        "recompute_mass_fraction, unless the request sets its own "
-        "kvcmas_recompute_mass_fraction. Model-dependent: on the embedded model head mass picks "
-        "no better tokens than the tail does (0 is its best); on Qwen2.5-Coder-0.5B a quarter "
-        "recovers the fidelity the tail misses at most of the speed.", kind=float, low=0,
-        high=1)
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists
@@ -348,6 +333,15 @@ REMOVED: dict[str, str] = {
     "lora_recompute_boundary_at": "a reader with an adapter always takes its boundary tokens at "
     "every message the chat template closes inside a borrowed span, and at every span (the "
     "former 'message'; without a detected chat template, at every span)",
+    "lora_recompute_tail": "a reader with an adapter recomputes at least the last 32 borrowed "
+    "tokens (policy/lora_share.py LORA_RECOMPUTE_TAIL); a request sets its own with "
+    "kvcmas_recompute_tail",
+    "lora_recompute_boundary": "a reader with an adapter recomputes the first 8 tokens of every "
+    "span and message it borrows (policy/lora_share.py LORA_RECOMPUTE_BOUNDARY); a request sets "
+    "its own with kvcmas_recompute_boundary",
+    "lora_recompute_mass_fraction": "a reader with an adapter recomputes no share by head mass "
+    "(policy/lora_share.py LORA_RECOMPUTE_MASS_FRACTION); a request sets its own with "
+    "kvcmas_recompute_mass_fraction",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

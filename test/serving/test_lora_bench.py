@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.serving.lora_head_to_head import (  # noqa: E402
+    ARM_FIELDS,
     ARMS,
     CENTROID_BASE,
     CROSS_ADAPTER,
@@ -72,6 +73,33 @@ def test_requests_name_their_adapter_and_workflow():
     named = request_fields(3, "critic", 64, {"kvcmas_head_len": 30, "kvcmas_shared_end": 90})
     assert named["sampling_params"]["custom_params"] == {
         "kvcmas_workflow": "lora-3", "kvcmas_head_len": 30, "kvcmas_shared_end": 90}
+
+
+def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatch):
+    """An arm that varies an adapter reader's picks serves as ``rebase`` and sends its fields
+    with every turn (and they are fields the server accepts)."""
+    from benchmark.serving import lora_head_to_head as bench
+    from sglang_kvcmas.policy.request_options import RequestOptions
+
+    assert {"rebase_tail64", "rebase_mass10", "rebase_naive"} <= set(ARM_FIELDS)
+    for arm, fields in ARM_FIELDS.items():
+        assert ARMS[arm] == ARMS["rebase"] and arm in CENTROID_BASE
+        opts = RequestOptions.parse(fields)
+        assert opts.reads_leaves and opts.overrides
+    sent = []
+
+    def fake_generate(url, ids, max_new, fields):
+        sent.append(fields["sampling_params"]["custom_params"])
+        return {"ttft": 0.1, "latency": 0.2, "text": "x", "output_ids": [7], "meta": {}}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return [len(text)]
+
+    monkeypatch.setattr(bench, "stream_generate", fake_generate)
+    bench.run_flows("url", [LoraFlow(0, "Q?", [["planner"]])], Tok(), 8,
+                    custom=ARM_FIELDS["rebase_tail64"])
+    assert sent == [{"kvcmas_workflow": "lora-0", **ARM_FIELDS["rebase_tail64"]}]
 
 
 def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):

@@ -78,7 +78,7 @@ def prompt(question: str, *messages: str) -> str:
 def borrowed_in(rec: dict) -> int:
     """Prompt tokens a reuse record read off another agent's (or the centroid's) transcript:
     re-positioned, corrected, or recomputed at the reader's picks (the last
-    ``--kvcmas-lora-recompute-tail`` among them)."""
+    ``LORA_RECOMPUTE_TAIL`` among them)."""
     return (rec.get("reused_repositioned", 0) + rec.get("reused_corrected", 0)
             + rec.get("recomputed_borrowed", 0))
 

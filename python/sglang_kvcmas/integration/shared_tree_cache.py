@@ -98,6 +98,11 @@ from sglang_kvcmas.policy.recompute import (
     split_spans,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
+from sglang_kvcmas.policy.lora_share import (
+    LORA_RECOMPUTE_BOUNDARY,
+    LORA_RECOMPUTE_MASS_FRACTION,
+    LORA_RECOMPUTE_TAIL,
+)
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.template_markers import TemplateMarkers
@@ -293,17 +298,18 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                          lowrank_chain=leaf.lowrank_chain, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
-    def _across_adapters(self, config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
+    @staticmethod
+    def _across_adapters(config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
         """``config`` for a reader with an adapter under ``borrow`` or ``rebase``: at least the
-        LoRA tail, the LoRA boundary and the LoRA mass share, each where the request does not set
-        its own."""
+        LoRA tail, the LoRA boundary and the LoRA mass share (``policy/lora_share.py``), each
+        where the request does not set its own."""
         changes: dict = {}
         if "recompute_tail" not in own_knobs:
-            changes["tail_tokens"] = max(config.tail_tokens, self.config.lora_recompute_tail)
+            changes["tail_tokens"] = max(config.tail_tokens, LORA_RECOMPUTE_TAIL)
         if "recompute_boundary" not in own_knobs:
-            changes["boundary_tokens"] = self.config.lora_recompute_boundary
+            changes["boundary_tokens"] = LORA_RECOMPUTE_BOUNDARY
         if "recompute_mass_fraction" not in own_knobs:
-            changes["mass_fraction"] = self.config.lora_recompute_mass_fraction
+            changes["mass_fraction"] = LORA_RECOMPUTE_MASS_FRACTION
         return replace(config, **changes)
 
     def _at_messages(self, spans: list[BorrowedSpan], shared_tokens: Any) -> list[BorrowedSpan]:
