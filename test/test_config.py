@@ -93,8 +93,8 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
 
 RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
            "lora_recompute_boundary_at", "lora_recompute_tail", "lora_recompute_boundary",
-           "lora_recompute_mass_fraction")
-"""Knobs this package once served, each in ``REMOVED``."""
+           "lora_recompute_mass_fraction", "cpu_lora_ops")
+"""Knobs (and ``KVCMAS_CPU_LORA_OPS``) this package once served, each in ``REMOVED``."""
 
 
 def test_retired_knobs_are_listed_as_removed_and_served_no_more():

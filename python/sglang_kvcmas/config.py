@@ -342,6 +342,9 @@ REMOVED: dict[str, str] = {
     "lora_recompute_mass_fraction": "a reader with an adapter recomputes no share by head mass "
     "(policy/lora_share.py LORA_RECOMPUTE_MASS_FRACTION); a request sets its own with "
     "kvcmas_recompute_mass_fraction",
+    "cpu_lora_ops": "LoRA deltas without an accelerator always run grouped by adapter "
+    "(lora/grouped_ops.py); benchmark/kernels/cpu_lora_bench.py times SGLang's own ops against "
+    "them",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
