@@ -78,8 +78,9 @@ def test_requests_name_their_adapter_and_workflow():
 def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatch):
     """An arm that varies an adapter reader's picks serves as ``rebase`` and sends its fields
     with every turn (and they are fields the server accepts)."""
-    from benchmark.serving import lora_head_to_head as bench
     from sglang_kvcmas.policy.request_options import RequestOptions
+
+    from benchmark.serving import lora_head_to_head as bench
 
     assert {"rebase_tail64", "rebase_mass10", "rebase_naive"} <= set(ARM_FIELDS)
     for arm, fields in ARM_FIELDS.items():
