@@ -87,3 +87,36 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
         knob("leaf_mode").parse("old", "leaf_mode")
     with pytest.raises(SystemExit, match="--kvcmas-old-knob is no longer served"):
         parse_launcher_args(["--kvcmas-old-knob", "2", "--port", "1"])
+
+
+RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
+           "lora_recompute_boundary_at", "lora_recompute_tail", "lora_recompute_boundary",
+           "lora_recompute_mass_fraction", "cpu_lora_ops")
+"""Knobs (and ``KVCMAS_CPU_LORA_OPS``) this package once served, each in ``REMOVED``."""
+
+
+def test_retired_knobs_are_listed_as_removed_and_served_no_more():
+    from sglang_kvcmas.config import REMOVED
+
+    assert set(RETIRED) <= set(REMOVED)
+    assert not {k.name for k in KNOBS} & set(REMOVED)
+
+
+@pytest.mark.parametrize("name", RETIRED)
+def test_a_retired_knob_fails_by_flag_variable_and_field(name):
+    import re
+
+    from sglang_kvcmas.config import REMOVED
+    from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    why = re.escape(REMOVED[name])
+    flag, env = "--kvcmas-" + name.replace("_", "-"), "KVCMAS_" + name.upper()
+    with pytest.raises(ConfigError, match=f"{flag} is no longer served: {why}"):
+        resolve({name: "1"}, {})
+    with pytest.raises(ConfigError, match=f"{env} is no longer served: {why}"):
+        ServingConfig.from_env({env: "1"})
+    with pytest.raises(RequestOptionError, match=f"custom_params.kvcmas_{name} is no longer"):
+        RequestOptions.parse({f"kvcmas_{name}": 1})
+    with pytest.raises(SystemExit, match=f"{flag} is no longer served"):
+        parse_launcher_args([flag, "1", "--port", "1"])

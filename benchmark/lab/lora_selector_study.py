@@ -3,9 +3,9 @@
 Under ``--kvcmas-lora-share rebase`` the adapters' centroid computes the shared transcript and
 every adapter reads it: its own head (system prompt) exact, the centroid's KV elsewhere, and a set
 of picked tokens recomputed with its own adapter through every layer (attending to the centroid's
-KV where nothing was recomputed). The server's default picks are the first 8 tokens of every
-message (``--kvcmas-lora-recompute-boundary-at message``) and the last 32 of the prompt; a share
-of the rest can be added by the centroid's head mass (``--kvcmas-lora-recompute-mass-fraction``).
+KV where nothing was recomputed). The server's picks are the first 8 tokens of every message and
+the last 32 of the prompt (``policy/lora_share.py``); a request can add a share of the rest by
+the centroid's head mass (``kvcmas_recompute_mass_fraction``).
 This study ranks selectors for the extra picks at equal budgets, the way the server applies
 them, on the role adapters' own transcript:
 
@@ -59,6 +59,10 @@ from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
 from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
 from sglang_kvcmas.attention.span_reads import head_mass  # noqa: E402
 from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas.policy.lora_share import (  # noqa: E402
+    LORA_RECOMPUTE_BOUNDARY,
+    LORA_RECOMPUTE_TAIL,
+)
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT, AdapterSet  # noqa: E402
@@ -74,8 +78,8 @@ from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "lora_selector_study"
-BOUNDARY, TAIL = 8, 32
-"""The server's default LoRA picks: the first tokens of every message, the prompt's last."""
+BOUNDARY, TAIL = LORA_RECOMPUTE_BOUNDARY, LORA_RECOMPUTE_TAIL
+"""The server's LoRA picks: the first tokens of every message, the prompt's last."""
 PROBE_EVERY, PROBE_FIRST = 4, 2
 """The server's head-mass probe layers: 2, 6, 10, ..."""
 SELECTORS = ("tail", "mass", "own", "delta0", "dev1", "random", "oracle")

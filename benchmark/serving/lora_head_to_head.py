@@ -16,8 +16,7 @@ server binary, one server at a time, the same KV pool for every arm:
                     prefix by adapter, so each adapter prefills the transcript itself
     borrow          --kvcmas-share-context --kvcmas-lora-share borrow: an adapter reads the
                     transcript another adapter computed (re-positioned; boundary tokens and
-                    the last --kvcmas-lora-recompute-tail tokens recomputed with its own
-                    adapter, kept as its leaves)
+                    the last 32 tokens recomputed with its own adapter, kept as its leaves)
     borrow_lowrank  the same with --kvcmas-leaf-mode lowrank: the recomputed tokens fit the
                     adapter's low-rank correction of every other borrowed token, then are freed
     catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
@@ -29,26 +28,16 @@ server binary, one server at a time, the same KV pool for every arm:
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one knob changed: ``scheduler``
-                    (--kvcmas-lora-centroid-handoff scheduler: the request sent right behind
-                    the centroid's, held in the scheduler's turn order),
-                    ``noboundary`` / ``boundary16`` (--kvcmas-lora-recompute-boundary 0 /
-                    16: no span's first tokens recomputed, the LoRA tail only / 16 of them),
-                    ``noboundary_tail48`` (no boundary, a 48-token tail), ``noleaves``
-                    (--kvcmas-lora-leaves none: picks recomputed every turn, nothing kept),
-                    ``ahead`` / ``ahead16`` (--kvcmas-lora-centroid-ahead 32 / 16: the
-                    centroid prefills a streamed answer every 32 / 16 tokens while it decodes;
-                    it can only pay off with ``--own-transcripts``, where the answers it
-                    prefills are the ones the next prompt holds),
-                    ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
-                    0 / 16 / 64), ``exact`` (exact leaves),
-                    ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
-                    a quarter of the borrowed tokens by head mass; default none), ``lowrank``
-                    (lowrank+exact leaves), ``naive`` (no boundary, no tail: nothing
-                    recomputed but what the reader's suffix needs, the ceiling of the
-                    centroid base's TTFT),
-                    ``segment`` (--kvcmas-lora-recompute-boundary-at segment: the boundary
-                    at every span's start only, not at every message's)
+    rebase_*        the same with one flag changed: ``exact`` (exact leaves), ``reread``
+                    (--kvcmas-factored-reread on), ``lowrank`` (lowrank+exact leaves); or with
+                    an adapter reader's picks (served: the first 8 tokens of every span and
+                    message, the last 32, none by head mass) set by every request of the arm
+                    (:data:`ARM_FIELDS`): ``noboundary`` / ``boundary16`` (no span's first
+                    tokens recomputed, the tail only / 16 of them), ``noboundary_tail48`` (no
+                    boundary, a 48-token tail), ``notail`` / ``tail16`` / ``tail64``,
+                    ``mass10`` / ``mass25`` (a tenth / a quarter of the borrowed tokens by
+                    head mass), ``naive`` (no boundary, no tail: nothing recomputed but what
+                    the reader's suffix needs, the ceiling of the centroid base's TTFT)
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -142,26 +131,27 @@ ARMS: dict[str, list[str]] = {
     "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
-    "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
-    "rebase_noboundary": [*REBASE, "--kvcmas-lora-recompute-boundary", "0"],
-    "rebase_boundary16": [*REBASE, "--kvcmas-lora-recompute-boundary", "16"],
-    "rebase_noboundary_tail48": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
-                                 "--kvcmas-lora-recompute-tail", "48"],
-    "rebase_noleaves": [*REBASE, "--kvcmas-lora-leaves", "none"],
-    "rebase_ahead": [*REBASE, "--kvcmas-lora-centroid-ahead", "32"],
-    "rebase_ahead16": [*REBASE, "--kvcmas-lora-centroid-ahead", "16"],
-    "rebase_notail": [*REBASE, "--kvcmas-lora-recompute-tail", "0"],
-    "rebase_tail16": [*REBASE, "--kvcmas-lora-recompute-tail", "16"],
-    "rebase_tail64": [*REBASE, "--kvcmas-lora-recompute-tail", "64"],
     "rebase_exact": [*REBASE, "--kvcmas-leaf-mode", "exact"],
     "rebase_reread": [*REBASE, "--kvcmas-factored-reread", "on"],
-    "rebase_mass10": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.1"],
-    "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
     "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
-    "rebase_segment": [*REBASE, "--kvcmas-lora-recompute-boundary-at", "segment"],
-    "rebase_naive": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
-                     "--kvcmas-lora-recompute-tail", "0"],
 }
+_PICKS = {"rebase_noboundary": {"kvcmas_recompute_boundary": 0},
+          "rebase_boundary16": {"kvcmas_recompute_boundary": 16},
+          "rebase_noboundary_tail48": {"kvcmas_recompute_boundary": 0,
+                                       "kvcmas_recompute_tail": 48},
+          "rebase_notail": {"kvcmas_recompute_tail": 0},
+          "rebase_tail16": {"kvcmas_recompute_tail": 16},
+          "rebase_tail64": {"kvcmas_recompute_tail": 64},
+          "rebase_mass10": {"kvcmas_recompute_mass_fraction": 0.1},
+          "rebase_mass25": {"kvcmas_recompute_mass_fraction": 0.25},
+          "rebase_naive": {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_tail": 0}}
+ARM_FIELDS: dict[str, dict] = {arm: {**picks, "kvcmas_read_leaves": True}
+                               for arm, picks in _PICKS.items()}
+"""Arms served as ``rebase`` whose every request (turn and replay) sets an adapter reader's picks
+in ``custom_params``, each pick it does not set the served one, and reads its leaves as a reader
+with the served picks does. Unlike one with the served picks, such a request borrows even fewer
+tokens than ``policy.recompute.MIN_BORROWED``."""
+ARMS.update(dict.fromkeys(ARM_FIELDS, REBASE))
 QUICK_ARMS = ("stock", "borrow", "catchup", DEFAULT_MODE)
 """What ``--quick`` runs unless ``--arms`` says otherwise (about 10 minutes on two cores):
 stock, the three modes; ``borrow`` also measures the naive cross-adapter reuse the
@@ -269,18 +259,20 @@ def warm_heads(url: str, adapters: list[str], tok) -> None:
 
 
 def run_flows(url: str, flows: list[LoraFlow], tok, max_new: int,
-              script: dict[tuple, dict] | None = None) -> tuple[list[dict], float]:
+              script: dict[tuple, dict] | None = None,
+              custom: dict | None = None) -> tuple[list[dict], float]:
     """Every workflow concurrently, its steps in order (a step's agents together); one record
     per agent turn, and the makespan. With ``script`` (the stock arm's turns by :func:`key`),
     every turn decodes exactly as many tokens as the stock turn did (``ignore_eos``) and the
     transcript grows by the stock turns' messages, not this arm's: every arm serves the same
-    prompts and the same decode work."""
+    prompts and the same decode work. ``custom``: fields every request adds to its
+    ``custom_params`` (:data:`ARM_FIELDS`)."""
     turns: list[dict] = []
     lock = threading.Lock()
     split = template_split(tok)
 
     def turn(flow: LoraFlow, step: int, agent: str, ids: list[int]) -> dict:
-        fields = request_fields(flow.wid, agent, max_new, split(ids))
+        fields = request_fields(flow.wid, agent, max_new, {**split(ids), **(custom or {})})
         ref = script.get((flow.wid, step, agent)) if script is not None else None
         n = max_new
         if ref is not None:
@@ -381,13 +373,15 @@ def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) ->
     return replay_steps(ref_turns, lambda t: t["wid"], one)
 
 
-def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool) -> dict:
+def fidelity(url: str, ref_turns: list[dict], warm, cross_adapter: bool,
+             custom: dict | None = None) -> dict:
     """Top-1 and KL20 against exact prefill over the replayed non-owner turns: those that read
     another adapter's KV (``cross_adapter``; with naive reuse replayed too, for KL recovered),
-    else every turn after a workflow's first step (the arm's own reads are exact)."""
+    else every turn after a workflow's first step (the arm's own reads are exact). ``custom``:
+    the arm's per-request fields (:data:`ARM_FIELDS`), sent with every served replay."""
     flush(url)
     warm()
-    served = {key(r): r for r in replay(url, ref_turns, None, exact=True)}
+    served = {key(r): r for r in replay(url, ref_turns, custom, exact=True)}
     naive: dict = {}
     if cross_adapter:
         flush(url)
@@ -449,12 +443,6 @@ def background_prefilled(url: str) -> int:
                               "kvcmas:lora_centroid_tokens_total"), 'kind="prefilled"')
 
 
-def ahead_prefills(url: str) -> int:
-    """Centroid prefills of streamed answers ahead of the next turn
-    (``kvcmas:lora_centroid_ahead_requests_total``; 0 where none ran)."""
-    return metric_total(url, ("kvcmas:lora_centroid_ahead_requests_total",))
-
-
 def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
     """A centroid-base arm's fidelity with its replay without recompute renamed ``base_*`` and
     its KL recovered taken against ``naive_from``'s (a borrow arm's) naive cross-adapter reuse,
@@ -473,8 +461,8 @@ def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
 
 
 def flush(url: str, timeout_s: float = 120.0) -> None:
-    """Flush the server's caches once background prefills (catch-ups, the centroid's ahead
-    prefills) have drained: SGLang refuses (400) while requests run."""
+    """Flush the server's caches once background prefills (catch-ups) have drained: SGLang
+    refuses (400) while requests run."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -603,21 +591,20 @@ def main() -> int:
                 {key(t): t for t in runs["stock"][0]}
             raw = out_dir / f"lora_head_to_head_profile_{arm}.raw"
             spy = SchedulerProfile(server.proc.pid, raw).start() if args.profile else None
-            turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens, script)
+            turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens, script,
+                                        ARM_FIELDS.get(arm))
             peak = sampler.stop()
             if spy is not None and spy.stop() is not None:
                 (out_dir / f"lora_head_to_head_profile_{arm}.txt").write_text(
                     profile_report(raw))
             extra = lowrank_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
-            aheads = f", {ahead_prefills(server.url)} ahead prefills" if "ahead" in arm else ""
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
-                  f"{aheads} (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
-                  flush=True)
+                  f" (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
             if arm != "stock":
                 fid[arm] = fidelity(server.url, runs["stock"][0],
                                     lambda: warm_heads(server.url, list(adapters), tok),
-                                    arm in CROSS_ADAPTER)
+                                    arm in CROSS_ADAPTER, ARM_FIELDS.get(arm))
                 shown = {k: v for k, v in fid[arm].items() if k != "per_turn"}
                 print(f"[lora_head_to_head] arm {arm}: fidelity {shown} "
                       f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)

@@ -222,55 +222,11 @@ class ServingConfig:
         "another adapter computed, through the same read path as prompt agents (recompute, "
         "leaf mode); 'rebase' has every adapter request's prompt prefilled first under the "
         "adapters' centroid (a synthetic adapter, the mean of their deltas), which alone "
-        "writes the shared transcript, and every adapter reads it as 'borrow' reads. "
-        "Requests without an adapter never read an adapter's KV.",
+        "writes the shared transcript, and every adapter reads it as 'borrow' reads. Under "
+        "both a reader with an adapter recomputes the first 8 tokens of every span and message "
+        "it borrows and at least the last 32, unless its request sets kvcmas_recompute_boundary "
+        "/ kvcmas_recompute_tail. Requests without an adapter never read an adapter's KV.",
         kind=str, choices=("separate", "catchup", "borrow", "rebase"))
-    lora_recompute_tail: int = _knob(
-        32, "Under lora_share 'borrow' or 'rebase', a reader with an adapter recomputes at least "
-        "the last N borrowed tokens before its suffix (what it attends to most; across "
-        "adapters every borrowed token deviates, not only a segment's first ones), unless the "
-        "request sets its own kvcmas_recompute_tail.", kind=int, low=0)
-    lora_centroid_handoff: str = _knob(
-        "response", "Under lora_share 'rebase', when an adapter request goes to the scheduler "
-        "after the centroid prefill of its prompt: 'response' once the centroid's response is "
-        "back in the HTTP process; 'scheduler' as soon as that prefill has been sent, the "
-        "scheduler's turn order holding the request behind it (a round trip less) only while "
-        "the centroid computes at least turn_min_gain tokens it lacks: a shorter new segment "
-        "the request computes itself, exactly, and keeps in its own cache (less TTFT, more KV).",
-        kind=str, choices=("response", "scheduler"))
-    lora_centroid_ahead: int = _knob(
-        0, "Under lora_share 'rebase', while a streamed adapter answer decodes, the centroid "
-        "prefills its prompt plus the answer so far every N answer tokens, so the next turn's "
-        "centroid prefill computes only the answer's last tokens and what follows (background "
-        "prefill, counted; only streamed answers to prompts sent as ids with an explicit head, as "
-        "the chat route sends them). Of agents "
-        "that answer one prompt together only the first to arrive does (the order their answers "
-        "join the transcript is unknown). 0: off.", kind=int, low=0)
-    lora_leaves: str = _knob(
-        "keep", "Under lora_share 'borrow' or 'rebase', what a reader with an adapter keeps of "
-        "the borrowed tokens it recomputes: 'keep' (as leaves of the leaf mode, read on its "
-        "later turns) or 'none' (nothing: it recomputes its picks every turn, holds no leaf "
-        "memory and fits no factors, and a reader that reads every borrowed token at its own "
-        "position ('rebase') decodes on SGLang's own attention), unless the request sets "
-        "kvcmas_read_leaves.", kind=str, choices=("keep", "none"))
-    lora_recompute_boundary: int = _knob(
-        8, "Under lora_share 'borrow' or 'rebase', the first N tokens of every span a reader "
-        "with an adapter borrows that it recomputes, in place of recompute_boundary, unless the "
-        "request sets its own kvcmas_recompute_boundary.", kind=int, low=0)
-    lora_recompute_boundary_at: str = _knob(
-        "message", "Under lora_share 'borrow' or 'rebase', where a reader with an adapter takes "
-        "its boundary tokens: 'message' (the first tokens of every message the chat template "
-        "closes inside a borrowed span, as well as of every span: a turn's new messages "
-        "prefilled in one pass are one span) or 'segment' (of every span only). Without a "
-        "detected chat template, 'segment'.", kind=str, choices=("message", "segment"))
-    lora_recompute_mass_fraction: float = _knob(
-        0.0, "Under lora_share 'borrow' or 'rebase', the share of its borrowed tokens that a "
-        "reader with an adapter recomputes by owner head mass, in place of "
-        "recompute_mass_fraction, unless the request sets its own "
-        "kvcmas_recompute_mass_fraction. Model-dependent: on the embedded model head mass picks "
-        "no better tokens than the tail does (0 is its best); on Qwen2.5-Coder-0.5B a quarter "
-        "recovers the fidelity the tail misses at most of the speed.", kind=float, low=0,
-        high=1)
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists
@@ -328,6 +284,28 @@ REMOVED: dict[str, str] = {
     "factored_reread": "decided per reader (integration/shared_tree_cache.py: _rereads)",
     "allow_sgl_kernel_standin": "the raising sgl_kernel stand-in serves only where no real "
                                 "sgl_kernel is installed",
+    "lora_centroid_ahead": "the centroid no longer prefills a streamed answer ahead of the next "
+    "turn (it lengthened the makespan); each turn's centroid prefill computes the answers "
+    "before it",
+    "lora_centroid_handoff": "an adapter request under lora_share 'rebase' always goes to the "
+    "scheduler once the centroid's response is back (the former 'response')",
+    "lora_leaves": "a reader with an adapter always keeps the borrowed tokens it recomputes as "
+    "leaves of the leaf mode (the former 'keep'); a request may still set kvcmas_read_leaves",
+    "lora_recompute_boundary_at": "a reader with an adapter always takes its boundary tokens at "
+    "every message the chat template closes inside a borrowed span, and at every span (the "
+    "former 'message'; without a detected chat template, at every span)",
+    "lora_recompute_tail": "a reader with an adapter recomputes at least the last 32 borrowed "
+    "tokens (policy/lora_share.py LORA_RECOMPUTE_TAIL); a request sets its own with "
+    "kvcmas_recompute_tail",
+    "lora_recompute_boundary": "a reader with an adapter recomputes the first 8 tokens of every "
+    "span and message it borrows (policy/lora_share.py LORA_RECOMPUTE_BOUNDARY); a request sets "
+    "its own with kvcmas_recompute_boundary",
+    "lora_recompute_mass_fraction": "a reader with an adapter recomputes no share by head mass "
+    "(policy/lora_share.py LORA_RECOMPUTE_MASS_FRACTION); a request sets its own with "
+    "kvcmas_recompute_mass_fraction",
+    "cpu_lora_ops": "LoRA deltas without an accelerator always run grouped by adapter "
+    "(lora/grouped_ops.py); benchmark/kernels/cpu_lora_bench.py times SGLang's own ops against "
+    "them",
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

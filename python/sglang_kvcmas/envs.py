@@ -36,15 +36,7 @@ KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
     "If set, a file to which the sgl_kernel stand-in appends one line per op call (tests).",
 )
 
-KVCMAS_CPU_LORA_OPS = EnvVar(
-    "KVCMAS_CPU_LORA_OPS",
-    "grouped",
-    "LoRA deltas without an accelerator: 'grouped' (one matmul per adapter in a batch, "
-    "lora/grouped_ops.py) or 'sglang' (SGLang's torch_native ops, one pass per request).",
-)
-
-ALL = (KVCMAS_CACHE_DIR, KVCMAS_SGL_KERNEL_STANDIN_LOG,
-       KVCMAS_CPU_LORA_OPS)
+ALL = (KVCMAS_CACHE_DIR, KVCMAS_SGL_KERNEL_STANDIN_LOG)
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----
 KVCMAS_KERNEL_TESTS_FULL = EnvVar(

@@ -53,20 +53,6 @@ def test_creating_the_torch_native_backend_makes_the_lora_modules_cpu_safe():
     assert out.strip().endswith("ok")
 
 
-def test_sglangs_own_ops_on_request():
-    out = run("""
-        import os
-        os.environ["KVCMAS_CPU_LORA_OPS"] = "sglang"
-        from sglang_kvcmas.integration.registration import register_all
-        register_all()
-        from sglang.srt.lora.backend.lora_registry import get_backend_from_name
-        from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
-        assert get_backend_from_name("torch_native") is TorchNativeLoRABackend
-        print("ok")
-    """)
-    assert out.strip().endswith("ok")
-
-
 def test_the_grouped_backend_runs_a_batch_as_sglangs_ops_do():
     # A real TorchNativeLoRABackend batch (segments, ranks, scalings on its batch info), run
     # through the grouped subclass and through SGLang's own ops.

@@ -5,7 +5,6 @@ identical prompts share one, and what needs none gets none."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
@@ -17,7 +16,7 @@ from sglang_kvcmas.policy.request_options import RequestOptions
 
 @pytest.fixture(autouse=True)
 def rebase_mode(monkeypatch, knobs):
-    knobs(lora_share="rebase", lora_centroid_handoff="scheduler")
+    knobs(lora_share="rebase")
     monkeypatch.setattr(lora_rebase, "TOTALS", dict.fromkeys(lora_rebase.TOTALS, 0))
     monkeypatch.setattr(lora_rebase, "_IN_FLIGHT", {})
 
@@ -26,16 +25,12 @@ class FakeManager:
     """Logs when each request starts and ends; each takes ``delay_s``; ``fail`` raises for the
     centroid."""
 
-    def __init__(self, delay_s: float = 0.02, fail: bool = False, states: bool = False):
+    def __init__(self, delay_s: float = 0.02, fail: bool = False):
         self.log: list[tuple[str, str]] = []
         self.delay_s, self.fail = delay_s, fail
-        if states:  # SGLang's request states: a request is marked sent as it starts
-            self.rid_to_state: dict = {}
 
     async def original(self, manager, obj, request=None):
         who = obj.lora_path
-        if hasattr(self, "rid_to_state"):
-            self.rid_to_state[obj.rid] = SimpleNamespace(dispatched=True)
         self.log.append(("start", who))
         await asyncio.sleep(self.delay_s)
         if self.fail and who == CENTROID:
@@ -102,17 +97,3 @@ def test_a_failed_centroid_prefill_is_counted_and_the_request_goes_on():
     asyncio.run(turn(fake, "planner"))
     assert ("end", "planner") in fake.log
     assert lora_rebase.TOTALS["failed"] == 1
-
-
-def test_the_request_goes_to_the_scheduler_once_its_centroid_prefill_was_sent(knobs):
-    """``--kvcmas-lora-centroid-handoff scheduler``: the adapter request starts as soon as SGLang
-    marks the centroid request sent, before the centroid's response (the scheduler holds it);
-    ``response``: once the response is back."""
-    fake = FakeManager(delay_s=0.05, states=True)
-    asyncio.run(turn(fake, "planner"))
-    assert fake.log.index(("start", "planner")) < fake.log.index(("end", CENTROID))
-    knobs(lora_centroid_handoff="response")
-    fake = FakeManager(delay_s=0.05, states=True)
-    asyncio.run(turn(fake, "planner"))
-    assert fake.log == [("start", CENTROID), ("end", CENTROID), ("start", "planner"),
-                        ("end", "planner")]

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.serving.lora_head_to_head import (  # noqa: E402
+    ARM_FIELDS,
     ARMS,
     CENTROID_BASE,
     CROSS_ADAPTER,
@@ -72,6 +73,34 @@ def test_requests_name_their_adapter_and_workflow():
     named = request_fields(3, "critic", 64, {"kvcmas_head_len": 30, "kvcmas_shared_end": 90})
     assert named["sampling_params"]["custom_params"] == {
         "kvcmas_workflow": "lora-3", "kvcmas_head_len": 30, "kvcmas_shared_end": 90}
+
+
+def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatch):
+    """An arm that varies an adapter reader's picks serves as ``rebase`` and sends its fields
+    with every turn (and they are fields the server accepts)."""
+    from sglang_kvcmas.policy.request_options import RequestOptions
+
+    from benchmark.serving import lora_head_to_head as bench
+
+    assert {"rebase_tail64", "rebase_mass10", "rebase_naive"} <= set(ARM_FIELDS)
+    for arm, fields in ARM_FIELDS.items():
+        assert ARMS[arm] == ARMS["rebase"] and arm in CENTROID_BASE
+        opts = RequestOptions.parse(fields)
+        assert opts.reads_leaves and opts.overrides
+    sent = []
+
+    def fake_generate(url, ids, max_new, fields):
+        sent.append(fields["sampling_params"]["custom_params"])
+        return {"ttft": 0.1, "latency": 0.2, "text": "x", "output_ids": [7], "meta": {}}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return [len(text)]
+
+    monkeypatch.setattr(bench, "stream_generate", fake_generate)
+    bench.run_flows("url", [LoraFlow(0, "Q?", [["planner"]])], Tok(), 8,
+                    custom=ARM_FIELDS["rebase_tail64"])
+    assert sent == [{"kvcmas_workflow": "lora-0", **ARM_FIELDS["rebase_tail64"]}]
 
 
 def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):
@@ -148,19 +177,18 @@ def test_requests_name_the_chat_templates_head_and_shared_transcript():
     assert template_split(tok)(tok.encode("no template here", add_special_tokens=False)) == {}
 
 
-def test_background_and_ahead_prefills_are_read_from_the_servers_metrics():
+def test_background_prefills_are_read_from_the_servers_metrics():
     """Only the named samples count (``_created`` and other kinds do not); absent ones are 0."""
     import http.server
     import threading
 
-    from benchmark.serving.lora_head_to_head import ahead_prefills, background_prefilled
+    from benchmark.serving.lora_head_to_head import background_prefilled
 
     body = b"\n".join([
         b'kvcmas:lora_centroid_tokens_total{kind="prompt"} 500.0',
         b'kvcmas:lora_centroid_tokens_total{kind="prefilled"} 300.0',
         b'kvcmas:lora_catchup_tokens_total{kind="prefilled"} 20.0',
-        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9',
-        b"kvcmas:lora_centroid_ahead_requests_total 7.0", b""])
+        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9', b""])
 
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -175,8 +203,8 @@ def test_background_and_ahead_prefills_are_read_from_the_servers_metrics():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}"
-        assert background_prefilled(url) == 320 and ahead_prefills(url) == 7
+        assert background_prefilled(url) == 320
         body = b"# nothing of ours\n"
-        assert background_prefilled(url) == 0 and ahead_prefills(url) == 0
+        assert background_prefilled(url) == 0
     finally:
         server.shutdown()

@@ -22,7 +22,7 @@ And what ``rebase`` promises: every adapter reads the transcript the centroid ad
 and none writes it; exact and base-model requests are stock's; with every borrowed token
 recomputed a reader is its own exact prefill, with none its deviation is the centroid base's,
 below another adapter's KV (``borrow`` with nothing recomputed), and its default picks bring it
-closer; a streamed answer is prefilled ahead of the next turn.
+closer.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def prompt(question: str, *messages: str) -> str:
 def borrowed_in(rec: dict) -> int:
     """Prompt tokens a reuse record read off another agent's (or the centroid's) transcript:
     re-positioned, corrected, or recomputed at the reader's picks (the last
-    ``--kvcmas-lora-recompute-tail`` among them)."""
+    ``LORA_RECOMPUTE_TAIL`` among them)."""
     return (rec.get("reused_repositioned", 0) + rec.get("reused_corrected", 0)
             + rec.get("recomputed_borrowed", 0))
 
@@ -230,12 +230,10 @@ def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
 @pytest.fixture(scope="module")
 def rebase(tmp_path_factory, servers):
     """Ours with ``--kvcmas-lora-share rebase`` (the centroid joins ``--lora-paths``, and
-    ``--max-lora-rank 8`` is raised to its rank 24; answers prefilled ahead every 32 tokens; a
-    reader may recompute every borrowed token, as the control read below asks), beside the stock
-    server."""
+    ``--max-lora-rank 8`` is raised to its rank 24; a read asking every borrowed token by mass,
+    as the control read below does, recomputes every one), beside the stock server."""
     process = boot(tmp_path_factory, "lora-rebase",
-                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase",
-                    "--kvcmas-lora-centroid-ahead", "32", "--kvcmas-recompute-max-fraction", "1"])
+                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"])
     try:
         for role in ROLES:
             generate(process.url, prompt("What is 2 + 2?"), role)
@@ -272,36 +270,6 @@ def test_rebase_adapters_read_the_centroids_transcript_and_write_none(rebase):
     base = {u: generate(u, prompt(q, PLAN)) for u in (stock, url)}
     assert borrowed(base[url]) == 0 and centroid_tokens(url) == before
     assert base[url]["output_ids"] == base[stock]["output_ids"]
-    assert pool_balanced(url)
-
-
-def test_rebase_prefills_a_streamed_answer_ahead_of_the_next_turn(rebase):
-    """While an adapter's answer streams, the centroid prefills it every 32 answer tokens, so the
-    next turn's centroid prefill computes only the answer's last tokens and what follows."""
-    from benchmark.serving.head_to_head import stream_generate
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    from sglang_kvcmas.integration.chat_template_markers import markers_for_tokenizer
-    from sglang_kvcmas.tree.agent_split import detect_template_split
-
-    _, url = rebase
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    ids = tok.encode(prompt(QUESTION + uuid.uuid4().hex[:6]), add_special_tokens=False)
-    head = detect_template_split(ids, markers_for_tokenizer(tok)).head_len
-    before = centroid_tokens(url)
-    answer = stream_generate(url, ids, 40, {"lora_path": "planner", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 40, "ignore_eos": True,
-        "custom_params": {"kvcmas_head_len": head}}})["output_ids"]  # as the chat route does
-    time.sleep(1.0)  # an ahead prefill may still run after the answer's end
-    # Its own prefill, then the prompt + the answer's first 32 tokens.
-    assert centroid_tokens(url) == before + 2 * len(ids) + 32
-    glue = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    before = centroid_tokens(url, "prefilled")
-    second = generate(url, None, "solver", input_ids=ids + answer + glue)
-    assert centroid_tokens(url, "prefilled") - before <= len(answer) - 32 + len(glue) + 1
-    assert borrowed(second) > len(answer)  # the answer read off the centroid
     assert pool_balanced(url)
 
 

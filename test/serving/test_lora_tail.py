@@ -1,7 +1,8 @@
-"""``--kvcmas-lora-recompute-tail`` and ``--kvcmas-lora-recompute-mass-fraction``: under
-``lora_share=borrow|rebase`` a reader that names an adapter recomputes at least the last N
-borrowed tokens before its suffix, and the LoRA share of them by owner head mass in place of the
-deployment's (the tree cache, no server); a request's own ``kvcmas_recompute_tail`` /
+"""An adapter reader's picks (``policy/lora_share.py``): under ``lora_share=borrow|rebase`` a
+reader that names an adapter recomputes at least the last ``LORA_RECOMPUTE_TAIL`` borrowed tokens
+before its suffix, the first ``LORA_RECOMPUTE_BOUNDARY`` of every span and message, and the LoRA
+share by owner head mass, each in place of the deployment's (the tree cache, no server); a
+request's own ``kvcmas_recompute_tail`` / ``kvcmas_recompute_boundary`` /
 ``kvcmas_recompute_mass_fraction`` and requests without an adapter are left as they are."""
 
 from __future__ import annotations
@@ -18,14 +19,28 @@ from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID  # noqa: E402
 from test_shared_tree_cache import END, NL, SUFFIX, T1, T2, Harness, Req, head  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def lora_picks(monkeypatch):
+    """``lora_picks(tail=, boundary=, mass=)``: an adapter reader's picks as the tree cache reads
+    them (``policy/lora_share.py``); the boundary starts at 0, the harness's deployment boundary
+    (``lora_picks(served=True)``: the served ones)."""
+    from sglang_kvcmas.integration import shared_tree_cache
+
+    names = {"tail": "LORA_RECOMPUTE_TAIL", "boundary": "LORA_RECOMPUTE_BOUNDARY",
+             "mass": "LORA_RECOMPUTE_MASS_FRACTION"}
+    served = {k: getattr(shared_tree_cache, v) for k, v in names.items()}
+
+    def set_picks(served_picks: bool = False, **values) -> None:
+        for k, v in {**(served if served_picks else {}), **values}.items():
+            monkeypatch.setattr(shared_tree_cache, names[k], v)
+
+    set_picks(boundary=0)
+    return set_picks
+
+
 class LoraHarness(Harness):
     """The harness with SGLang's radix key as a LoRA request has it: the adapter id in
-    ``extra_key``, so each adapter matches only its own radix prefixes; its boundary is the
-    LoRA readers' too."""
-
-    def __init__(self, boundary: int = 0, **kwargs):
-        super().__init__(boundary=boundary, **kwargs)
-        self.cache.config = replace(self.cache.config, lora_recompute_boundary=boundary)
+    ``extra_key``, so each adapter matches only its own radix prefixes."""
 
     def match(self, req):
         n = len(req.origin_input_ids)
@@ -43,16 +58,19 @@ def _req(rid: str, ids: list[int], adapter: str | None) -> Req:
     return req
 
 
-def _recomputed(tail: int, adapter: str | None, mode: str = "borrow", lora_mass: float = 0.0,
-                mass: float = 0.0, custom: dict | None = None) -> int:
+def _recomputed(lora_picks, tail: int | None, adapter: str | None, mode: str = "borrow",
+                lora_mass: float = 0.0, mass: float = 0.0, custom: dict | None = None) -> int:
     """Borrowed tokens a second agent recomputes when it reads the first one's T2 (each agent's
     head cached by its first turn, as a reader can only borrow after its own head); the owner's
-    pass records head mass 0.9 on three of T2's tokens (``mass`` / ``lora_mass``: the
-    deployment's share by mass and the LoRA one; ``custom``: the reader's own knobs)."""
+    pass records head mass 0.9 on three of T2's tokens (``tail`` / ``lora_mass``: the LoRA tail
+    and share by mass, None: the served picks; ``mass``: the deployment's share by mass;
+    ``custom``: the reader's own knobs)."""
+    if tail is None:
+        lora_picks(served_picks=True)
+    else:
+        lora_picks(tail=tail, mass=lora_mass)
     h = LoraHarness(boundary=0)
     h.cache.requests.lora_share = mode
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=tail,
-                             lora_recompute_mass_fraction=lora_mass)
     h.cache.recompute_config = replace(h.cache.recompute_config, mass_fraction=mass)
     a, b = head(50, 20), head(60, 8)
     # The owner: another adapter, or under rebase the centroid (the only writer there).
@@ -71,41 +89,54 @@ def _recomputed(tail: int, adapter: str | None, mode: str = "borrow", lora_mass:
     return rec["recomputed_borrowed"]
 
 
-def test_an_adapter_reader_recomputes_the_tail():
-    assert _recomputed(0, "solver") == 0  # no boundary, no head mass recorded here
-    assert _recomputed(8, "solver") == 8
-    assert _recomputed(8, "solver", mode="rebase") == 8
+def test_an_adapter_reader_recomputes_the_tail(lora_picks):
+    assert _recomputed(lora_picks, 0, "solver") == 0  # no boundary, no head mass recorded here
+    assert _recomputed(lora_picks, 8, "solver") == 8
+    assert _recomputed(lora_picks, 8, "solver", mode="rebase") == 8
     with pytest.raises(AssertionError):  # separate: nothing borrowed across adapters
-        _recomputed(8, "solver", mode="separate")
+        _recomputed(lora_picks, 8, "solver", mode="separate")
 
 
-def test_requests_without_an_adapter_are_left_alone():
-    assert _recomputed(8, None) == _recomputed(0, None) == 0
+def test_requests_without_an_adapter_are_left_alone(lora_picks):
+    assert _recomputed(lora_picks, 8, None) == _recomputed(lora_picks, 0, None) == 0
 
 
-def test_an_adapter_reader_takes_the_lora_mass_share():
+def test_the_served_picks_and_a_requests_own(lora_picks):
+    """Served: the first 8 borrowed tokens and the last 32 (T2 and its end marker: 32 tokens),
+    within the deployment's cap of half of them; a request's own tail and boundary win."""
+    from sglang_kvcmas.policy import lora_share
+
+    assert (lora_share.LORA_RECOMPUTE_TAIL, lora_share.LORA_RECOMPUTE_BOUNDARY,
+            lora_share.LORA_RECOMPUTE_MASS_FRACTION) == (32, 8, 0.0)
+    borrowed = len(T2) + END
+    assert _recomputed(lora_picks, None, "solver", mode="rebase") == borrowed // 2
+    assert _recomputed(lora_picks, None, "solver", mode="rebase", custom={
+        "kvcmas_recompute_tail": 4, "kvcmas_recompute_boundary": 0}) == 4
+    assert _recomputed(lora_picks, None, None) == 0  # no adapter: the deployment's picks
+
+
+def test_an_adapter_reader_takes_the_lora_mass_share(lora_picks):
     """Of T2's borrowed tokens (plus the end marker), an adapter reader recomputes by mass the
     LoRA share (here 0.1: three tokens) whatever the deployment's share; a reader without an
     adapter the deployment's; a request's own share wins."""
     borrowed = len(T2) + END
     three = round(0.1 * borrowed)
-    assert _recomputed(0, "solver", mass=0.5) == 0  # the LoRA share (default 0) replaces it
-    assert _recomputed(0, "solver", lora_mass=0.1) == three
-    assert _recomputed(0, "solver", mode="rebase", lora_mass=0.1, mass=0.5) == three
-    assert _recomputed(0, None, lora_mass=0.5, mass=0.1) == three
-    assert _recomputed(0, "solver", lora_mass=0.5,
+    assert _recomputed(lora_picks, 0, "solver", mass=0.5) == 0  # the LoRA share (0) replaces it
+    assert _recomputed(lora_picks, 0, "solver", lora_mass=0.1) == three
+    assert _recomputed(lora_picks, 0, "solver", mode="rebase", lora_mass=0.1, mass=0.5) == three
+    assert _recomputed(lora_picks, 0, None, lora_mass=0.5, mass=0.1) == three
+    assert _recomputed(lora_picks, 0, "solver", lora_mass=0.5,
                        custom={"kvcmas_recompute_mass_fraction": 0.1,
                                "kvcmas_recompute_boundary": 0}) == three
 
 
-@pytest.mark.parametrize("leaves", ["keep", "none"])
-def test_lora_leaves_none_keeps_nothing_an_adapter_reader_recomputes(leaves):
-    """``--kvcmas-lora-leaves none``: an adapter reader recomputes its tail but keeps no leaf of
-    it (the tree holds no delta tokens after it); ``keep`` keeps them; a request's own
-    ``kvcmas_read_leaves`` wins."""
+def test_an_adapter_reader_keeps_what_it_recomputes_unless_it_asks_not_to(lora_picks):
+    """An adapter reader keeps the tail it recomputes as leaves (the tree holds its delta tokens
+    after it); one whose request sets ``kvcmas_read_leaves: false`` recomputes the same tail and
+    keeps nothing."""
+    lora_picks(tail=8)
     h = LoraHarness(boundary=0)
     h.cache.requests.lora_share = "rebase"
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=8, lora_leaves=leaves)
     a, b = head(50, 20), head(60, 8)
     h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
     h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
@@ -114,92 +145,21 @@ def test_lora_leaves_none_keeps_nothing_an_adapter_reader_recomputes(leaves):
     b2 = _req("b2", b + T1 + T2 + SUFFIX, "solver")
     h.serve(b2, 4)
     assert b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
-    assert h.cache.shared.delta_tokens() == (8 if leaves == "keep" else 0)
+    assert h.cache.shared.delta_tokens() == 8
     c2 = _req("c2", b + T1 + T2 + SUFFIX, "critic")
-    c2.sampling_params.custom_params = {"kvcmas_read_leaves": True}
+    c2.sampling_params.custom_params = {"kvcmas_read_leaves": False}
     h.serve(c2, 5)
-    assert h.cache.shared.delta_tokens() == (16 if leaves == "keep" else 8)
+    assert c2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
+    assert h.cache.shared.delta_tokens() == 8
 
 
-def test_an_adapter_reader_waits_in_the_scheduler_behind_a_queued_centroid_prefill(monkeypatch):
-    """Under ``rebase`` the centroid prefill of a prompt is queued just ahead of the adapter
-    request for it: the turn order lets the centroid through and holds the reader (which would
-    otherwise compute the new transcript itself); the next pass, with the centroid's transcript
-    in the tree, admits it and it borrows."""
-    from types import SimpleNamespace
-
-    from sglang_kvcmas.integration import turn_order_hook
-
-    monkeypatch.setattr(turn_order_hook, "_held_since", {})
-    h = LoraHarness(boundary=0)
-    h.cache.requests.lora_share = "rebase"
-    a, b = head(50, 20), head(60, 8)
-    h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
-    h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
-    t2 = list(range(200, 260))
-    centroid, reader = (_req(f"{CENTROID_RID}2", a + T1 + t2 + SUFFIX, CENTROID),
-                        _req("b2", b + T1 + t2 + SUFFIX, "solver"))
-    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=[centroid, reader])
-    seen = []
-    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
-                                      scheduler)
-    assert seen == [[centroid.rid]] and [r.rid for r in scheduler.waiting_queue] == \
-        [reader.rid, centroid.rid]
-    h.serve(centroid, 2)
-    scheduler.waiting_queue = [reader]
-    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
-                                      scheduler)
-    assert seen[-1] == [reader.rid]
-    h.serve(reader, 3)
-    rec = reader.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_repositioned"] + rec["recomputed_borrowed"] == len(t2) + END
-    h.cache.requests.lora_share = "borrow"  # only rebase's centroid prefills lead from the queue
-    assert turn_order_hook.queued_writers(h.cache, [centroid]) == []
-
-
-@pytest.mark.parametrize("ahead", [True, False])
-def test_an_answer_prefilled_ahead_is_one_segment_for_its_readers(ahead):
-    """The centroid prefills an answer in two pieces while it streams (``AHEAD_RID``), then the
-    next turn's prompt: the answer's second piece and what follows continue the answer's
-    segment, so a reader recomputes the boundary of the answer once (the same pieces sent as
-    plain centroid prefills would be three segments)."""
-    from sglang_kvcmas.policy.lora_share import AHEAD_RID
-    from sglang_kvcmas.tree.borrowed import borrowed_spans
-
-    h = LoraHarness(boundary=4)
-    h.cache.requests.lora_share = "rebase"
-    h.cache.config = replace(h.cache.config, lora_recompute_tail=0)
-    a, b = head(50, 20), head(60, 8)
-    h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
-    h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
-    answer = list(range(300, 330))
-    rid = AHEAD_RID if ahead else CENTROID_RID
-    for row, n in ((2, 10), (3, 20)):  # the answer so far, its shared transcript to its end
-        piece = _req(f"{rid}{n}", a + T1 + SUFFIX + answer[:n], CENTROID)
-        piece.sampling_params.custom_params = {"kvcmas_head_len": len(a),
-                                               "kvcmas_shared_end": len(piece.origin_input_ids)}
-        h.serve(piece, row)
-    nxt = T1 + SUFFIX + answer + SUFFIX
-    h.serve(_req(f"{CENTROID_RID}2", a + nxt, CENTROID), 4)
-    b2 = _req("b2", b + nxt, "solver")
-    h.match(b2)  # b's own exact prefix runs through T1 and the assistant opener
-    got = [(s.begin, s.end) for s in borrowed_spans(b2.last_node)]
-    start, end = len(T1) + len(SUFFIX), len(T1) + len(SUFFIX) + len(answer) + END
-    assert got == ([(start, end)] if ahead else
-                   [(start, start + 10), (start + 10, start + 20), (start + 20, end)])
-    assert b2.last_node.recompute == (
-        tuple(range(start, start + 4)) if ahead else
-        tuple(o for s in (start, start + 10, start + 20) for o in range(s, s + 4)))
-
-
-def test_an_adapter_reader_takes_the_lora_boundary():
-    """``--kvcmas-lora-recompute-boundary`` replaces the deployment's boundary for an adapter
-    reader (the harness's deployment boundary is 0); a reader without an adapter keeps it."""
+def test_an_adapter_reader_takes_the_lora_boundary(lora_picks):
+    """The LoRA boundary replaces the deployment's boundary for an adapter reader (the harness's
+    deployment boundary is 0); a reader without an adapter keeps it."""
     def recomputed(lora_boundary: int, adapter: str | None) -> int:
+        lora_picks(tail=0, boundary=lora_boundary)
         h = LoraHarness(boundary=0)
         h.cache.requests.lora_share = "rebase"
-        h.cache.config = replace(h.cache.config, lora_recompute_tail=0,
-                                 lora_recompute_boundary=lora_boundary)
         a, b = head(50, 20), head(60, 8)
         owner = CENTROID if adapter else None
         h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, owner), 0)
@@ -214,15 +174,16 @@ def test_an_adapter_reader_takes_the_lora_boundary():
     assert recomputed(6, None) == 0
 
 
-def test_an_adapter_readers_boundary_opens_every_message_it_borrows():
-    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; with
-    ``--kvcmas-lora-recompute-boundary-at message`` (the default) the reader's boundary picks
-    open each message the chat template closes inside it, with ``segment`` only the span."""
-    def picks(at: str) -> tuple[int, ...]:
+def test_an_adapter_readers_boundary_opens_every_message_it_borrows(lora_picks):
+    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; the
+    reader's boundary picks open each message the chat template closes inside it, and without a
+    detected chat template only the span."""
+    def picks(template: bool) -> tuple[int, ...]:
+        lora_picks(tail=0, boundary=3)
         h = LoraHarness(boundary=0)
         h.cache.requests.lora_share = "rebase"
-        h.cache.config = replace(h.cache.config, lora_recompute_tail=0,
-                                 lora_recompute_boundary=3, lora_recompute_boundary_at=at)
+        if not template:
+            h.cache.markers = None
         a, b = head(50, 20), head(60, 8)
         msgs = T2[:10] + [2, NL] + T2[10:20] + [2, NL] + T2[20:]  # three messages
         h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
@@ -233,6 +194,6 @@ def test_an_adapter_readers_boundary_opens_every_message_it_borrows():
         return b2.last_node.recompute
 
     start = len(T1)
-    assert picks("segment") == (start, start + 1, start + 2)
-    assert picks("message") == tuple(o for s in (start, start + 12, start + 24)
-                                     for o in range(s, s + 3))
+    assert picks(template=False) == (start, start + 1, start + 2)
+    assert picks(template=True) == tuple(o for s in (start, start + 12, start + 24)
+                                         for o in range(s, s + 3))

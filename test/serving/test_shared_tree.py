@@ -180,27 +180,3 @@ def test_invariants_hold_through_insert_lock_evict_and_catch_drift():
     _, c = tree.insert("ns", [7, 8], 0, torch.arange(30, 32), "a", 0, anchor=None)
     tree.owned_size += 1  # a bookkeeping drift
     assert any("owned_size" in p for p in tree.check_invariants())
-
-
-def test_an_insert_right_after_an_open_end_of_its_owner_continues_the_segment():
-    """A centroid prefill of an answer so far leaves its node open: the same owner's next insert
-    right after it is no new segment; another owner's is, and so is a branch off the middle of
-    the open node (its first half is no longer open)."""
-    t = SharedTree(lambda s: None)
-    seq = list(range(100, 160))
-
-    def slots(n):
-        return torch.arange(n)
-
-    _, first = t.insert(NS, seq[:20], 0, slots(20), "c", 10, None, open_end=True)
-    _, more = t.insert(NS, seq[:40], 20, slots(20), "c", 30, None)
-    assert first.segment_start and first.open_end
-    assert not more.segment_start and not more.open_end
-    _, closed = t.insert(NS, seq[:50], 40, slots(10), "c", 50, None)
-    assert closed.segment_start  # ``more`` was not open
-    other = SharedTree(lambda s: None)
-    other.insert(NS, seq[:20], 0, slots(20), "c", 10, None, open_end=True)
-    _, theirs = other.insert(NS, seq[:30], 20, slots(10), "x", 30, None)
-    assert theirs.segment_start
-    _, branch = other.insert(NS, seq[:10] + [7, 8], 10, slots(2), "c", 20, None)
-    assert branch.segment_start

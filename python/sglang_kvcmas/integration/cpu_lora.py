@@ -14,8 +14,8 @@ The launcher makes ``torch_native`` the LoRA backend on CPU (SGLang's default, `
 Triton kernel that needs a GPU). Without an accelerator the entry also gives SGLang a subclass of
 its backend, :class:`GroupedTorchLoRABackend`, whose linear LoRA ops group a batch's tokens by
 adapter (``lora/grouped_ops.py``: one matmul per adapter present instead of one pass per
-request; the same math, 4x less time per decode step at 9 requests of the embedded model);
-``KVCMAS_CPU_LORA_OPS=sglang`` keeps SGLang's own ops.
+request; the same math, 4x less time per decode step at 9 requests of the embedded model;
+``benchmark/kernels/cpu_lora_bench.py`` times them against SGLang's own ops).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_kvcmas import envs
 from sglang_kvcmas.lora.grouped_ops import AdapterGroups, lora_a, lora_b
 
 logger = logging.getLogger(__name__)
@@ -178,8 +177,6 @@ def register_cpu_lora_backend() -> None:
 
     def create_torch_native_backend() -> Any:
         if not make_lora_cpu_safe():
-            return original()
-        if envs.KVCMAS_CPU_LORA_OPS.get() == "sglang":
             return original()
         return grouped_backend(original())
 

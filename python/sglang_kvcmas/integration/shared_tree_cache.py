@@ -97,7 +97,11 @@ from sglang_kvcmas.policy.recompute import (
     split_spans,
 )
 from sglang_kvcmas.policy.leaf_mode import LeafConfig
-from sglang_kvcmas.policy.lora_share import is_ahead
+from sglang_kvcmas.policy.lora_share import (
+    LORA_RECOMPUTE_BOUNDARY,
+    LORA_RECOMPUTE_MASS_FRACTION,
+    LORA_RECOMPUTE_TAIL,
+)
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tree.agent_split import AgentSplit
 from sglang_kvcmas.tree.template_markers import TemplateMarkers
@@ -273,13 +277,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         foreign = sum(p.end - p.begin for p in spans if p.foreign)
         if not own_knobs and not borrow_pays(foreign, self.recompute_config):
             return base  # too little to borrow: compute it exactly
-        across = self.requests.reads_across_adapters(req)
-        use_leaves = options.reads_leaves if options.read_leaves is not None or not across \
-            else options.reads_leaves and self.config.lora_leaves == "keep"
-        handle = replace(handle, use_leaves=use_leaves).walked()
+        handle = replace(handle, use_leaves=options.reads_leaves).walked()
         config = (RecomputeConfig.from_serving(self.config, **own_knobs) if own_knobs
                   else self.recompute_config)
-        if across:
+        if self.requests.reads_across_adapters(req):
             config = self._across_adapters(config, own_knobs)
             spans = self._at_messages(spans, shared_tokens)
         config = config.with_readers(readers_of(req))
@@ -295,25 +296,26 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                          lowrank_chain=leaf.lowrank_chain, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
-    def _across_adapters(self, config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
+    @staticmethod
+    def _across_adapters(config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
         """``config`` for a reader with an adapter under ``borrow`` or ``rebase``: at least the
-        LoRA tail, the LoRA boundary and the LoRA mass share, each where the request does not set
-        its own."""
+        LoRA tail, the LoRA boundary and the LoRA mass share (``policy/lora_share.py``), each
+        where the request does not set its own."""
         changes: dict = {}
         if "recompute_tail" not in own_knobs:
-            changes["tail_tokens"] = max(config.tail_tokens, self.config.lora_recompute_tail)
+            changes["tail_tokens"] = max(config.tail_tokens, LORA_RECOMPUTE_TAIL)
         if "recompute_boundary" not in own_knobs:
-            changes["boundary_tokens"] = self.config.lora_recompute_boundary
+            changes["boundary_tokens"] = LORA_RECOMPUTE_BOUNDARY
         if "recompute_mass_fraction" not in own_knobs:
-            changes["mass_fraction"] = self.config.lora_recompute_mass_fraction
+            changes["mass_fraction"] = LORA_RECOMPUTE_MASS_FRACTION
         return replace(config, **changes)
 
     def _at_messages(self, spans: list[BorrowedSpan], shared_tokens: Any) -> list[BorrowedSpan]:
-        """A reader with an adapter's ``spans`` cut at every message start of the chat template
-        (``lora_recompute_boundary_at``), so its boundary picks open every message it borrows;
-        unchanged without a detected template. ``shared_tokens``: the request's ids from the
-        shared transcript's start (offset 0)."""
-        if self.markers is None or self.config.lora_recompute_boundary_at != "message":
+        """A reader with an adapter's ``spans`` cut at every message start of the chat template,
+        so its boundary picks open every message it borrows; unchanged without a detected
+        template. ``shared_tokens``: the request's ids from the shared transcript's start
+        (offset 0)."""
+        if self.markers is None:
             return spans
         return split_spans(spans, message_starts(shared_tokens, self.markers.head_close))
 
@@ -526,7 +528,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.shared.insert(
             ns, tokens, known, slots.cpu(), split.agent, split.head_len + known, anchor=anchor,
             head_mass=self._recorded_mass(req, split.head_len + known, end),
-            segment_start=continues_at(req) != known, open_end=is_ahead(req.rid),
+            segment_start=continues_at(req) != known,
         )
         setattr(req, REGISTERED_ATTR, len(tokens))
 

@@ -3,8 +3,7 @@
 An AROUND hook on ``Scheduler._get_new_batch_prefill_raw``: before SGLang builds a prefill batch,
 the requests the policy defers are taken out of ``waiting_queue``; after, they are put back at
 its front, unchanged. Nothing else in the scheduler changes. Active only when the tree cache is
-:class:`KvcmasSharedTreeCache` with sharing on. Leaders are the exact owners in flight and, under
-``lora_share=rebase``, the centroid prefills still queued (:func:`queued_writers`).
+:class:`KvcmasSharedTreeCache` with sharing on. Leaders are the exact owners in flight.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from sglang_kvcmas.policy.lora_share import is_centroid
 from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnLeader, plan_turns
 
 logger = logging.getLogger(__name__)
@@ -60,22 +58,6 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
     return out
 
 
-def queued_writers(cache: Any, waiting: list[Any]) -> list[TurnLeader]:
-    """Under ``lora_share=rebase``, the centroid prefills still queued, as leaders: they are never
-    held (they read no other agent's KV), and an adapter request sent right behind one waits
-    for it here rather than in the HTTP process (``integration/lora_rebase.py``)."""
-    if cache.requests.lora_share != "rebase":
-        return []
-    out = []
-    for req in waiting:
-        if not is_centroid(req.rid) or req.rid in cache.pending_owners:
-            continue
-        if cache.requests.split(req) is not None:
-            out.append(TurnLeader(req.rid, cache.requests.namespace(req),
-                                  cache.requests.shared_tokens(req)))
-    return out
-
-
 def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
     """Record on each held request how many wait for its leader this pass (the most seen
     over its passes): the readers of one new segment, among whom ``recompute_segment_share``
@@ -106,7 +88,6 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         del _held_since[rid]
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
     try:
-        in_flight += queued_writers(cache, waiting)
         candidates = _candidates(cache, waiting, now)
         views = {id(c.shared) for c in candidates} | {id(p.shared) for p in in_flight}
         for pair in [p for p in _prefix_memo if p[0] not in views or p[1] not in views]:

@@ -60,20 +60,26 @@ CENTROID = "kvcmas-centroid"
 CENTROID_RID = "kvcmas-centroid-"
 """Prefix of the request ids of centroid prefills (the scheduler tells them by it)."""
 
-
-AHEAD_RID = CENTROID_RID + "ahead-"
-"""Prefix of the request ids of centroid prefills of an answer still being written (``rebase``
-with ``--kvcmas-lora-centroid-ahead``): centroid prefills whose transcript ends mid-message."""
+LORA_RECOMPUTE_TAIL = 32
+"""Under ``borrow`` and ``rebase``, the fewest last borrowed tokens before its suffix that a
+reader with an adapter recomputes (what it attends to most; across adapters every borrowed token
+deviates, not only a span's first ones), unless its request sets ``kvcmas_recompute_tail``."""
+LORA_RECOMPUTE_BOUNDARY = 8
+"""Under ``borrow`` and ``rebase``, the first tokens of every span and every message a reader
+with an adapter borrows that it recomputes, in place of the deployment's ``recompute_boundary``,
+unless its request sets ``kvcmas_recompute_boundary``."""
+LORA_RECOMPUTE_MASS_FRACTION = 0.0
+"""Under ``borrow`` and ``rebase``, the share of its borrowed tokens that a reader with an
+adapter recomputes by owner head mass, in place of the deployment's
+``recompute_mass_fraction``, unless its request sets ``kvcmas_recompute_mass_fraction``.
+Model-dependent: on the embedded model head mass picks no better tokens than the tail does (0 is
+its best); on Qwen2.5-Coder-0.5B a quarter recovers the fidelity the tail misses at most of the
+speed."""
 
 
 def is_centroid(rid: Any) -> bool:
     """Whether a request id is one of ``rebase``'s centroid prefills."""
     return isinstance(rid, str) and rid.startswith(CENTROID_RID)
-
-
-def is_ahead(rid: Any) -> bool:
-    """Whether a request id is a centroid prefill of an answer still being written."""
-    return isinstance(rid, str) and rid.startswith(AHEAD_RID)
 
 
 def writes_shared(mode: str, lora_id: str | None, rid: Any) -> bool:

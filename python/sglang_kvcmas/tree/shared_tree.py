@@ -85,13 +85,8 @@ class SharedNode:
     alive: bool = True
     head_mass: torch.Tensor | None = None
     segment_start: bool = True
-    """Whether ``key[0]`` is where an insert began (False for the tail half of a split, and for
-    an insert that continues an ``open_end`` node of its owner): a segment's first token, where
-    ``tree/borrowed.borrowed_spans`` starts a new span."""
-    open_end: bool = False
-    """Whether the insert that made this node ended inside a message still being written (a
-    ``rebase`` centroid prefill of an answer so far): the same owner's next insert right after it
-    continues the segment rather than starting one."""
+    """Whether ``key[0]`` is where an insert began (False for the tail half of a split): a
+    segment's first token, where ``tree/borrowed.borrowed_spans`` starts a new span."""
 
     def mass(self) -> torch.Tensor:
         """[len] float32 ``head_mass``, zeros when none was recorded."""
@@ -234,7 +229,6 @@ class SharedTree:
         anchor: object | None,
         head_mass: torch.Tensor | None = None,
         segment_start: bool = True,
-        open_end: bool = False,
     ) -> tuple[int, SharedNode | None]:
         """Add ``tokens[start:]`` after the existing path ``tokens[:start]``.
 
@@ -245,10 +239,7 @@ class SharedTree:
             owner_start: owner position of ``tokens[start]``.
             head_mass: optional [len(tokens) - start] float32 owner head mass of the new tokens.
             segment_start: whether the new tokens begin a segment (False: a later chunk of the
-                same request's prefill, continuing the segment its earlier chunk began); also
-                False right after an ``open_end`` node of the same owner.
-            open_end: the new tokens end inside a message still being written
-                (:attr:`SharedNode.open_end`).
+                same request's prefill, continuing the segment its earlier chunk began).
         Returns:
             (matched length before inserting, new node or None). When the tree already holds more
             than ``start`` tokens (another owner was faster) nothing is inserted and the caller
@@ -261,12 +252,11 @@ class SharedTree:
         if matched != start or matched == len(tokens):
             return matched, None
         parent = deepest if deepest is not None else self.roots[ns]
-        continues = deepest is not None and deepest.open_end and deepest.owner == owner
         node = SharedNode(
             as_token_array(tokens)[start:].copy(), slots.to(torch.int64).clone(), owner,
             owner_start, anchor, parent=parent,
             head_mass=None if head_mass is None else head_mass.float().clone(),
-            segment_start=segment_start and not continues, open_end=open_end,
+            segment_start=segment_start,
         )
         parent.children[node.first] = node
         self.version += 1
