@@ -188,8 +188,8 @@ class ServingConfig:
         False, "Keep an agent request's generated tokens in the tree cache after it finishes "
         "(off: only its prompt; outputs re-enter through the shared transcript).", kind=bool)
     leaf_budget: float | None = _knob(
-        None, "Most KV readers' leaves may hold (exact leaves' pool slots, and low-rank "
-        "factors' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
+        None, "Most KV readers' leaves may hold (exact leaves' pool slots, and factored "
+        "leaves' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
         "(its one copy of the transcripts); past it, the least recently used leaves of either "
         "type are freed first, exact ones only on nodes no request reads (unset: exact leaves "
         "are bounded by the pool only).", kind=float, low=0, optional=True)
@@ -246,10 +246,9 @@ class ServingConfig:
         "factored", "What a reader keeps of the borrowed tokens it recomputes: 'factored' "
         "(their deviation from the owner's KV as rank-r factors: host memory, up to "
         "head_dim / r times smaller than exact leaves less a basis per turn, read "
-        "approximately; the recomputed slots freed right after the prefill), 'exact' (exact "
-        "leaves: pool slots, read exactly), 'lowrank' (a per-agent low-rank correction of "
-        "every other borrowed token, fitted on them; no leaves) or 'lowrank+exact' (both).",
-        kind=str, choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
+        "approximately; the recomputed slots freed right after the prefill) or 'exact' (exact "
+        "leaves: pool slots, read exactly).",
+        kind=str, choices=("exact", "factored"), per_request=True)
     factored_reread: str = _knob(
         "auto", "Leaf mode 'factored': when a reader's recomputed slots are freed. 'on': right "
         "after its prefill, its decode reading those tokens through its new leaves (the least "
@@ -260,14 +259,8 @@ class ServingConfig:
         "path for the deviations alone; 'on' for every other reader.",
         kind=str, choices=("auto", "on", "off"))
     lowrank_rank: int = _knob(
-        4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "
-        "('lowrank', 'lowrank+exact'), per layer and KV head.", kind=int,
-        low=1, high=64, per_request=True)
-    lowrank_chain: float = _knob(
-        1.0, "Leaf mode 'lowrank+exact': how much a reader's stored low-rank correction weighs "
-        "when it refits on a later turn: its earlier pairs count this much each against the "
-        "turn's own (at most 4x them); 0 fits every turn from scratch. ('lowrank' refits on "
-        "every pick each turn and never chains.)", kind=float, low=0, high=1, per_request=True)
+        4, "Rank of a reader's factored leaves (leaf mode 'factored'), per layer and KV head.",
+        kind=int, low=1, high=64, per_request=True)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
         "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "
@@ -366,11 +359,20 @@ BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_
 """``custom_params`` field -> knob, for the knobs a request may set."""
 
 
-REMOVED: dict[str, str] = {}
+_LOWRANK_GONE = ("low-rank corrections read worse than naive re-positioning; use 'factored' "
+                 "(the default) or 'exact'")
+
+REMOVED: dict[str, str] = {
+    "lowrank_chain": "it weighted the stored correction of leaf mode 'lowrank+exact', which "
+                     "left with 'lowrank': " + _LOWRANK_GONE,
+}
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
 
-REMOVED_CHOICES: dict[tuple[str, str], str] = {}
+REMOVED_CHOICES: dict[tuple[str, str], str] = {
+    ("leaf_mode", "lowrank"): _LOWRANK_GONE,
+    ("leaf_mode", "lowrank+exact"): _LOWRANK_GONE,
+}
 """Values of a served knob that are no longer served: (knob name, value) -> what replaced it."""
 
 
