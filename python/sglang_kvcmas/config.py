@@ -258,7 +258,7 @@ class ServingConfig:
         "centroid prefilled the same prompt), whose decode would otherwise leave the plain "
         "path for the deviations alone; 'on' for every other reader.",
         kind=str, choices=("auto", "on", "off"))
-    lowrank_rank: int = _knob(
+    leaf_rank: int = _knob(
         4, "Rank of a reader's factored leaves (leaf mode 'factored'), per layer and KV head.",
         kind=int, low=1, high=64, per_request=True)
     lora_share: str = _knob(
@@ -363,8 +363,8 @@ _LOWRANK_GONE = ("low-rank corrections read worse than naive re-positioning; use
                  "(the default) or 'exact'")
 
 REMOVED: dict[str, str] = {
-    "lowrank_chain": "it weighted the stored correction of leaf mode 'lowrank+exact', which "
-                     "left with 'lowrank': " + _LOWRANK_GONE,
+    "lowrank_rank": "renamed --kvcmas-leaf-rank (KVCMAS_LEAF_RANK, custom_params.kvcmas_leaf_rank)",
+    "lowrank_chain": "it tuned leaf mode 'lowrank+exact', gone too: " + _LOWRANK_GONE,
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""

@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("kvcmas_factored") / "server.log"
     with ArmServer("kvcmas", log, ["--kvcmas-leaf-mode", "factored",
-                                   "--kvcmas-lowrank-rank", "8"]) as s:
+                                   "--kvcmas-leaf-rank", "8"]) as s:
         yield s
 
 

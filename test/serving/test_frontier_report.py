@@ -88,7 +88,7 @@ def test_bad_arms_and_agent_counts_are_refused(capsys):
         assert e.value.code == 2
         assert "--arms of" in capsys.readouterr().err
     assert "exact" in ARMS and ARMS["factored4"] == ["--kvcmas-leaf-mode", "factored",
-                                                     "--kvcmas-lowrank-rank", "4"]
+                                                     "--kvcmas-leaf-rank", "4"]
 
 
 def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():

@@ -52,13 +52,13 @@ def test_leaf_mode_knob_from_config_environment_and_request():
     default = LeafConfig.from_serving(ServingConfig())  # factored leaves at rank 4
     assert (default.mode, default.factor_rank) == ("factored", 4)
     exact = LeafConfig.from_serving(ServingConfig.from_env({"KVCMAS_LEAF_MODE": "exact",
-                                                            "KVCMAS_LOWRANK_RANK": "8"}))
+                                                            "KVCMAS_LEAF_RANK": "8"}))
     assert (exact.mode, exact.rank, exact.factor_rank) == ("exact", 8, 0)
-    assert LeafConfig.from_serving(ServingConfig(), lowrank_rank=16).factor_rank == 16
+    assert LeafConfig.from_serving(ServingConfig(), leaf_rank=16).factor_rank == 16
     with pytest.raises(ConfigError, match="KVCMAS_LEAF_MODE"):
         ServingConfig.from_env({"KVCMAS_LEAF_MODE": "dense"})
-    with pytest.raises(RequestOptionError, match="kvcmas_lowrank_rank"):
-        RequestOptions.parse({"kvcmas_lowrank_rank": 0})
+    with pytest.raises(RequestOptionError, match="kvcmas_leaf_rank"):
+        RequestOptions.parse({"kvcmas_leaf_rank": 0})
     with pytest.raises(ValueError):
         LeafConfig("lowrank", 8)
 

@@ -47,9 +47,8 @@ class LeafConfig:
     @classmethod
     def from_serving(cls, config: ServingConfig, **overrides: Any) -> LeafConfig:
         """The deployment's leaf knobs, with a request's overrides (knob names)."""
-        values = {"leaf_mode": config.leaf_mode, "lowrank_rank": config.lowrank_rank,
-                  **overrides}
-        return cls(values["leaf_mode"], values["lowrank_rank"])
+        values = {"leaf_mode": config.leaf_mode, "leaf_rank": config.leaf_rank, **overrides}
+        return cls(values["leaf_mode"], values["leaf_rank"])
 
     @property
     def factor_rank(self) -> int:
