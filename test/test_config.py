@@ -89,3 +89,38 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
         knob("leaf_mode").parse("old", "leaf_mode")
     with pytest.raises(SystemExit, match="--kvcmas-old-knob is no longer served"):
         parse_launcher_args(["--kvcmas-old-knob", "2", "--port", "1"])
+
+
+def test_the_low_rank_leaf_modes_and_their_knobs_fail_naming_what_to_use():
+    import re
+
+    from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    gone = ("is no longer served: low-rank corrections read worse than naive re-positioning; "
+            "use 'factored' (the default) or 'exact'")
+    renamed = ("is no longer served: renamed --kvcmas-leaf-rank (KVCMAS_LEAF_RANK, "
+               "custom_params.kvcmas_leaf_rank)")
+    for mode in ("lowrank", "lowrank+exact"):
+        with pytest.raises(SystemExit, match=re.escape(f"--kvcmas-leaf-mode={mode} {gone}")):
+            parse_launcher_args(["--kvcmas-leaf-mode", mode, "--port", "1"])
+        with pytest.raises(ConfigError, match=re.escape(f"KVCMAS_LEAF_MODE={mode} {gone}")):
+            ServingConfig.from_env({"KVCMAS_LEAF_MODE": mode})
+        with pytest.raises(RequestOptionError,
+                           match=re.escape(f"custom_params.kvcmas_leaf_mode={mode} {gone}")):
+            RequestOptions.parse({"kvcmas_leaf_mode": mode})
+    with pytest.raises(ConfigError, match="KVCMAS_LOWRANK_CHAIN is no longer served: it tuned "
+                                          "leaf mode 'lowrank\\+exact', gone too: low-rank"):
+        ServingConfig.from_env({"KVCMAS_LOWRANK_CHAIN": "0.5"})
+    with pytest.raises(SystemExit, match="--kvcmas-lowrank-chain is no longer served"):
+        parse_launcher_args(["--kvcmas-lowrank-chain", "0", "--port", "1"])
+    with pytest.raises(RequestOptionError,
+                       match=re.escape(f"custom_params.kvcmas_lowrank_rank {renamed}")):
+        RequestOptions.parse({"kvcmas_lowrank_rank": 8})
+    with pytest.raises(SystemExit, match=re.escape(f"--kvcmas-lowrank-rank {renamed}")):
+        parse_launcher_args(["--kvcmas-lowrank-rank", "8", "--port", "1"])
+    with pytest.raises(ConfigError, match=re.escape(f"KVCMAS_LOWRANK_RANK {renamed}")):
+        ServingConfig.from_env({"KVCMAS_LOWRANK_RANK": "8"})
+    assert RequestOptions.parse({"kvcmas_leaf_rank": 8}).overrides == {"leaf_rank": 8}
+    assert knob("leaf_mode").choices == ("exact", "factored")
+    assert ServingConfig.from_env({"KVCMAS_LEAF_RANK": "8"}).leaf_rank == 8
