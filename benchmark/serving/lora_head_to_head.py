@@ -18,8 +18,6 @@ server binary, one server at a time, the same KV pool for every arm:
                     transcript another adapter computed (re-positioned; boundary tokens and
                     the last --kvcmas-lora-recompute-tail tokens recomputed with its own
                     adapter, kept as its leaves)
-    borrow_lowrank  the same with --kvcmas-leaf-mode lowrank: the recomputed tokens fit the
-                    adapter's low-rank correction of every other borrowed token, then are freed
     catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
                     turn's prompt prefilled in the background for the workflow's other adapters
                     while the turn decodes
@@ -43,10 +41,9 @@ server binary, one server at a time, the same KV pool for every arm:
                     ``notail`` / ``tail16`` / ``tail64`` (--kvcmas-lora-recompute-tail
                     0 / 16 / 64), ``exact`` (exact leaves),
                     ``reread`` (--kvcmas-factored-reread on), ``mass10`` / ``mass25`` (a tenth /
-                    a quarter of the borrowed tokens by head mass; default none), ``lowrank``
-                    (lowrank+exact leaves), ``naive`` (no boundary, no tail: nothing
-                    recomputed but what the reader's suffix needs, the ceiling of the
-                    centroid base's TTFT),
+                    a quarter of the borrowed tokens by head mass; default none), ``naive``
+                    (no boundary, no tail: nothing recomputed but what the reader's suffix
+                    needs, the ceiling of the centroid base's TTFT),
                     ``segment`` (--kvcmas-lora-recompute-boundary-at segment: the boundary
                     at every span's start only, not at every message's)
 
@@ -62,7 +59,7 @@ Per arm: TTFT over non-owner turns (every turn after a workflow's first round: e
 spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
 the ``borrow`` arm reads another adapter's KV only in some of them) and over the first round's
 turns (every agent's first read of the task), workflow makespan, token
-throughput, peak KV (pool slots held x bytes per token, + low-rank and factored leaf bytes; the
+throughput, peak KV (pool slots held x bytes per token, + factored leaf bytes; the
 LoRA weight buffers are the same in every arm and not counted), tokens prefilled (foreground +
 background), and the share of workflows whose last solver answer is the stock arm's (replayed:
 the same transcript, its own last answer). Fidelity, per arm, on its own server after its run:
@@ -139,7 +136,6 @@ REBASE = ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"]
 ARMS: dict[str, list[str]] = {
     "stock": ["--kvcmas-stock-cache"],
     "borrow": SHARE,
-    "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
     "rebase_scheduler": [*REBASE, "--kvcmas-lora-centroid-handoff", "scheduler"],
@@ -157,7 +153,6 @@ ARMS: dict[str, list[str]] = {
     "rebase_reread": [*REBASE, "--kvcmas-factored-reread", "on"],
     "rebase_mass10": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.1"],
     "rebase_mass25": [*REBASE, "--kvcmas-lora-recompute-mass-fraction", "0.25"],
-    "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
     "rebase_segment": [*REBASE, "--kvcmas-lora-recompute-boundary-at", "segment"],
     "rebase_naive": [*REBASE, "--kvcmas-lora-recompute-boundary", "0",
                      "--kvcmas-lora-recompute-tail", "0"],
@@ -170,7 +165,7 @@ CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))
 """Arms whose adapters read the centroid's KV: their replay without recompute measures the
 centroid base alone, and their KL recovered is against the naive cross-adapter reuse a borrow
 arm of the same run measured on the same turns."""
-CROSS_ADAPTER = ("borrow", "borrow_lowrank", *CENTROID_BASE)
+CROSS_ADAPTER = ("borrow", *CENTROID_BASE)
 """Arms whose adapters read KV another adapter computed (the others' caches are exact)."""
 NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
          "kvcmas_recompute_tail": 0}
@@ -487,12 +482,10 @@ def flush(url: str, timeout_s: float = 120.0) -> None:
             time.sleep(0.5)
 
 
-def lowrank_bytes(url: str) -> int:
-    """Leaf bytes the server holds off the pool (0 for the stock cache): low-rank corrections
-    and factored leaves (never trimmed here: no leaf budget, so the end of the run is their
-    peak)."""
-    stats = shared_tree_stats(url)
-    return int(stats.get("lowrank_bytes", 0)) + int(stats.get("factored_bytes", 0))
+def factored_bytes(url: str) -> int:
+    """Leaf bytes the server holds off the pool (0 for the stock cache): factored leaves (never
+    trimmed here: no leaf budget, so the end of the run is their peak)."""
+    return int(shared_tree_stats(url).get("factored_bytes", 0))
 
 
 def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, extra_bytes: int,
@@ -515,7 +508,7 @@ def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, ex
         "total_throughput_tok_s": (in_tok + out_tok) / makespan,
         "peak_kv_tokens": peak_tokens,
         "peak_kv_bytes": peak_tokens * kv_bytes_per_token + extra_bytes,
-        "lowrank_bytes": extra_bytes,
+        "factored_bytes": extra_bytes,
     }
 
 
@@ -608,7 +601,7 @@ def main() -> int:
             if spy is not None and spy.stop() is not None:
                 (out_dir / f"lora_head_to_head_profile_{arm}.txt").write_text(
                     profile_report(raw))
-            extra = lowrank_bytes(server.url) if arm != "stock" else 0
+            extra = factored_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
             aheads = f", {ahead_prefills(server.url)} ahead prefills" if "ahead" in arm else ""
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
