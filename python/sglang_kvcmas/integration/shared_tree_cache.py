@@ -48,7 +48,7 @@ radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: about 740 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: about 720 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
 call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
 may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
