@@ -91,15 +91,20 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
 
 RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
            "lora_recompute_boundary_at", "lora_recompute_tail", "lora_recompute_boundary",
-           "lora_recompute_mass_fraction", "cpu_lora_ops")
-"""Knobs (and ``KVCMAS_CPU_LORA_OPS``) this package once served, each in ``REMOVED``."""
+           "lora_recompute_mass_fraction", "cpu_lora_ops", "cpu_threads", "turn_order",
+           "turn_max_wait_s", "turn_min_gain", "min_borrowed", "cache_agent_outputs",
+           "recompute_mass_max_tokens", "recompute_segment_share", "recompute_max_fraction",
+           "recompute_batch_tokens", "leaf_mass_fraction", "factored_reread",
+           "allow_sgl_kernel_standin", "lowrank_rank", "lowrank_chain")
+"""Knobs (and environment variables) this package once served, each in ``REMOVED``."""
 
 
 def test_retired_knobs_are_listed_as_removed_and_served_no_more():
     from sglang_kvcmas.config import REMOVED
 
-    assert set(RETIRED) <= set(REMOVED)
+    assert set(RETIRED) == set(REMOVED)
     assert not {k.name for k in KNOBS} & set(REMOVED)
+    assert len(KNOBS) <= 12  # with kvcmas_exact, kvcmas_read_leaves and KVCMAS_CACHE_DIR: 15
 
 
 @pytest.mark.parametrize("name", RETIRED)
@@ -120,3 +125,38 @@ def test_a_retired_knob_fails_by_flag_variable_and_field(name):
         RequestOptions.parse({f"kvcmas_{name}": 1})
     with pytest.raises(SystemExit, match=f"{flag} is no longer served"):
         parse_launcher_args([flag, "1", "--port", "1"])
+
+
+def test_the_low_rank_leaf_modes_and_their_knobs_fail_naming_what_to_use():
+    import re
+
+    from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    gone = ("is no longer served: low-rank corrections read worse than naive re-positioning; "
+            "use 'factored' (the default) or 'exact'")
+    renamed = ("is no longer served: renamed --kvcmas-leaf-rank (KVCMAS_LEAF_RANK, "
+               "custom_params.kvcmas_leaf_rank)")
+    for mode in ("lowrank", "lowrank+exact"):
+        with pytest.raises(SystemExit, match=re.escape(f"--kvcmas-leaf-mode={mode} {gone}")):
+            parse_launcher_args(["--kvcmas-leaf-mode", mode, "--port", "1"])
+        with pytest.raises(ConfigError, match=re.escape(f"KVCMAS_LEAF_MODE={mode} {gone}")):
+            ServingConfig.from_env({"KVCMAS_LEAF_MODE": mode})
+        with pytest.raises(RequestOptionError,
+                           match=re.escape(f"custom_params.kvcmas_leaf_mode={mode} {gone}")):
+            RequestOptions.parse({"kvcmas_leaf_mode": mode})
+    with pytest.raises(ConfigError, match="KVCMAS_LOWRANK_CHAIN is no longer served: it tuned "
+                                          "leaf mode 'lowrank\\+exact', gone too: low-rank"):
+        ServingConfig.from_env({"KVCMAS_LOWRANK_CHAIN": "0.5"})
+    with pytest.raises(SystemExit, match="--kvcmas-lowrank-chain is no longer served"):
+        parse_launcher_args(["--kvcmas-lowrank-chain", "0", "--port", "1"])
+    with pytest.raises(RequestOptionError,
+                       match=re.escape(f"custom_params.kvcmas_lowrank_rank {renamed}")):
+        RequestOptions.parse({"kvcmas_lowrank_rank": 8})
+    with pytest.raises(SystemExit, match=re.escape(f"--kvcmas-lowrank-rank {renamed}")):
+        parse_launcher_args(["--kvcmas-lowrank-rank", "8", "--port", "1"])
+    with pytest.raises(ConfigError, match=re.escape(f"KVCMAS_LOWRANK_RANK {renamed}")):
+        ServingConfig.from_env({"KVCMAS_LOWRANK_RANK": "8"})
+    assert RequestOptions.parse({"kvcmas_leaf_rank": 8}).overrides == {"leaf_rank": 8}
+    assert knob("leaf_mode").choices == ("exact", "factored")
+    assert ServingConfig.from_env({"KVCMAS_LEAF_RANK": "8"}).leaf_rank == 8

@@ -1,12 +1,13 @@
-"""What chaining buys the served low-rank correction: a reader's state carried along a workflow.
+"""What chaining buys the low-rank correction: a reader's state carried along a workflow.
 
-A reader that keeps low-rank leaves refits its correction (``sglang_kvcmas.attention.lowrank``)
-each turn from the borrowed tokens it recomputes. Under ``lowrank+exact`` its earlier picks are
-exact leaves, so a turn recomputes only the new segment's picks and fits on those alone; chained
-(``--kvcmas-lowrank-chain``), the fit starts from the agent's stored correction, the earlier
-turns' evidence weighted by ``α = chain · earlier pairs / this turn's pairs`` (at most
-``MAX_CHAIN_WEIGHT``). Under ``lowrank`` (no exact leaves) every turn recomputes every
-segment's picks again: the pooled fit, at the cost of recomputing them.
+A reader that kept low-rank leaves (leaf modes ``lowrank`` and ``lowrank+exact``, no longer
+served; the correction is now ``sglang_kvcmas_lab.correction.affine_lowrank``) refitted its
+correction each turn from the borrowed tokens it recomputed. Under ``lowrank+exact`` its
+earlier picks were exact leaves, so a turn recomputed only the new segment's picks and fitted
+on those alone; chained (the removed ``--kvcmas-lowrank-chain``), the fit started from the
+agent's stored correction, the earlier turns' evidence weighted by ``α = chain · earlier pairs /
+this turn's pairs`` (at most ``MAX_CHAIN_WEIGHT``). Under ``lowrank`` (no exact leaves) every
+turn recomputed every segment's picks again: the pooled fit, at the cost of recomputing them.
 
 Here both full computations are known (the lab's reference model: the debate's Ada as owner,
 Ben as reader, over ``--segments`` segments of ``--segment`` tokens of a PyPI-shipped essay;
@@ -16,7 +17,7 @@ the server picks) exactly, every other token through a correction, and is judged
 vocabulary, 16 teacher-forced tokens of its exact greedy answer) against its exact prefill:
 
 - ``picks exact``: no correction (what ``exact`` leaves give at these picks);
-- ``per turn``: fitted on segment ``t``'s picks only (``--kvcmas-lowrank-chain 0``);
+- ``per turn``: fitted on segment ``t``'s picks only (chain 0);
 - ``chained c``: the same pairs, chained from turn ``t-1``'s state with discount ``c``;
 - ``pooled``: fitted on every segment's picks (``lowrank``: all picks recomputed each turn);
 - ``oracle``: rank-r, fitted in-sample on the corrected tokens themselves.
@@ -75,7 +76,7 @@ def main() -> int:
     args.out = args.out or bench.named(RESULTS / "lowrank_chain_study")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas.attention.lowrank import Factors, chain_weight, fit_factors
+    from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
     from sglang_kvcmas.datasets import essays
     from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama

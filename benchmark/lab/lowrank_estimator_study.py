@@ -1,6 +1,7 @@
-"""Why the served low-rank correction does not help: its estimator offline, against every token.
+"""Why the low-rank correction once served did not help: its estimator offline, on every token.
 
-The served correction (``sglang_kvcmas.attention.lowrank``) fits, per layer and KV head, an affine
+The correction (leaf mode ``lowrank`` until it left the server; now
+``sglang_kvcmas_lab.correction.affine_lowrank``) fits, per layer and KV head, an affine
 low-rank map ``x + (x·A + c)·Bᵀ`` from a reader's recomputed tokens (pairs: the owner's K/V
 re-positioned, the reader's exact K/V) and applies it to every other borrowed token. Here both
 full computations are available (the lab's reference model: owner prompt = Ada's head + a
@@ -43,7 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def bias_only(x: torch.Tensor, y: torch.Tensor):
     """The mean deviation as rank-1 factors (A = 0): ``x + c·bᵀ``."""
-    from sglang_kvcmas.attention.lowrank import Factors
+    from sglang_kvcmas_lab.correction.affine_lowrank import Factors
 
     d = (y - x).mean(0)  # [H, d]
     norm = d.norm(dim=1).clamp_min(1e-12)
@@ -106,7 +107,7 @@ def main() -> int:
                                       + ("_mass" if args.select == "mass" else "") + ".txt")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas.attention.lowrank import fit_factors
+    from sglang_kvcmas_lab.correction.affine_lowrank import fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
     from sglang_kvcmas.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path

@@ -55,11 +55,11 @@ def oracle_views(lora, segs, ranks) -> dict[str, list]:
     Over the centroid store's view (``oracle_mean``): truncated SVD per segment, per head (h)
     or all heads jointly (j); one basis per head over the whole transcript (g) or from the first
     segment (f). Over the naive view, the first writer's KV as ``lora_share=borrow`` serves it
-    (``oracle_naive``): per-token truncated SVD per segment and head (s), or the server's affine
-    low-rank map (``attention.lowrank.fit_factors``, what a reader's low-rank leaf holds) fitted
-    on every token, per segment (m) or once over the transcript (M).
+    (``oracle_naive``): per-token truncated SVD per segment and head (s), or the affine low-rank
+    map once served (``correction.affine_lowrank.fit_factors``, what a reader's low-rank leaf
+    held) fitted on every token, per segment (m) or once over the transcript (M).
     """
-    from sglang_kvcmas.attention.lowrank import fit_factors
+    from sglang_kvcmas_lab.correction.affine_lowrank import fit_factors
     from sglang_kvcmas_lab.delta.leaf import LowRankFactors, svd_factors
     from sglang_kvcmas_lab.models.reference_llama import KVCache
 

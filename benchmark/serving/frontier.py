@@ -16,12 +16,6 @@ identical prompts there and their fidelity probes compare:
   (exact-sparse: leaf mode ``exact``, the reference of the leaf-byte ratio);
 - ``exact_per_reader``: the same with every reader taking its own 10% however many read;
 - ``exact_cap64``: ``exact_per_reader`` with at most 64 tokens chosen by mass per reader;
-- ``lowrank<r>``: the same recomputed tokens fit a rank-``r`` correction of every other borrowed
-  key and value (leaf mode ``lowrank``; the recomputed slots are freed with the request);
-- ``lowrank8+exact``: both;
-- ``lowrank8+exact_perturn``: ``lowrank8+exact`` with ``--kvcmas-lowrank-chain 0`` (each turn
-  fitted from scratch, not from the agent's stored correction: the chaining ablation; the
-  ``alone`` probe shows it, the in-turn probe reads no stored state; ``lowrank`` never chains);
 - ``exact_fifo``, ``factored4_fifo``: ``exact`` and the defaults with turn order ``fifo`` (the
   turn-order ablation);
 - ``factored<r>``: the default picks kept as factored leaves (leaf mode ``factored``: their
@@ -41,7 +35,7 @@ teacher-forced over the greedy answer of an exact prefill on the same server, as
 ``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is radix's,
 non-owner median TTFT vs radix, peak KV (pool slots held: the most of SGLang's gauges, sampled
 every 0.5 s, and of the tree cache's mark after each row's allocation, which holds a prefill
-batch's transient; plus low-rank factor bytes in tokens of KV) over the one-copy ideal, leaf
+batch's transient; plus factored leaves' bytes in tokens of KV) over the one-copy ideal, leaf
 bytes per agent (median over readers), and the prompt tokens each arm computed (prefill,
 recomputed borrowed tokens included: no arm prefills a reference). The probe runs after the
 workload and reads each probed reader three times: over what its turn left it (``leaves``: its
@@ -109,30 +103,24 @@ ARMS: dict[str, list[str]] = {
     "exact_per_reader": [*EXACT, "--kvcmas-recompute-segment-share", ""],
     "exact_cap64": [*EXACT, "--kvcmas-recompute-segment-share", "",
                     "--kvcmas-recompute-mass-max-tokens", "64"],
-    "lowrank4": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "4"],
-    "lowrank8": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "8"],
-    "lowrank16": ["--kvcmas-leaf-mode", "lowrank", "--kvcmas-lowrank-rank", "16"],
-    "lowrank8+exact": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank", "8"],
-    "lowrank8+exact_perturn": ["--kvcmas-leaf-mode", "lowrank+exact", "--kvcmas-lowrank-rank",
-                               "8", "--kvcmas-lowrank-chain", "0"],
     "exact_fifo": [*EXACT, "--kvcmas-turn-order", "fifo"],
-    "factored4_fifo": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+    "factored4_fifo": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
                        "--kvcmas-turn-order", "fifo"],
-    "factored4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4"],  # default
-    "factored8": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "8"],
-    "factored4_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+    "factored4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4"],  # default
+    "factored8": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "8"],
+    "factored4_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
                              "--kvcmas-recompute-segment-share", ""],
-    "factored8_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "8",
+    "factored8_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "8",
                              "--kvcmas-recompute-segment-share", ""],
-    "factored16_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "16",
+    "factored16_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "16",
                               "--kvcmas-recompute-segment-share", ""],
-    "factored4_per_reader_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank", "4",
+    "factored4_per_reader_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
                                   "--kvcmas-recompute-segment-share", "",
                                   "--max-running-requests", "4"],
-    "factored4_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank",
+    "factored4_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank",
                                     "4", "--kvcmas-recompute-segment-share", "",
                                     "--kvcmas-recompute-batch-tokens", "256"],
-    "factored8_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-lowrank-rank",
+    "factored8_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank",
                                     "8", "--kvcmas-recompute-segment-share", "",
                                     "--kvcmas-recompute-batch-tokens", "256"],
 }
@@ -169,8 +157,8 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     fid = p.get("fidelity") or {}
     by_agent = p.get("leaf_bytes_by_agent") or {}
     leaf = leaf_bytes_per_agent(by_agent)
-    lowrank = sum(t.get("lowrank", 0) + t.get("factored", 0) for t in by_agent.values())
-    peak = p["peak_kv_tokens"] + lowrank / kv_bytes_per_token
+    factored = sum(t.get("factored", 0) for t in by_agent.values())
+    peak = p["peak_kv_tokens"] + factored / kv_bytes_per_token
     no = nonowner_ttft(panel, name) if "radix" in panel else {}
     same = same_answers(panel, name) if "radix" in panel else None
     doc_turns = [t for t in p["turns"] if t["round"] > 0]
@@ -200,7 +188,7 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
         "same_answer_as_radix": None if same is None else statistics.fmean(same.values()),
         "ttft_speedup_vs_radix": no["radix"] / no[name] if no else None,
         "kv_vs_ideal": peak / p["one_copy_ideal_tokens"],
-        "peak_kv_tokens": p["peak_kv_tokens"], "lowrank_bytes": lowrank,
+        "peak_kv_tokens": p["peak_kv_tokens"], "factored_bytes": factored,
         "leaf_bytes_per_agent": statistics.median(leaf) if leaf else 0,
         "computed_tokens": sum(t.get("computed", 0) for t in p["turns"]),
         "recomputed_tokens": sum(t.get("recomputed", 0) for t in doc_turns),

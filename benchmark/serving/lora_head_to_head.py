@@ -17,8 +17,6 @@ server binary, one server at a time, the same KV pool for every arm:
     borrow          --kvcmas-share-context --kvcmas-lora-share borrow: an adapter reads the
                     transcript another adapter computed (re-positioned; boundary tokens and
                     the last 32 tokens recomputed with its own adapter, kept as its leaves)
-    borrow_lowrank  the same with --kvcmas-leaf-mode lowrank: the recomputed tokens fit the
-                    adapter's low-rank correction of every other borrowed token, then are freed
     catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
                     turn's prompt prefilled in the background for the workflow's other adapters
                     while the turn decodes
@@ -28,8 +26,7 @@ server binary, one server at a time, the same KV pool for every arm:
                     adapter reads it as borrow reads, its recomputed tokens kept as factored
                     leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
                     recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one flag changed: ``exact`` (exact leaves), ``reread``
-                    (--kvcmas-factored-reread on), ``lowrank`` (lowrank+exact leaves); or with
+    rebase_*        the same with one flag changed: ``exact`` (exact leaves); or with
                     an adapter reader's picks (served: the first 8 tokens of every span and
                     message, the last 32, none by head mass) set by every request of the arm
                     (:data:`ARM_FIELDS`): ``noboundary`` / ``boundary16`` (no span's first
@@ -51,7 +48,7 @@ Per arm: TTFT over non-owner turns (every turn after a workflow's first round: e
 spoken, so any mode may serve it from another adapter's work; the same turns in every arm, and
 the ``borrow`` arm reads another adapter's KV only in some of them) and over the first round's
 turns (every agent's first read of the task), workflow makespan, token
-throughput, peak KV (pool slots held x bytes per token, + low-rank and factored leaf bytes; the
+throughput, peak KV (pool slots held x bytes per token, + factored leaf bytes; the
 LoRA weight buffers are the same in every arm and not counted), tokens prefilled (foreground +
 background), and the share of workflows whose last solver answer is the stock arm's (replayed:
 the same transcript, its own last answer). Fidelity, per arm, on its own server after its run:
@@ -128,12 +125,9 @@ REBASE = ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"]
 ARMS: dict[str, list[str]] = {
     "stock": ["--kvcmas-stock-cache"],
     "borrow": SHARE,
-    "borrow_lowrank": [*SHARE, "--kvcmas-leaf-mode", "lowrank"],
     "catchup": ["--kvcmas-lora-share", "catchup"],
     "rebase": REBASE,
     "rebase_exact": [*REBASE, "--kvcmas-leaf-mode", "exact"],
-    "rebase_reread": [*REBASE, "--kvcmas-factored-reread", "on"],
-    "rebase_lowrank": [*REBASE, "--kvcmas-leaf-mode", "lowrank+exact"],
 }
 _PICKS = {"rebase_noboundary": {"kvcmas_recompute_boundary": 0},
           "rebase_boundary16": {"kvcmas_recompute_boundary": 16},
@@ -160,7 +154,7 @@ CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))
 """Arms whose adapters read the centroid's KV: their replay without recompute measures the
 centroid base alone, and their KL recovered is against the naive cross-adapter reuse a borrow
 arm of the same run measured on the same turns."""
-CROSS_ADAPTER = ("borrow", "borrow_lowrank", *CENTROID_BASE)
+CROSS_ADAPTER = ("borrow", *CENTROID_BASE)
 """Arms whose adapters read KV another adapter computed (the others' caches are exact)."""
 NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
          "kvcmas_recompute_tail": 0}
@@ -475,12 +469,10 @@ def flush(url: str, timeout_s: float = 120.0) -> None:
             time.sleep(0.5)
 
 
-def lowrank_bytes(url: str) -> int:
-    """Leaf bytes the server holds off the pool (0 for the stock cache): low-rank corrections
-    and factored leaves (never trimmed here: no leaf budget, so the end of the run is their
-    peak)."""
-    stats = shared_tree_stats(url)
-    return int(stats.get("lowrank_bytes", 0)) + int(stats.get("factored_bytes", 0))
+def factored_bytes(url: str) -> int:
+    """Leaf bytes the server holds off the pool (0 for the stock cache): factored leaves (never
+    trimmed here: no leaf budget, so the end of the run is their peak)."""
+    return int(shared_tree_stats(url).get("factored_bytes", 0))
 
 
 def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, extra_bytes: int,
@@ -503,7 +495,7 @@ def summarize(arm: str, turns: list[dict], makespan: float, peak_tokens: int, ex
         "total_throughput_tok_s": (in_tok + out_tok) / makespan,
         "peak_kv_tokens": peak_tokens,
         "peak_kv_bytes": peak_tokens * kv_bytes_per_token + extra_bytes,
-        "lowrank_bytes": extra_bytes,
+        "factored_bytes": extra_bytes,
     }
 
 
@@ -597,7 +589,7 @@ def main() -> int:
             if spy is not None and spy.stop() is not None:
                 (out_dir / f"lora_head_to_head_profile_{arm}.txt").write_text(
                     profile_report(raw))
-            extra = lowrank_bytes(server.url) if arm != "stock" else 0
+            extra = factored_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
                   f" (at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)

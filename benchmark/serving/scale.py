@@ -218,7 +218,7 @@ def computed_tokens(meta: dict) -> int:
 
 
 def leaf_bytes_per_agent(by_agent: dict[str, dict[str, int]] | None) -> list[int]:
-    """Each reading agent's leaf bytes, exact and low-rank together, from ``/server_info``'s
+    """Each reading agent's leaf bytes, exact and factored together, from ``/server_info``'s
     ``leaf_bytes_by_agent`` (agent -> bytes by leaf type)."""
     return sorted(sum(types.values()) for types in (by_agent or {}).values())
 

@@ -168,8 +168,8 @@ class ServingConfig:
         False, "Serve with SGLang's default tree cache instead of ours (the baseline).",
         kind=bool, launcher_only=True)
     leaf_budget: float | None = _knob(
-        None, "Most KV readers' leaves may hold (exact leaves' pool slots, and low-rank "
-        "factors' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
+        None, "Most KV readers' leaves may hold (exact leaves' pool slots, and factored "
+        "leaves' bytes in tokens of KV), as a fraction of the tokens the shared tree indexes "
         "(its one copy of the transcripts); past it, the least recently used leaves of either "
         "type are freed first, exact ones only on nodes no request reads (unset: exact leaves "
         "are bounded by the pool only).", kind=float, low=0, optional=True)
@@ -201,19 +201,12 @@ class ServingConfig:
         "factored", "What a reader keeps of the borrowed tokens it recomputes: 'factored' "
         "(their deviation from the owner's KV as rank-r factors: host memory, up to "
         "head_dim / r times smaller than exact leaves less a basis per turn, read "
-        "approximately; the recomputed slots freed right after the prefill), 'exact' (exact "
-        "leaves: pool slots, read exactly), 'lowrank' (a per-agent low-rank correction of "
-        "every other borrowed token, fitted on them; no leaves) or 'lowrank+exact' (both).",
-        kind=str, choices=("exact", "lowrank", "lowrank+exact", "factored"), per_request=True)
-    lowrank_rank: int = _knob(
-        4, "Rank of a reader's factored leaves ('factored'), or of its low-rank correction "
-        "('lowrank', 'lowrank+exact'), per layer and KV head.", kind=int,
-        low=1, high=64, per_request=True)
-    lowrank_chain: float = _knob(
-        1.0, "Leaf mode 'lowrank+exact': how much a reader's stored low-rank correction weighs "
-        "when it refits on a later turn: its earlier pairs count this much each against the "
-        "turn's own (at most 4x them); 0 fits every turn from scratch. ('lowrank' refits on "
-        "every pick each turn and never chains.)", kind=float, low=0, high=1, per_request=True)
+        "approximately; the recomputed slots freed right after the prefill) or 'exact' (exact "
+        "leaves: pool slots, read exactly).",
+        kind=str, choices=("exact", "factored"), per_request=True)
+    leaf_rank: int = _knob(
+        4, "Rank of a reader's factored leaves (leaf mode 'factored'), per layer and KV head.",
+        kind=int, low=1, high=64, per_request=True)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
         "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "
@@ -268,6 +261,9 @@ BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_
 """``custom_params`` field -> knob, for the knobs a request may set."""
 
 
+_LOWRANK_GONE = ("low-rank corrections read worse than naive re-positioning; use 'factored' "
+                 "(the default) or 'exact'")
+
 REMOVED: dict[str, str] = {
     "cpu_threads": "set OMP_NUM_THREADS (the launcher uses one thread on CPU when it is unset)",
     "turn_order": "the leader rule always applies (kvcmas_exact serves a request exactly)",
@@ -306,11 +302,16 @@ REMOVED: dict[str, str] = {
     "cpu_lora_ops": "LoRA deltas without an accelerator always run grouped by adapter "
     "(lora/grouped_ops.py); benchmark/kernels/cpu_lora_bench.py times SGLang's own ops against "
     "them",
+    "lowrank_rank": "renamed --kvcmas-leaf-rank (KVCMAS_LEAF_RANK, custom_params.kvcmas_leaf_rank)",
+    "lowrank_chain": "it tuned leaf mode 'lowrank+exact', gone too: " + _LOWRANK_GONE,
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
 
-REMOVED_CHOICES: dict[tuple[str, str], str] = {}
+REMOVED_CHOICES: dict[tuple[str, str], str] = {
+    ("leaf_mode", "lowrank"): _LOWRANK_GONE,
+    ("leaf_mode", "lowrank+exact"): _LOWRANK_GONE,
+}
 """Values of a served knob that are no longer served: (knob name, value) -> what replaced it."""
 
 

@@ -46,10 +46,11 @@ def _harness(mode: str = "factored") -> Harness:
     def hand_and_factor(req):
         hand(req)
         row = getattr(req, "kvcmas_row", None)
-        corr = row.spans.correction if row is not None and row.spans is not None else None
-        if corr is not None and corr.factor is not None:
-            dev = torch.randn(corr.factor.pairs, HKV, D)
-            corr.factor.layers[0] = (*factor_deviation(dev, RANK), *factor_deviation(-dev, RANK))
+        leaves = row.spans.leaves if row is not None and row.spans is not None else None
+        if leaves is not None and leaves.factor is not None:
+            dev = torch.randn(leaves.factor.pairs, HKV, D)
+            leaves.factor.layers[0] = (*factor_deviation(dev, RANK),
+                                       *factor_deviation(-dev, RANK))
 
     h.cache.maybe_hand_to_session = hand_and_factor
     return h
@@ -68,12 +69,12 @@ def _turns(h: Harness):
 def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     h = _harness()
     b, b2, spans = _turns(h)
-    fit = spans.correction.factor
+    fit = spans.leaves.factor
     at = len(b) + len(T1)
     borrowed = len(T2) + END - K
     assert fit is not None and fit.pairs == K and fit.rank == RANK
     assert fit.exact_rows.tolist() == list(range(at + borrowed, at + borrowed + K))
-    assert spans.correction.leaves is None and spans.correction.layer(0) is None  # reads exact
+    assert spans.leaves.reads is None and spans.leaves.layer(0) is None  # reads exact
     rec = b2.customized_info["kvcmas_reuse"][0]
     assert (rec["reused_corrected"], rec["reused_repositioned"]) == (0, borrowed)
     assert h.cache.shared.delta_tokens() == 0  # no exact leaves: the recomputed slots freed
@@ -81,18 +82,18 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     stats = h.cache.shared_stats()
     assert stats["factored_tokens"] == K and stats["factored_bytes"] > 0
     (agent,) = stats["leaf_bytes_by_agent"]
-    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0, "lowrank": 0,
+    assert stats["leaf_bytes_by_agent"][agent] == {"exact": 0,
                                                   "factored": stats["factored_bytes"]}
     assert not h.cache.shared.check_invariants()
 
     b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # its next turn reads the factored tokens
     spans3, _ = h.serve(b3, 4)
     assert spans3.recomputed is None  # nothing left to recompute: the picks are held
-    leaves = spans3.correction.leaves
+    leaves = spans3.leaves.reads
     assert sorted(leaves.rows.tolist()) == list(range(at, at + K))
     rec3 = b3.customized_info["kvcmas_reuse"][0]
     assert (rec3["reused_corrected"], rec3["reused_repositioned"]) == (K, borrowed)
-    deltas = spans3.correction.layer(0).tokens
+    deltas = spans3.leaves.layer(0)
     assert deltas.k.shape == (K, HKV, D)
     assert_slots_conserved(h)
 
@@ -134,15 +135,15 @@ def test_the_picks_are_read_through_the_leaves_right_after_the_prefill():
             assert set(picks.tolist()) <= set(seen["freed"]) and seen["release"] is None
             new_spans = seen["row"].spans
             assert new_spans.recomputed is None
-            assert sorted(new_spans.correction.leaves.rows.tolist()) == list(range(at, at + K))
-            assert new_spans.correction.layer(0).tokens.k.shape == (K, HKV, D)
+            assert sorted(new_spans.leaves.reads.rows.tolist()) == list(range(at, at + K))
+            assert new_spans.leaves.layer(0).k.shape == (K, HKV, D)
         assert_slots_conserved(h)
 
 
 def test_exact_mode_keeps_no_factors():
     h = _harness("exact")
     _, _, spans = _turns(h)
-    assert spans.correction is None and h.cache.shared.delta_tokens() == K
+    assert spans.leaves is None and h.cache.shared.delta_tokens() == K
     assert h.cache.shared_stats()["factored_tokens"] == 0
 
 

@@ -6,8 +6,10 @@ them through those factors (``reused_corrected`` in its usage), in extend and de
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from test_lowrank_server import _gauge, _tree  # noqa: E402
 from test_shared_server import SA, SB, T1, T2, chat  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -27,8 +28,27 @@ def server(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("kvcmas_factored") / "server.log"
     with ArmServer("kvcmas", log, ["--kvcmas-leaf-mode", "factored",
-                                   "--kvcmas-lowrank-rank", "8"]) as s:
+                                   "--kvcmas-leaf-rank", "8"]) as s:
         yield s
+
+
+def _tree(server) -> dict:
+    with urllib.request.urlopen(server.url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    (state,) = [s["kvcmas"] for s in info["internal_states"] if "kvcmas" in s]
+    return state["shared_tree"]
+
+
+def _gauge(server, name: str) -> dict[str, float]:
+    """The samples of one metric on ``/metrics``: label text -> value."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
 
 
 def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):

@@ -26,21 +26,26 @@ def panel_run(ttft: float, peak: int, leaves: dict | None = None, kl=None,
             "leaf_bytes_by_agent": leaves, "fidelity": fid, "makespan_s": 10.0, "flags": []}
 
 
-def test_arm_row_counts_lowrank_factors_in_kv_and_compares_with_radix():
+def test_arm_row_counts_factored_leaves_in_kv_and_compares_with_radix():
     panel = {"radix": panel_run(4.0, 3000),
-             "lowrank8": panel_run(1.0, 1100, {"b": {"exact": 0, "lowrank": 64_000},
-                                               "c": {"exact": 0, "lowrank": 64_000}}, 0.4)}
-    row = arm_row(panel, "lowrank8", kv_bytes_per_token=640)
+             "factored8": panel_run(1.0, 1100, {"b": {"exact": 0, "factored": 64_000},
+                                                "c": {"exact": 0, "factored": 64_000}}, 0.4)}
+    panel["factored8"]["flags"] = ARMS["factored8"]
+    row = arm_row(panel, "factored8", kv_bytes_per_token=640)
     assert row["kv_vs_ideal"] == pytest.approx((1100 + 128_000 / 640) / 1000)
     assert row["ttft_speedup_vs_radix"] == 4.0
     assert row["same_answer_as_radix"] == 1.0
     assert row["leaf_bytes_per_agent"] == 64_000
     assert row["computed_tokens"] == 9 * 50 and row["recomputed_tokens"] == 4 * 5
-    assert row["probed"] == 2 and row["kl_recovered"] == 0.4
-    # Probed as in its turn too: that figure leads, the reader-alone one stays beside it.
-    panel["lowrank8"]["fidelity"] |= {"kl_recovered_turn": 0.1, "top1_turn": 0.95,
-                                      "turn_config": [16, 0.0133, 0]}
-    row = arm_row(panel, "lowrank8", kv_bytes_per_token=640)
+    assert row["probed"] == 2 and row["kl_recovered"] == 0.4 and row["factored_bytes"] == 128_000
+    # An exact arm probed as in its turn too: that figure leads, the reader-alone one stays
+    # beside it; its leaves are pool slots, already in its peak.
+    panel["exact"] = panel_run(1.0, 1100, {"b": {"exact": 64_000, "factored": 0}}, 0.4)
+    panel["exact"]["flags"] = ARMS["exact"]
+    panel["exact"]["fidelity"] |= {"kl_recovered_turn": 0.1, "top1_turn": 0.95,
+                                   "turn_config": [16, 0.0133, 0]}
+    row = arm_row(panel, "exact", kv_bytes_per_token=640)
+    assert row["kv_vs_ideal"] == pytest.approx(1.1)
     assert (row["kl_recovered"], row["kl_recovered_alone"]) == (0.1, 0.4)
     assert (row["top1"], row["top1_alone"]) == (0.95, 0.99)
 
@@ -63,20 +68,20 @@ def test_leaf_ratio_against_exact_and_the_pick_among_arms_meeting_the_targets():
                   "leaf_bytes_per_agent": 0},
         "exact": {"kl_recovered": 0.7, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 2.3,
                   "leaf_bytes_per_agent": 40_000},
-        "lowrank8": {"kl_recovered": 0.3, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.1,
-                     "leaf_bytes_per_agent": 5_000},
-        "lowrank16": {"kl_recovered": 0.35, "ttft_speedup_vs_radix": 1.5, "kv_vs_ideal": 1.1,
-                      "leaf_bytes_per_agent": 9_000},
+        "factored4": {"kl_recovered": 0.3, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.1,
+                      "leaf_bytes_per_agent": 5_000},
+        "factored16": {"kl_recovered": 0.35, "ttft_speedup_vs_radix": 1.5, "kv_vs_ideal": 1.1,
+                       "leaf_bytes_per_agent": 9_000},
     }
     with_leaf_ratios(rows)
     assert rows["naive"]["leaf_bytes_ratio_vs_exact"] == float("inf")
     assert rows["exact"]["leaf_bytes_ratio_vs_exact"] == 1.0
-    assert rows["lowrank8"]["leaf_bytes_ratio_vs_exact"] == 8.0
-    # exact fails KV and leaves, lowrank16 fails TTFT: lowrank8 beats naive on KL
-    assert pick(rows) == "lowrank8"
-    assert not meets(rows["lowrank8"], TARGETS)  # its KL misses the 0.6 target
-    assert meets(rows["lowrank8"], TARGETS, skip="kl_recovered")
-    rows["lowrank8"]["kv_vs_ideal"] = None  # a missing figure fails
+    assert rows["factored4"]["leaf_bytes_ratio_vs_exact"] == 8.0
+    # exact fails KV and leaves, factored16 fails TTFT: factored4 beats naive on KL
+    assert pick(rows) == "factored4"
+    assert not meets(rows["factored4"], TARGETS)  # its KL misses the 0.6 target
+    assert meets(rows["factored4"], TARGETS, skip="kl_recovered")
+    rows["factored4"]["kv_vs_ideal"] = None  # a missing figure fails
     assert pick(rows) == "naive"
 
 
@@ -88,7 +93,7 @@ def test_bad_arms_and_agent_counts_are_refused(capsys):
         assert e.value.code == 2
         assert "--arms of" in capsys.readouterr().err
     assert "exact" in ARMS and ARMS["factored4"] == ["--kvcmas-leaf-mode", "factored",
-                                                     "--kvcmas-lowrank-rank", "4"]
+                                                     "--kvcmas-leaf-rank", "4"]
 
 
 def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():

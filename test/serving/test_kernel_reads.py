@@ -205,8 +205,7 @@ def test_backend_decode_and_extend_read_factored_rows_through_the_kernel():
     """A batch with a reader over factored leaves stays on the kernel (decode, and an extend
     without recomputed tokens) and equals the torch path; a row whose factored tokens are not
     at their row index sends the batch to the torch path."""
-    from sglang_kvcmas.attention.leaf_factors import LeafReads
-    from sglang_kvcmas.attention.lowrank import RowCorrection
+    from sglang_kvcmas.attention.leaf_factors import LeafReads, RowLeaves
     from sglang_kvcmas.attention.spans import BatchRow
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
 
@@ -218,9 +217,7 @@ def test_backend_decode_and_extend_read_factored_rows_through_the_kernel():
 
     def factored(rows, positions):
         leaves = LeafReads([(rows, positions, _factors(rows.numel(), layers, hkv, d, 4))])
-        return BatchRow(RowSpans(shifted.rid, shifted.key_shifts,
-                                 correction=RowCorrection(torch.zeros(80, dtype=torch.bool),
-                                                          leaves=leaves)))
+        return BatchRow(RowSpans(shifted.rid, shifted.key_shifts, leaves=RowLeaves(leaves)))
 
     n_kv, n_prefix = [37, 90, 80], [30, 80, 75]
     k_cache, v_cache, req_to_token = pooled_rows(n_kv, hkv, d)

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_kvcmas.attention.corrected_reads import gather_pairs, reference_corrected_attention
 from sglang_kvcmas.attention.leaf_factors import (
     FactorBasis,
     LeafFactorFit,
     LeafReads,
+    RowLeaves,
     TokenFactors,
     factor_deviation,
     factor_deviation_reference,
+    reference_leaf_attention,
 )
-from sglang_kvcmas.attention.lowrank import LayerCorrection, LowRankCorrection, RowCorrection
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
+from sglang_kvcmas.attention.span_reads import gather_pairs
 from sglang_kvcmas.attention.spans import BatchRow, KeyShifts, RowSpans
 
-from test_lowrank import ROPE, _backend, _layer, _pool, _reads_of_row, _row_case
+ROPE = ShiftRope.full(rope_inv_freq(64, 1e5))
 
 
 def _factors(layers: int, m: int, hkv: int, d: int, r: int, seed: int,
@@ -98,6 +99,55 @@ def test_a_fit_stacks_every_layer_and_keeps_nothing_unless_each_was_fitted():
                              torch.empty(0), torch.empty(0), 4).fits
 
 
+def _row_case(n_kv: int, own: int, runs: list[tuple[int, int]], seed: int):
+    """A row: ``own`` own keys, then borrowed runs (length, shift), then own keys; the first two
+    borrowed keys an exact leaf (read at shift 0); a foreign run at shift 0 among them."""
+    g = torch.Generator().manual_seed(seed)
+    shift = torch.zeros(n_kv, dtype=torch.int64)
+    at = own
+    for length, s in runs:
+        shift[at : at + length] = s
+        at += length
+    shift[own : own + 2] = 0  # the leaf: exact, read at shift 0
+    return shift, at, g
+
+
+def _backend():
+    from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
+
+    be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the math only; no model runner
+    be.shift_rope, be._layer_id, be._groups, be._batch_rows = ROPE, 0, {}, None
+    return be
+
+
+def _pool(n_kv: int, hkv: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(160, hkv, d, generator=g), torch.randn(160, hkv, d, generator=g)
+    req_to_token = torch.zeros(3, 128, dtype=torch.int64)
+    req_to_token[2, :n_kv] = torch.randperm(160, generator=g)[:n_kv]
+    return k_cache, v_cache, req_to_token, g
+
+
+def _reads_of_row(row: RowSpans, q: torch.Tensor, qe: torch.Tensor, k_cache, v_cache,
+                  req_to_token, n_kv: int) -> list[torch.Tensor]:
+    """Pool row 2 read by the backend at layers 0 and 1: decode of ``q`` over its ``n_kv`` keys,
+    then extend of ``qe`` as its last tokens."""
+    d, n_q, res = q.shape[-1], qe.shape[0], []
+    for layer in (0, 1):
+        be = _backend()
+        be._layer_id, be._batch_rows = layer, (BatchRow(row),)
+        out = torch.empty_like(q)
+        be._run_sdpa_forward_decode(q, out, k_cache, v_cache, req_to_token, torch.tensor([2]),
+                                    torch.tensor([n_kv]), scaling=d**-0.5, enable_gqa=True)
+        oute = torch.empty_like(qe)
+        be._run_sdpa_forward_extend(qe, oute, k_cache, v_cache, req_to_token, torch.tensor([2]),
+                                    torch.tensor([n_kv]), torch.tensor([n_kv - n_q]),
+                                    torch.tensor([n_q]), scaling=d**-0.5, enable_gqa=True,
+                                    causal=True)
+        res += [out, oute]
+    return res
+
+
 def _leaf_reads(rows_a: list[int], rows_b: list[int], hkv: int, d: int, seed: int) -> LeafReads:
     """Two parts (two fits, two bases) over the given row indices, every layer 0..1."""
     return LeafReads([(torch.tensor(rows_a), torch.tensor(rows_a) + 3,
@@ -106,25 +156,17 @@ def _leaf_reads(rows_a: list[int], rows_b: list[int], hkv: int, d: int, seed: in
                        _factors(2, len(rows_b), hkv, d, 6, seed + 1))])
 
 
-@pytest.mark.parametrize("n_kv,h,hkv,runs,affine", [
-    (37, 6, 2, [(9, -7), (5, 0), (11, 13)], False),
-    (58, 9, 3, [(17, -30), (20, 4), (6, -30)], False),
-    (37, 6, 2, [(9, -7), (5, 0), (11, 13)], True),
+@pytest.mark.parametrize("n_kv,h,hkv,runs", [
+    (37, 6, 2, [(9, -7), (5, 0), (11, 13)]),
+    (58, 9, 3, [(17, -30), (20, 4), (6, -30)]),
 ])
-def test_backend_decode_and_extend_read_factored_leaves_as_the_reference(n_kv, h, hkv, runs,
-                                                                         affine):
+def test_backend_decode_and_extend_read_factored_leaves_as_the_reference(n_kv, h, hkv, runs):
     d = 64
-    shift, mask, m, _ = _row_case(n_kv, 1, runs, n_kv)
+    shift, m, _ = _row_case(n_kv, 1, runs, n_kv)
     k_cache, v_cache, req_to_token, g = _pool(n_kv, hkv, d, n_kv)
     leaves = _leaf_reads([3, 4, m - 1], [5, 9, 10, 11], hkv, d, seed=n_kv)
-    lc_affine = _layer(hkv, d, 4, seed=n_kv) if affine else None
-    stored = LowRankCorrection({0: lc_affine}, 4) if affine else None
-    corr_mask = mask[:m] if affine else torch.zeros(m, dtype=torch.bool)
-    row = RowSpans("r", KeyShifts.of_row(0, shift[:m]),
-                   correction=RowCorrection(corr_mask, stored, leaves=leaves))
-    lc = LayerCorrection(lc_affine.k if affine else None, lc_affine.v if affine else None,
-                         leaves.layer(0))
-    full_mask = torch.cat([corr_mask, torch.zeros(n_kv - m, dtype=torch.bool)])
+    row = RowSpans("r", KeyShifts.of_row(0, shift[:m]), leaves=RowLeaves(leaves))
+    tokens = leaves.layer(0)
     slots = req_to_token[2, :n_kv]
     k, v = k_cache[slots], v_cache[slots]
     be = _backend()
@@ -135,12 +177,11 @@ def test_backend_decode_and_extend_read_factored_leaves_as_the_reference(n_kv, h
     out = torch.empty_like(q)
     be._run_sdpa_forward_decode(q, out, k_cache, v_cache, req_to_token, torch.tensor([0, 2]),
                                 torch.tensor([5, n_kv]), scaling=d**-0.5, enable_gqa=True)
-    ref = reference_corrected_attention(q[1:], k, v, torch.tensor([n_kv]), torch.arange(n_kv),
-                                        shift, full_mask, ROPE, d**-0.5, lc)
+    ref = reference_leaf_attention(q[1:], k, v, torch.tensor([n_kv]), torch.arange(n_kv), shift,
+                                   ROPE, d**-0.5, tokens)
     torch.testing.assert_close(out[1:], ref, atol=2e-5, rtol=1e-4)
-    plain = reference_corrected_attention(q[1:], k, v, torch.tensor([n_kv]), torch.arange(n_kv),
-                                          shift, full_mask, ROPE, d**-0.5,
-                                          LayerCorrection(lc.k, lc.v))
+    plain = reference_leaf_attention(q[1:], k, v, torch.tensor([n_kv]), torch.arange(n_kv),
+                                     shift, ROPE, d**-0.5, None)
     assert (out[1:] - plain).abs().max() > 1e-3  # the deviations are read
 
     n_q = 6  # extend: the last 6 keys are the row's new tokens
@@ -151,23 +192,21 @@ def test_backend_decode_and_extend_read_factored_leaves_as_the_reference(n_kv, h
                                 torch.tensor([n_kv]), torch.tensor([n_kv - n_q]),
                                 torch.tensor([n_q]), scaling=d**-0.5, enable_gqa=True,
                                 causal=True)
-    ref = reference_corrected_attention(qe, k, v, torch.arange(n_kv - n_q, n_kv),
-                                        torch.arange(n_kv), shift, full_mask, ROPE, d**-0.5, lc)
+    ref = reference_leaf_attention(qe, k, v, torch.arange(n_kv - n_q, n_kv), torch.arange(n_kv),
+                                   shift, ROPE, d**-0.5, tokens)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_zero_factors_read_bit_for_bit_as_today():
     n_kv, h, hkv, d = 37, 6, 2, 64
-    shift, _, m, _ = _row_case(n_kv, 1, [(9, -7), (5, 0), (11, 13)], 5)
+    shift, m, _ = _row_case(n_kv, 1, [(9, -7), (5, 0), (11, 13)], 5)
     k_cache, v_cache, req_to_token, g = _pool(n_kv, hkv, d, 5)
     ks = KeyShifts.of_row(0, shift[:m])
     f = _factors(2, 3, hkv, d, 4, seed=3, scale=0.0)
-    zero = RowCorrection(torch.zeros(m, dtype=torch.bool),
-                         leaves=LeafReads([(torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5]),
-                                             f)]))
+    zero = RowLeaves(LeafReads([(torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5]), f)]))
     q, qe = torch.randn(1, h, d, generator=g), torch.randn(7, h, d, generator=g)
-    outs = [_reads_of_row(RowSpans("r", ks, correction=corr), q, qe, k_cache, v_cache,
-                          req_to_token, n_kv) for corr in (None, zero)]
+    outs = [_reads_of_row(RowSpans("r", ks, leaves=leaves), q, qe, k_cache, v_cache,
+                          req_to_token, n_kv) for leaves in (None, zero)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
@@ -187,7 +226,7 @@ def test_extend_factors_the_kept_recomputed_pairs_and_reads_them_exact():
     rows = torch.arange(own, own + n_rec)
     fit = LeafFactorFit(owner_slots, torch.full((n_rec,), shift), rows, rows + 100, rows, rank)
     row = RowSpans("r", KeyShifts.of_row(0, torch.zeros(own, dtype=torch.int64)),
-                   correction=RowCorrection(torch.zeros(own, dtype=torch.bool), factor=fit))
+                   leaves=RowLeaves(factor=fit))
     be = _backend()
     qe = torch.randn(n_rec + n_new, h, d)
     outs = []

@@ -16,13 +16,12 @@ def _value(agent: str, kind: str) -> float | None:
 
 def test_labels_are_bounded_and_gone_agents_read_zero():
     g = LeafGauge(min_interval_s=0, max_agents=2)
-    got = g.values({"a": {"exact": 10, "lowrank": 1}, "b": {"exact": 5, "lowrank": 0},
-                    "c": {"exact": 7, "lowrank": 2}, "d": {"exact": 1, "lowrank": 0}})
-    assert got == {("a", "exact"): 10, ("a", "lowrank"): 1, ("b", "exact"): 5,
-                   ("b", "lowrank"): 0, (OTHER, "exact"): 8, (OTHER, "lowrank"): 2,
-                   ("a", "factored"): 0, ("b", "factored"): 0, (OTHER, "factored"): 0}
-    later = g.values({"b": {"exact": 3, "lowrank": 0}})
-    assert later[("a", "exact")] == 0 and later[(OTHER, "lowrank")] == 0
+    got = g.values({"a": {"exact": 10, "factored": 1}, "b": {"exact": 5},
+                    "c": {"exact": 7, "factored": 2}, "d": {"exact": 1, "factored": 0}})
+    assert got == {("a", "exact"): 10, ("a", "factored"): 1, ("b", "exact"): 5,
+                   ("b", "factored"): 0, (OTHER, "exact"): 8, (OTHER, "factored"): 2}
+    later = g.values({"b": {"exact": 3, "factored": 0}})
+    assert later[("a", "exact")] == 0 and later[(OTHER, "factored")] == 0
     assert later[("b", "exact")] == 3
 
 
@@ -32,12 +31,12 @@ def test_the_gauge_is_set_at_most_once_per_interval():
 
     def by_agent():
         calls.append(1)
-        return {"leaf-metric-agent": {"exact": 4096, "lowrank": 512}}
+        return {"leaf-metric-agent": {"exact": 4096, "factored": 512}}
 
     assert g.maybe_update(by_agent, now=100.0)
     assert not g.maybe_update(by_agent, now=100.5)  # the tree is not walked again
     assert len(calls) == 1
     assert _value("leaf-metric-agent", "exact") == 4096
-    assert _value("leaf-metric-agent", "lowrank") == 512
+    assert _value("leaf-metric-agent", "factored") == 512
     assert g.maybe_update(lambda: {}, now=101.5)
     assert _value("leaf-metric-agent", "exact") == 0

@@ -71,8 +71,8 @@ def test_leaf_bytes_come_from_the_shared_tree_entry_of_server_info(monkeypatch):
 
     from benchmark.serving import server_arms
 
-    tree = {"lowrank_bytes": 5, "leaf_bytes_by_agent": {
-        "a": {"exact": 100, "lowrank": 20}, "b": {"exact": 0, "lowrank": 7}}}
+    tree = {"factored_bytes": 27, "leaf_bytes_by_agent": {
+        "a": {"exact": 100, "factored": 20}, "b": {"exact": 0, "factored": 7}}}
     info = {"internal_states": [{"other": 1}, {"kvcmas": {"shared_tree": tree}}]}
     monkeypatch.setattr(server_arms.urllib.request, "urlopen",
                         lambda url, timeout: io.BytesIO(json.dumps(info).encode()))

@@ -15,7 +15,7 @@ length, and each layer reads a bucket in one flat gather and a handful of batche
 query rotated by the key's shift equals the score against the key re-positioned. Scoring every
 key against all S rotated queries costs S times the products of plain attention, so rows with
 more than ``max_shifts`` distinct shifts are left to the per-row path, as are rows the caller
-does not hand over (affine low-rank corrections, rows read exactly by SDPA).
+does not hand over (rows read exactly by SDPA).
 
 A row's tokens read through factored leaves (``attention/leaf_factors.py``: the owner's key
 re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)

@@ -15,12 +15,11 @@ per forward (a shift-0 run becomes a span where it holds one: deviations are add
 only); every layer packs its coefficients and bases there (:meth:`LeafPlacement.pack`). A span
 carries one basis: a row's parts (one fit each) take their own columns of it side by side, so a
 row with ``P`` parts of rank ``r`` reads at rank ``P·r`` (padded to 16 anyway). Everything else
-reads zero factors (re-positioning only). Rows with an affine low-rank correction keep the torch
-path, as do the recomputed tokens of a reader's extend, which precede some of its borrowed keys
-in position but follow them in row order (the backend reads them with the position mask; every
-later query of the row follows them all, so the kernel's row-causal mask is their position
-mask), and factored tokens whose row index is not their position (the kernels rotate a
-deviation at its row index).
+reads zero factors (re-positioning only). The recomputed tokens of a reader's extend keep the
+torch path, as they precede some of its borrowed keys in position but follow them in row order
+(the backend reads them with the position mask; every later query of the row follows them all,
+so the kernel's row-causal mask is their position mask), and so do factored tokens whose row
+index is not their position (the kernels rotate a deviation at its row index).
 
 References: :func:`~sglang_kvcmas.attention.span_reads.rotate_keys` then SDPA (the tests),
 :func:`~sglang_kvcmas.attention.shifted_query.grouped_shift_decode` and

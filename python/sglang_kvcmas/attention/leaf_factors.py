@@ -4,7 +4,7 @@ A reader recomputes some borrowed tokens in its own context (``policy/recompute.
 leaves keep their full K/V (``tree/pool_overrides.py``: one pool slot each). Factored leaves keep
 only what differs from the owner's KV it already shares, compressed: per layer and KV head, the
 deviation of the recomputed tokens from the owner's re-positioned K/V (the pairs the extend
-already holds, ``corrected_reads.gather_pairs``), cut to rank ``r`` by a truncated SVD::
+already holds, ``span_reads.gather_pairs``), cut to rank ``r`` by a truncated SVD::
 
     D = y − x ≈ C·Bᵀ        D: [p, d] per layer and KV head;  C: [p, r];  B: [d, r]
 
@@ -12,8 +12,9 @@ Keys before RoPE: each token's key deviation is rotated back from its position (
 before the cut and forward again when read, so one basis serves tokens at every position (the
 values have no RoPE). A later turn reads such a token as the owner's slot, re-positioned, plus
 its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, with no fitted map
-that has to generalize to tokens it never saw (the affine correction of ``attention/lowrank.py``
-does, and loses to naive re-positioning in the server). The lab measured the frame
+that has to generalize to tokens it never saw (an affine map fitted on the recomputed tokens and
+applied to every other borrowed one does: once served, it read worse than naive re-positioning,
+and only the lab fits it now). The lab measured the frame
 (``benchmark/lab/delta_growth_study.py``, Qwen2.5-Coder-0.5B, rank 8, 256–4096 tokens): KL
 recovered 0.64 before RoPE against 0.60 in the reader's frame, on average.
 
@@ -29,8 +30,10 @@ smaller for a turn's hundreds of picks.
   basis per fit);
 - :class:`LeafReads`: a row's tokens read through factored leaves, materialized one layer at a
   time as :class:`TokenDeltas` (``[m, H_kv, d]`` added to the gathered rows: extend and decode,
-  ``corrected_reads.correct_rows``); ``corrected_reads.reference_corrected_attention`` is the
-  naive reference (one key at a time).
+  :meth:`TokenDeltas.apply`); :func:`reference_leaf_attention` is the naive reference (one key
+  at a time);
+- :class:`RowLeaves`: what a row reads and keeps through factored leaves (the backend's view of
+  them, ``attention.spans.RowSpans.leaves``).
 
 Pure torch; no SGLang import.
 """
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_kvcmas.attention.rope import ShiftRope, apply_rope
+from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, as_shift_rope
 
 
 def factor_deviation(dev: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +166,7 @@ class LeafFactorFit:
 
     At each layer the attention backend gathers the pairs (the reader's exact K/V of the tokens,
     just written to the pool; the owner's K/V of the same tokens, re-positioned:
-    ``corrected_reads.gather_pairs``) and calls :meth:`fit_layer`. The request reads its own
+    ``span_reads.gather_pairs``) and calls :meth:`fit_layer`. The request reads its own
     exact tokens meanwhile; at its checkpoint the tree keeps :meth:`result` as the agent's
     factored leaves and frees the recomputed slots (right after the prefill where no launched
     batch can still read the row; else with the request).
@@ -283,3 +286,69 @@ class LeafReads:
             out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
         self._last = (layer_id, out)
         return out
+
+
+@dataclass(frozen=True)
+class RowLeaves:
+    """What one row reads and keeps through its agent's factored leaves.
+
+    Attributes:
+        reads: the row's tokens read through the agent's factored leaves, or None.
+        factor: the factoring of the tokens this row's extend recomputes and keeps as factored
+            leaves, or None (it changes nothing this request reads).
+    """
+
+    reads: LeafReads | None = None
+    factor: LeafFactorFit | None = None
+
+    def layer(self, layer_id: int) -> TokenDeltas | None:
+        """The deviations the row adds at this layer, or None (none read, or every factor zero
+        here: the row then reads as it would without them, bit for bit)."""
+        return self.reads.layer(layer_id) if self.reads is not None and len(self.reads) else None
+
+    @property
+    def kernel_reads(self) -> bool:
+        """Whether the delta kernels can read the row: its factored tokens (if any) at their
+        positions (``kernel_reads.place_leaves``)."""
+        return self.reads is None or self.reads.in_row_order
+
+
+def reference_leaf_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+    k_pos: torch.Tensor, key_shift: torch.Tensor, rope: ShiftRope | torch.Tensor, scale: float,
+    tokens: TokenDeltas | None,
+) -> torch.Tensor:
+    """Attention over a row whose every borrowed key is re-positioned and whose factored tokens
+    carry their deviation, one key at a time: the naive reference the backend's extend and
+    decode are tested against.
+
+    Args:
+        q: [n_q, H, d] queries (RoPE applied at ``q_pos``).
+        k: [n, H_kv, d] keys as the pool stores them (rotated at their owners' positions).
+        v: [n, H_kv, d] values.
+        q_pos, k_pos: [n_q], [n] true positions (a query sees keys at positions <= its own).
+        key_shift: [n] int64 shift of each key (0: own).
+        tokens: the layer's deviations of the row's factored tokens, added to their rows (the
+            key's rotated to its position), or None (re-positioned only).
+    Returns:
+        [n_q, H, d] float32.
+    """
+    rope = as_shift_rope(rope)
+    keys, vals = [], []
+    for j in range(k.shape[0]):
+        kj, vj = k[j : j + 1].to(torch.float32), v[j : j + 1].to(torch.float32)
+        if int(key_shift[j]):
+            kj = apply_rope(kj, key_shift[j : j + 1], rope)
+        if tokens is not None:
+            at = torch.nonzero(tokens.rows == j).flatten()[:1]
+            if at.numel():  # a factored leaf's token: its deviation, the key's at its position
+                kj = kj + apply_rope(tokens.k[at], tokens.positions[at], rope)
+                vj = vj + tokens.v[at]
+        keys.append(kj)
+        vals.append(vj)
+    kk, vv = torch.cat(keys), torch.cat(vals)  # [n, H_kv, d]
+    g = q.shape[1] // kk.shape[1]
+    kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), kk) * scale
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv)

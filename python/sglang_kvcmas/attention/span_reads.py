@@ -12,6 +12,9 @@ values from the pool and calls these; they know nothing of SGLang.
   owner's pass records for ``policy/recompute.py``.
 - :func:`tail_attention` is a plain row's extend: its new queries only, over their causal
   prefix (reference: :func:`padded_tail_attention`, the query padded to the whole sequence).
+- :func:`gather_pairs` gathers, at one layer, what a reader's factored leaves are fitted on: the
+  owner's K/V of the tokens it recomputes, re-positioned, and its own exact K/V of them
+  (``attention/leaf_factors.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_kvcmas.attention.leaf_factors import LeafFactorFit
 from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
 
@@ -144,3 +148,21 @@ def padded_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_p
         q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=causal,
         enable_gqa=enable_gqa, scale=scale,
     ).squeeze(0)[:, n_prefix:, :]
+
+
+def gather_pairs(k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
+                 fit: LeafFactorFit, rope: ShiftRope | torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's fit inputs: (owner K re-positioned, reader's exact K, owner V, exact V),
+    each [p, H_kv, d] float32.
+
+    Args:
+        k_cache, v_cache: the layer's pool buffers [slots, H_kv, d].
+        row_slots: [n] int64 the row's pool slots (``req_to_token[row, :n]``).
+    """
+    dev = k_cache.device
+    owner = fit.owner_slots.to(dev)
+    exact = row_slots[fit.exact_rows.to(row_slots.device)].to(dev)
+    x_k = rotate_keys(k_cache[owner], KeyShifts.of_row(0, fit.owner_shifts), rope)
+    return (x_k.to(torch.float32), k_cache[exact].to(torch.float32),
+            v_cache[owner].to(torch.float32), v_cache[exact].to(torch.float32))

@@ -19,7 +19,7 @@ from functools import cached_property
 
 import torch
 
-from sglang_kvcmas.attention.lowrank import RowCorrection
+from sglang_kvcmas.attention.leaf_factors import RowLeaves
 
 
 @dataclass(frozen=True)
@@ -180,15 +180,16 @@ class RowSpans:
         positions: [row_start + len(recomputed)] int64 true position of each row index up to the
             end of the recomputed tokens (rows after them sit at their own index); None when
             every row index is its position.
-        correction: which borrowed keys the reader's low-rank correction applies to, and its
-            factors (``attention/lowrank.py``), or None (read re-positioned only).
+        leaves: the tokens the row reads through its agent's factored leaves and those its
+            extend factors into new ones (``attention/leaf_factors.py``), or None (read
+            re-positioned only).
     """
 
     rid: str
     key_shifts: KeyShifts
     recomputed: RecomputedTokens | None = None
     positions: torch.Tensor | None = None
-    correction: RowCorrection | None = None
+    leaves: RowLeaves | None = None
 
     @classmethod
     def of_reads(cls, rid: str, reads: Sequence[SharedSpan],

@@ -19,9 +19,10 @@ The ``WORKFLOW`` line is the kvcmas server's own ledger of the run (its frontend
 ``GET /kvcmas/workflows/{id}``.
 
 ``exact``: prompt tokens read from KV computed in the agent's own context; ``corr``: read from
-another agent's KV with a correction (none is served yet); ``repos``: read from another agent's
-KV re-positioned, uncorrected; ``recomp``: prefilled. ``kv held``: pool slots the server holds
-after the workflow (in use + cached), from its ``/metrics``.
+another agent's KV through the agent's factored leaves (re-positioned, its deviation added);
+``repos``: read from another agent's KV re-positioned, uncorrected; ``recomp``: prefilled.
+``kv held``: pool slots the server holds after the workflow (in use + cached), from its
+``/metrics``.
 
     python -m sglang_kvcmas.examples.side_by_side [--rounds 3] [--max-new-tokens 64]
     python -m sglang_kvcmas.examples.side_by_side --workflow panel [--agents 16]

@@ -75,15 +75,16 @@ def reads_delta(rows: tuple[BatchRow | None, ...] | None, decode: bool) -> bool:
     """Whether a forward batch with these rows must take the delta read path.
 
     Extend: any row with borrowed spans (re-positioned keys, recomputed tokens at their true
-    positions, a correction) or a head-mass probe. Decode: any row whose keys are read
-    re-positioned or corrected (a probe or a position mask changes nothing in decode).
+    positions, factored leaves) or a head-mass probe. Decode: any row whose keys are read
+    re-positioned or through factored leaves (a probe or a position mask changes nothing in
+    decode).
     """
     for entry in rows or ():
         if entry is None:
             continue
         spans = entry.spans
         if decode:
-            if spans is not None and (spans.reads_transformed or spans.correction is not None):
+            if spans is not None and (spans.reads_transformed or spans.leaves is not None):
                 return True
         elif spans is not None or entry.probe is not None:
             return True

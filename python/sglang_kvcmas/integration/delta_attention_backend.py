@@ -19,14 +19,12 @@ true positions, and the pool keeps their keys so rotated), and extend attention 
 position instead of row order. Decode needs no mask: every cached token precedes the query, and
 it rotates each row's query once per shift instead of every borrowed key: the batch's
 re-positioned rows together, in a few tensor ops per layer (``attention/batched_decode.py``),
-rows with a low-rank correction or many owners one at a time, keys grouped by shift
-(``attention/shifted_query.py``); rows that read nothing borrowed take SDPA as the parent
-does. On GPU, for a model whose rotary the kernels tile, one launch of the delta kernel per
+rows of many owners one at a time, keys grouped by shift (``attention/shifted_query.py``);
+rows that read nothing borrowed take SDPA as the parent does. On GPU, for a model whose rotary the kernels tile, one launch of the delta kernel per
 layer reads the whole batch, each KV tile rotated by its run's shift in registers
 (``attention/kernel_reads.py``): every decode, and every extend's new tokens after its
 recomputed ones (those stay in PyTorch, masked by true position), factored leaves read there
-too; layers with a head-mass probe and rows with an affine low-rank correction keep the torch
-path.
+too; layers with a head-mass probe keep the torch path.
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
@@ -38,20 +36,14 @@ RoPE: the shift rotates with the model's rotary embedding as SGLang built it
 cannot serve exactly (multimodal rotary, sliding-window layers, other rope types) is refused
 when this backend starts, that is whenever ``--kvcmas-share-context`` is on.
 
-Low-rank correction (``attention.lowrank.RowCorrection``, leaf modes ``lowrank`` and
-``lowrank+exact``): a row's extend first fits, at each layer, the reader's factors from the pairs
-its recomputed tokens give (their exact K/V just written, the owner's K/V re-positioned:
-``corrected_reads.gather_pairs``), then reads its borrowed keys and values corrected
-(``correct_rows``); decode applies the factors on the query and output side over keys grouped by
-(shift, corrected) (``corrected_reads.corrected_grouped_decode``). A row or layer without
-factors (none, or rank 0) takes the path above unchanged, bit for bit.
-
-Factored leaves (leaf mode ``factored``, ``attention/leaf_factors.py``): a row's extend factors,
-at each layer, the deviation of the recomputed tokens it keeps from the same pairs (read nothing
-differently: this request reads them exact); a later row reads those tokens as the owner's
-slots, re-positioned, plus their deviation, in extend and in decode (keys gathered, re-positioned
-and corrected, then SDPA; on GPU the delta kernels add the deviations in registers, as they
-rotate: ``kernel_reads.place_leaves``).
+Factored leaves (leaf mode ``factored``, ``attention.leaf_factors.RowLeaves``): a row's extend
+factors, at each layer, the deviation of the recomputed tokens it keeps from the pairs they give
+(their exact K/V just written, the owner's K/V re-positioned: ``span_reads.gather_pairs``; it
+reads nothing differently: this request reads them exact); a later row reads those tokens as the
+owner's slots, re-positioned, plus their deviation, in extend and in decode (keys gathered,
+re-positioned and corrected, then SDPA; on GPU the delta kernels add the deviations in
+registers, as they rotate: ``kernel_reads.place_leaves``). A row or layer without deviations
+(none, or all zero) takes the path above unchanged, bit for bit.
 
 GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
 batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
@@ -71,15 +63,14 @@ from sglang_kvcmas.attention.batched_decode import (
     batched_shift_decode,
     plan_batched_decode,
 )
-from sglang_kvcmas.attention.corrected_reads import (
-    correct_rows,
-    corrected_grouped_decode,
-    gather_pairs,
-    grouped_marked,
-)
-from sglang_kvcmas.attention.lowrank import LayerCorrection
+from sglang_kvcmas.attention.leaf_factors import TokenDeltas
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
-from sglang_kvcmas.attention.span_reads import head_mass, rotate_keys, tail_attention
+from sglang_kvcmas.attention.span_reads import (
+    gather_pairs,
+    head_mass,
+    rotate_keys,
+    tail_attention,
+)
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
 from sglang_kvcmas.attention.kernel_reads import (
     ShiftedPlan,
@@ -177,36 +168,34 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
 
     def _rows(self, req_pool_indices: torch.Tensor, decode: bool = False
               ) -> list[RowSpans | None]:
-        """Rows that differ from plain attention at this layer (decode: only a shift or a
-        correction; extend: also a position mask)."""
+        """Rows that differ from plain attention at this layer (decode: only a shift or
+        factored tokens; extend: also a position mask)."""
         rows = [e.spans if (e := self._entry(i)) is not None else None
                 for i in range(req_pool_indices.shape[0])]
         return [r if r is not None and ((r.reads_transformed if decode else r.needs_transform)
-                                        or self._layer_correction(r) is not None) else None
+                                        or self._leaf_deltas(r) is not None) else None
                 for r in rows]
 
-    def _layer_correction(self, row: RowSpans | None) -> LayerCorrection | None:
-        """The row's correction at the current layer, or None (none, or zero factors)."""
-        if row is None or row.correction is None:
+    def _leaf_deltas(self, row: RowSpans | None) -> TokenDeltas | None:
+        """The deviations of the row's factored tokens at the current layer, or None (none, or
+        zero factors)."""
+        if row is None or row.leaves is None:
             return None
-        return row.correction.layer(self._layer_id)
+        return row.leaves.layer(self._layer_id)
 
-    def _fit_corrections(self, k_cache, v_cache, req_to_token, req_pool_indices,
-                         seq_lens) -> None:
-        """Fit this layer's factors for every row whose extend carries recomputed pairs: the
-        affine correction's, and the factored leaves' of the tokens it keeps."""
+    def _fit_leaves(self, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens) -> None:
+        """Factor this layer's deviations for every row whose extend keeps recomputed tokens as
+        factored leaves."""
         for i in range(req_pool_indices.shape[0]):
             entry = self._entry(i)
             row = entry.spans if entry is not None else None
-            corr = row.correction if row is not None else None
-            for fit in (corr.fit, corr.factor) if corr is not None else ():
-                if fit is None or not fit.fits or self._layer_id in fit.layers:
-                    continue
-                slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])]
-                rope = (self.shift_rope,) if fit is corr.factor else ()
-                fit.fit_layer(self._layer_id,
-                              *gather_pairs(k_cache, v_cache, slots, fit, self.shift_rope),
-                              *rope)
+            fit = row.leaves.factor if row is not None and row.leaves is not None else None
+            if fit is None or not fit.fits or self._layer_id in fit.layers:
+                continue
+            slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])]
+            fit.fit_layer(self._layer_id,
+                          *gather_pairs(k_cache, v_cache, slots, fit, self.shift_rope),
+                          self.shift_rope)
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -214,7 +203,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
     ):
         if encoder_lens is None and sliding_window_size is None and self._batch_rows is not None:
-            self._fit_corrections(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens)
+            self._fit_leaves(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens)
         rows = self._rows(req_pool_indices)
         _no_window(rows, sliding_window_size)
         probes = self._probes(req_pool_indices) if causal else [None] * len(rows)
@@ -284,8 +273,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                           scaling if scaling is not None else
                                           query.shape[-1] ** -0.5, self._layer_id)
             return output
-        # Re-positioned rows without an affine correction (factored tokens as additive terms):
-        # a few batched ops per layer for all of them.
+        # Re-positioned rows (factored tokens as additive terms): a few batched ops per layer
+        # for all of them.
         plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
         batched_shift_decode(query, k_cache, v_cache, plan, self.shift_rope,
                              scaling if scaling is not None else query.shape[-1] ** -0.5, output,
@@ -295,23 +284,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             n_kv = int(seq_lens[i])
             q = q_all[:, i : i + 1, :]
             row = rows[i]
-            lc = self._layer_correction(row)
-            if lc is not None and lc.tokens is not None:
+            if self._leaf_deltas(row) is not None:
                 # Factored leaves: keys gathered, re-positioned and corrected as extend reads.
                 k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, row)
                 out = scaled_dot_product_attention(
                     q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                     enable_gqa=enable_gqa, scale=scaling,
                 ).squeeze(0)
-            elif lc is not None:
-                # Keys grouped by (shift, corrected); the corrected query rotated per shift.
-                tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
-                                                      req_pool_indices[i], marked=True)
-                k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
-                out = corrected_grouped_decode(
-                    q, k, v, row.key_shifts.shifts, groups, self.shift_rope,
-                    scaling if scaling is not None else q.shape[-1] ** -0.5, lc,
-                )
             elif row is not None:
                 # Keys gathered grouped by shift; the query rotated once per shift.
                 tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
@@ -331,31 +310,27 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         return output
 
     def _decode_plan(self, req_to_token, req_pool_indices, seq_lens, rows) -> BatchedDecodePlan:
-        """The batch's re-positioned rows without an affine correction at this layer (their
-        factored tokens read as additive terms), bucketed once per forward and correction
-        pattern (``attention/batched_decode.py``); every other row (plain rows read exactly by
-        SDPA, rows with an affine correction, rows of many owners) is the plan's ``rest``. A
-        row whose factors are zero here reads as one without a correction."""
-        take = [r is not None and (r.reads_transformed or _factored(r))
-                and (r.correction is None or not r.correction.affine_at(self._layer_id))
-                for r in rows]
+        """The batch's re-positioned rows (their factored tokens read as additive terms),
+        bucketed once per forward and pattern (``attention/batched_decode.py``); every other row
+        (plain rows read exactly by SDPA, rows of many owners) is the plan's ``rest``. A row
+        whose factors are zero here reads as one without factored leaves."""
+        take = [r is not None and (r.reads_transformed or _factored(r)) for r in rows]
         key = ("decode", tuple(take))
         if key not in self._groups:
             slots = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] if t else None
                      for i, t in enumerate(take)]
             shifts = [r.key_shifts if t else None for r, t in zip(rows, take)]
-            leaves = [r.correction.leaves if t and r.correction is not None else None
+            leaves = [r.leaves.reads if t and r.leaves is not None else None
                       for r, t in zip(rows, take)]
             self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope,
                                                     leaves=leaves)
         return self._groups[key]
 
     def _kernel_reads(self, rows: list[RowSpans | None]) -> bool:
-        """Whether the delta kernels read this batch at this layer: no row with an affine
-        correction here, every factored token at its position (the kernels rotate a deviation
-        at its row index)."""
-        return not any(r is not None and r.correction is not None
-                       and not r.correction.kernel_reads(self._layer_id) for r in rows)
+        """Whether the delta kernels read this batch: every factored token at its position (the
+        kernels rotate a deviation at its row index)."""
+        return not any(r is not None and r.leaves is not None and not r.leaves.kernel_reads
+                       for r in rows)
 
     def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
                      extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:
@@ -367,8 +342,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             n = req_pool_indices.shape[0]
             kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] for i in range(n)]
             shifts = [r.key_shifts if r is not None else None for r in rows]
-            leaves = [r.correction.leaves if r is not None and r.correction is not None
-                      else None for r in rows]
+            leaves = [r.leaves.reads if r is not None and r.leaves is not None else None
+                      for r in rows]
             counts, q_rows = None, None
             if extend_seq_lens is not None:
                 n_q = [int(x) for x in extend_seq_lens]
@@ -410,13 +385,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         return output
 
     def _grouped_tokens(self, i: int, n_kv: int, row: RowSpans, req_to_token,
-                        req_pool_idx, marked: bool = False) -> tuple[torch.Tensor, tuple]:
+                        req_pool_idx) -> tuple[torch.Tensor, tuple]:
         """Pool slots of batch row ``i`` in shift-group order and the groups, once per forward
-        (every layer reads the same slots); ``marked``: grouped by (shift, corrected)."""
-        key = (i, n_kv, True) if marked else (i, n_kv)
+        (every layer reads the same slots)."""
+        key = (i, n_kv)
         if key not in self._groups:
-            order, groups = (grouped_marked(row.key_shifts, row.correction.mask, n_kv) if marked
-                             else row.key_shifts.grouped(n_kv))
+            order, groups = row.key_shifts.grouped(n_kv)
             tokens = req_to_token[req_pool_idx, :n_kv][order.to(req_to_token.device)]
             self._groups[key] = (tokens, groups)
         return self._groups[key]
@@ -427,16 +401,16 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         k, v = k_cache[tokens], v_cache[tokens]  # advanced indexing: copies, never the pool
         if row is not None:
             k = rotate_keys(k, row.key_shifts, self.shift_rope)
-            lc = self._layer_correction(row)
-            if lc is not None:
-                k, v = correct_rows(k, v, row.correction.mask_upto(n_kv), lc, self.shift_rope)
+            deltas = self._leaf_deltas(row)
+            if deltas is not None:
+                k, v = deltas.apply(k, v, self.shift_rope)
         return k.movedim(0, 1), v.movedim(0, 1)
 
 
 def _factored(row: RowSpans) -> bool:
     """Whether the row reads some tokens through factored leaves."""
-    return row.correction is not None and row.correction.leaves is not None and bool(
-        len(row.correction.leaves))
+    return row.leaves is not None and row.leaves.reads is not None and bool(
+        len(row.leaves.reads))
 
 
 def _recomputed(row: RowSpans | None) -> int:

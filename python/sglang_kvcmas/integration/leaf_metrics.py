@@ -1,7 +1,7 @@
 """Leaf bytes per agent as a Prometheus gauge: ``kvcmas:leaf_bytes{agent, type}``.
 
-``type`` is ``exact`` (pool bytes of the agent's exact leaves), ``lowrank`` (its correction factors)
-or ``factored`` (its factored leaves), as ``/server_info``'s ``leaf_bytes_by_agent``. The scheduler
+``type`` is ``exact`` (pool bytes of the agent's exact leaves) or ``factored`` (its factored
+leaves), as ``/server_info``'s ``leaf_bytes_by_agent``. The scheduler
 calls :meth:`maybe_update` after each checkpoint; it walks the tree's leaves at most once per
 :data:`MIN_INTERVAL_S`, so the hot path pays nothing between updates. Labels stay bounded: the first
 :data:`METRIC_AGENTS` agents seen keep their own, later ones are summed under ``_other``; an agent
@@ -18,13 +18,13 @@ from sglang_kvcmas.integration import metrics
 MIN_INTERVAL_S = 1.0
 METRIC_AGENTS = 64
 OTHER = "_other"
-TYPES = ("exact", "lowrank", "factored")
+TYPES = ("exact", "factored")
 
 
 def _gauge():
     return metrics.gauge("kvcmas:leaf_bytes", "Bytes of readers' leaves per agent, by type "
-                         "(exact: pool KV of exact leaves; lowrank: correction factors; factored: "
-                         "low-rank deviations of recomputed tokens).",
+                         "(exact: pool KV of exact leaves; factored: low-rank deviations of "
+                         "recomputed tokens).",
                          ["agent", "type"])
 
 

@@ -5,7 +5,7 @@ Every prompt token is counted once, in one of four kinds:
 - ``reused_exact``: read from KV computed in the request's own context (its radix path, or its
   agent's exact leaves on shared nodes: ``exact_from_leaves`` of them);
 - ``reused_corrected``: read from another agent's KV, re-positioned and corrected by the reader
-  agent's low-rank factors (leaf modes ``lowrank`` and ``lowrank+exact``; 0 under ``exact``);
+  agent's factored leaves (the deviation it kept of that token; 0 under leaf mode ``exact``);
 - ``reused_repositioned``: read from another agent's KV, re-positioned to the reader's positions,
   uncorrected;
 - ``recomputed``: prefilled by this request (``recomputed_borrowed`` of them were available

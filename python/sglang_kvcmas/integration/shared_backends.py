@@ -5,10 +5,10 @@ With ``--kvcmas-share-context``, the factories SGLang's attention registry holds
 build the backend the user asked for and make it a dispatcher (:func:`as_shared`): a forward batch
 in which no row reads borrowed KV runs through that backend unchanged (its kernels, its metadata
 planning, its CUDA graphs), and a batch in which one does (:func:`batch_rows.forward_reads_delta`:
-borrowed spans, recomputed tokens, a correction, or a head-mass probe in extend) runs through
+borrowed spans, recomputed tokens, factored leaves, or a head-mass probe in extend) runs through
 :class:`~sglang_kvcmas.integration.delta_attention_backend.DeltaAttnBackend`, the read path that
-re-positions borrowed keys, places recomputed tokens at their true positions and applies
-low-rank corrections. On GPU our Triton delta kernels read such a batch in one launch per layer
+re-positions borrowed keys, places recomputed tokens at their true positions and adds the
+deviations of tokens read through factored leaves. On GPU our Triton delta kernels read such a batch in one launch per layer
 (each KV tile rotated by its run's shift in registers: every decode, every extend's new tokens
 after a reader's recomputed ones), the rest in device-agnostic PyTorch (gathers, SDPA). With
 sharing off the factories return SGLang's backends untouched.
@@ -34,8 +34,7 @@ path reads per-KV-head keys), and every model the shift cannot serve exactly
 (``rope_shift.shift_rope_for_runner``, as for ``kvcmas_delta``). Page sizes above 1 are refused by
 the tree cache (``tree_cache_factory``).
 
-Not yet here: rows with a low-rank correction through the kernels' factor inputs, and layers
-that record head mass through a kernel (both take the torch path). Measured on a GPU by
+Not yet here: layers that record head mass through a kernel (they take the torch path). Measured on a GPU by
 ``scripts/gpu_check.sh`` (kernels), not yet end to end.
 """
 

@@ -48,7 +48,7 @@ radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: about 740 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: about 720 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
 call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
 may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
@@ -76,7 +76,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_kvcmas.attention.lowrank import RowCorrection
+from sglang_kvcmas.attention.leaf_factors import RowLeaves
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
@@ -287,13 +287,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         recompute, keep = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
-        if recompute and not leaf.keeps_leaves:
-            keep = ()  # lowrank: the recomputed tokens feed the fit, then are freed
-        stored = (self.shared.lowrank.get(ns, split.agent)
-                  if leaf.lowrank_rank and handle.use_leaves else None)
-        handle = replace(handle, recompute=recompute, keep=keep,
-                         lowrank_rank=leaf.lowrank_rank, stored_correction=stored,
-                         lowrank_chain=leaf.lowrank_chain, factor_rank=leaf.factor_rank)
+        handle = replace(handle, recompute=recompute, keep=keep, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     @staticmethod
@@ -431,10 +425,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if handle is not None:
             spans, kept = row_spans(req.rid, req.origin_input_ids, handle)
             path = handle.borrowed()
-            repositioned = int(path.foreign[kept].sum())
-            corrected = repositioned if spans.correction is not None and \
-                spans.correction.corrects else int(path.factored[kept].sum())
-            repositioned -= corrected
+            corrected = int(path.factored[kept].sum())
+            repositioned = int(path.foreign[kept].sum()) - corrected
             from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
         else:
@@ -481,7 +473,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         split = self.requests.split(req)
         if isinstance(req.last_node, SharedPrefixHandle):
             try:
-                self._keep_correction(req, req.last_node)
                 self._adopt_recomputed(req, req.last_node, up_to)
                 if self.requests.writes_shared(req):
                     self._register_borrowed(req, req.last_node, up_to)
@@ -532,19 +523,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         )
         setattr(req, REGISTERED_ATTR, len(tokens))
 
-    def _keep_correction(self, req: Req, handle: SharedPrefixHandle) -> None:
-        """Keep the low-rank factors a reader's extend fitted as its agent's low-rank leaf
-        (its later turns read them; a request with its own knobs keeps nothing)."""
-        corr = _row_correction(req)
-        if corr is None or corr.fit is None or not handle.use_leaves or getattr(
-                req, "_kvcmas_fit_kept", False):
-            return
-        result = corr.fit.result()
-        if result is not None:
-            self.shared.lowrank.put(handle.namespace, handle.split.agent, result)
-            req._kvcmas_fit_kept = True
-            self._trim_leaves()
-
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
         the shared nodes (its later turns read them exactly, without recomputing); the row's
@@ -563,9 +541,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         slots = row[handle.prefix_len : start].to(torch.int64).cpu().clone()
         after = handle.without_recompute()
         if handle.factor_rank > 0:  # factored leaves: the slots go now, or with the request
-            corr = _row_correction(req)
-            if corr is not None and corr.factor is not None:
-                adopt_factored(self.shared, handle, corr.factor)
+            leaves = _row_leaves(req)
+            if leaves is not None and leaves.factor is not None:
+                adopt_factored(self.shared, handle, leaves.factor)
             fresh = factored_reread(handle) if self._rereads(req, handle) else None
             if fresh is not None:
                 self._reread_factored(req, fresh, row)
@@ -622,7 +600,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return self._overlap
 
     def _trim_leaves(self) -> None:
-        """Hold readers' leaves, exact and low-rank, to ``--kvcmas-leaf-budget`` (tokens of KV,
+        """Hold readers' leaves, exact and factored, to ``--kvcmas-leaf-budget`` (tokens of KV,
         as a share of the tokens the shared tree indexes)."""
         if self.config.leaf_budget is not None:
             self.shared.trim_leaves(int(self.config.leaf_budget * self.shared.indexed_tokens()),
@@ -722,8 +700,6 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "shared_owned_tokens": self.shared.owned_size,
             "delta_tokens": self.shared.delta_tokens(),
             "delta_bytes": self.shared.delta_nbytes(),
-            "lowrank_leaves": len(self.shared.lowrank),
-            "lowrank_bytes": self.shared.lowrank.nbytes(),
             "factored_tokens": sum(len(f) for n in nodes for f in n.factors.values()),
             "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
             "factored_rows_reread": self.rows_reread,
@@ -732,7 +708,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         }
 
 
-def _row_correction(req: Req) -> RowCorrection | None:
-    """The corrections the request's row was handed (``req.kvcmas_row``), or None."""
+def _row_leaves(req: Req) -> RowLeaves | None:
+    """The factored leaves the request's row was handed (``req.kvcmas_row``), or None."""
     row: BatchRow | None = getattr(req, "kvcmas_row", None)
-    return row.spans.correction if row is not None and row.spans is not None else None
+    return row.spans.leaves if row is not None and row.spans is not None else None

@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_kvcmas.attention.leaf_factors import LeafFactorFit, LeafReads
-from sglang_kvcmas.attention.lowrank import CorrectionFit, RowCorrection
+from sglang_kvcmas.attention.leaf_factors import LeafFactorFit, LeafReads, RowLeaves
 from sglang_kvcmas.attention.spans import KeyShifts, RecomputedTokens, RowSpans
 from sglang_kvcmas.policy.recompute import BorrowedSpan, BorrowedToken
 from sglang_kvcmas.tree.agent_split import AgentSplit
@@ -55,15 +54,8 @@ class SharedPrefixHandle:
         path: the borrowed tokens as arrays, walked once at match time (:meth:`walked`); valid
             while the request holds its locks (locked nodes and their leaves never change
             slots; a split keeps them).
-        lowrank_rank: rank of the low-rank correction the request fits from its recomputed
-            tokens and reads its foreign borrowed tokens through (0: none;
-            ``policy/leaf_mode.py``).
-        stored_correction: the agent's low-rank leaf read at match time (an
-            ``attention.lowrank.LowRankCorrection``), or None.
-        lowrank_chain: weight of ``stored_correction`` in the request's refit (0: from
-            scratch; ``attention.lowrank.chain_weight``).
         factor_rank: rank of the factored leaves the request keeps of the tokens it
-            recomputes (0: none; leaf mode ``factored``).
+            recomputes (0: none; leaf mode ``factored``, ``policy/leaf_mode.py``).
     """
 
     radix_node: Any
@@ -77,9 +69,6 @@ class SharedPrefixHandle:
     use_leaves: bool = True
     keep: tuple[int, ...] | None = None
     path: BorrowedPath | None = field(default=None, repr=False)
-    lowrank_rank: int = 0
-    stored_correction: Any = field(default=None, repr=False)
-    lowrank_chain: float = 0.0
     factor_rank: int = 0
 
     @property
@@ -283,34 +272,30 @@ def row_spans(rid: str, prompt_ids: Sequence[int], handle: SharedPrefixHandle
     head = handle.split.head_len
     kept = path.kept(handle.recompute)
     shifts = KeyShifts.of_row(handle.radix_len, torch.from_numpy(path.shift[kept]))
-    correction = row_correction(handle, path, kept)
+    leaves = row_leaves(handle, path, kept)
     if not handle.recompute:
-        return RowSpans(rid, shifts, correction=correction), kept
+        return RowSpans(rid, shifts, leaves=leaves), kept
     moved = np.asarray(handle.recompute, dtype=np.int64) + head
     n_before = handle.radix_len + int(kept.sum())
     positions = np.concatenate([np.arange(handle.radix_len, dtype=np.int64),
                                 head + path.offsets[kept], moved])
     ids = np.asarray(prompt_ids, dtype=np.int64)[moved]
     recomputed = RecomputedTokens(n_before, tuple(ids.tolist()), tuple(moved.tolist()))
-    return RowSpans(rid, shifts, recomputed, torch.from_numpy(positions), correction), kept
+    return RowSpans(rid, shifts, recomputed, torch.from_numpy(positions), leaves), kept
 
 
-def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
-                   ) -> RowCorrection | None:
-    """The row's corrections (None when the request reads and keeps none).
-
-    Affine (``handle.lowrank_rank``): its foreign borrowed tokens corrected, with the agent's
-    stored factors and a fit from the foreign tokens it recomputes (their owner slots and
-    shifts, and the row indices where the row computes them: after the borrowed ones, in
-    ``handle.recompute`` order; see :func:`row_spans`), chained from the stored factors by
-    ``handle.lowrank_chain``. Factored leaves: the tokens the walk found in the agent's
-    factored leaves, at their row indices (:class:`LeafReads`), and (``handle.factor_rank``)
-    the factoring of the recomputed foreign tokens it keeps.
+def row_leaves(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
+               ) -> RowLeaves | None:
+    """The row's factored leaves (None when the request reads and keeps none): the tokens the
+    walk found in the agent's factored leaves, at their row indices (:class:`LeafReads`), and
+    (``handle.factor_rank``) the factoring of the recomputed foreign tokens it keeps (their
+    owner slots and shifts, and the row indices where the row computes them: after the borrowed
+    ones, in ``handle.recompute`` order; see :func:`row_spans`).
     """
     n_before = handle.radix_len + int(kept.sum())
     at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
     rows = n_before + np.arange(at.shape[0], dtype=np.int64)
-    fit = factor = leaves = None
+    factor = leaves = None
     if handle.factor_rank > 0 and handle.recompute and handle.use_leaves:
         keep = path.foreign[at].copy()
         if handle.keep is not None:
@@ -331,20 +316,9 @@ def row_correction(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndar
                           torch.from_numpy(path.offsets[idx][read] + handle.split.head_len),
                           factors if read.all() else factors.select(torch.from_numpy(read))))
         leaves = LeafReads(parts)
-    if handle.lowrank_rank <= 0:
-        if factor is None and leaves is None:
-            return None
-        return RowCorrection(torch.zeros(handle.radix_len + int(kept.sum()), dtype=torch.bool),
-                             leaves=leaves, factor=factor)
-    mask = torch.from_numpy(np.concatenate([np.zeros(handle.radix_len, dtype=bool),
-                                            path.foreign[kept]]))
-    if handle.recompute:
-        foreign = path.foreign[at]
-        fit = CorrectionFit(torch.from_numpy(path.slots[at][foreign].copy()),
-                            torch.from_numpy(path.shift[at][foreign].copy()),
-                            torch.from_numpy(rows[foreign]), handle.lowrank_rank,
-                            prior=handle.stored_correction, chain=handle.lowrank_chain)
-    return RowCorrection(mask, handle.stored_correction, fit, leaves, factor)
+    if factor is None and leaves is None:
+        return None
+    return RowLeaves(leaves, factor)
 
 
 def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.Tensor,

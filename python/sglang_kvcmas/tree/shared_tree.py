@@ -16,10 +16,9 @@ Slot ownership (who frees them) is one of two kinds:
 Delta leaves (``deltas``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
 hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
-the leaf (least recently used first) or its node is evicted. A reader agent's low-rank leaf (its
-correction factors, one per namespace, not pool slots) is kept in ``lowrank``
-(``tree/lowrank_leaves.py``); its factored leaves (``factors``: the deviations of tokens it
-recomputed, host memory) on the nodes, like exact ones (``tree/factor_leaves.py``).
+the leaf (least recently used first) or its node is evicted. A reader agent's factored leaves
+(``factors``: the deviations of tokens it recomputed, host memory, not pool slots) are kept on
+the nodes, like exact ones (``tree/factor_leaves.py``).
 
 Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
 transcript matches in microseconds, not one Python step per token.
@@ -29,11 +28,10 @@ and their delta leaves are never dropped or evicted. Bookkeeping only: slot tens
 int64 payloads.
 
 NOTE: about 600 lines because ``SharedTree`` keeps one set of invariants (node map, lock
-counts, owned and leaf sizes, eviction order, the leaf budget over all three leaf types) that
+counts, owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
 ``check_invariants`` and ``trim_leaves`` walk together; the borrowed-path walks live in
-``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py``, ``lowrank_leaves.py`` and
-``factor_leaves.py`` (only their adoption, budget and byte counts are here, beside the sizes they
-change).
+``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py`` and ``factor_leaves.py``
+(only their adoption, budget and byte counts are here, beside the sizes they change).
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ import torch
 
 from sglang_kvcmas.tokens import as_token_array, common_prefix
 from sglang_kvcmas.tree.factor_leaves import FactorLeaf
-from sglang_kvcmas.tree.lowrank_leaves import LowRankLeaves
 from sglang_kvcmas.tree.pool_overrides import PoolOverrides
 
 Namespace = Hashable
@@ -145,8 +142,6 @@ class SharedTree:
         self.owned_locked_size = 0
         self.leaf_size = 0
         """Pool slots held by delta leaves (part of ``owned_size``)."""
-        self.lowrank = LowRankLeaves()
-        """Reader agents' low-rank leaves (factors, not pool slots): ``tree/lowrank_leaves.py``."""
         self.version = getattr(self, "version", 0) + 1
         """Bumped whenever a node is added or removed (and on reset, never going back): a match
         computed at one version holds until the next (splits and leaves change no match
@@ -476,38 +471,30 @@ class SharedTree:
         """Free leaves until they hold at most ``max_tokens`` tokens of KV: least recently used
         first, whole leaves; exact leaves only on nodes no request holds (a locked node's leaves
         are being read and stay, so the bound may be exceeded while they are). With
-        ``bytes_per_token``, low-rank leaves count too (their bytes in tokens of KV, rounded up)
-        and go in the same order. Only leaves go, never the shared nodes: a reader that loses
-        its leaf recomputes or re-positions those tokens (or refits its correction) on its next
-        turn. Factored leaves count and go like low-rank ones (on unlocked nodes only, as exact
-        leaves). Returns the tokens of KV freed (pool slots and low-rank bytes alike)."""
-        lowrank = self.lowrank.items() if bytes_per_token > 0 else []
+        ``bytes_per_token``, factored leaves count too (their bytes in tokens of KV, rounded up)
+        and go in the same order (on unlocked nodes only, as exact leaves). Only leaves go, never
+        the shared nodes: a reader that loses its leaf recomputes or re-positions those tokens on
+        its next turn. Returns the tokens of KV freed (pool slots and factored bytes alike)."""
         factored = ([(n, agent, leaf) for n in self.nodes() for agent, leaf in n.factors.items()]
                     if bytes_per_token > 0 else [])
 
         def tokens_of(leaf) -> int:
             return -(-leaf.nbytes() // bytes_per_token)
 
-        held = (self.leaf_size + sum(tokens_of(leaf) for _, leaf in lowrank)
-                + sum(tokens_of(leaf) for _, _, leaf in factored))
+        held = self.leaf_size + sum(tokens_of(leaf) for _, _, leaf in factored)
         excess = held - max(0, max_tokens)
         if excess <= 0:
             return 0
         candidates = sorted([(leaf.last_access, 0, n, agent, leaf) for n in self._unlocked_nodes()
                              for agent, leaf in n.deltas.items()]
-                            + [(leaf.last_access, 1, key, None, leaf) for key, leaf in lowrank]
-                            + [(leaf.last_access, 2, n, agent, leaf) for n, agent, leaf
+                            + [(leaf.last_access, 1, n, agent, leaf) for n, agent, leaf
                                in factored if n.lock_ref == 0],
                             key=lambda c: c[:2])
         freed = dropped = 0
         for _, kind, where, agent, leaf in candidates:
             if freed >= excess:
                 break
-            if kind == 1:  # a low-rank leaf: (namespace, agent)
-                freed += tokens_of(leaf)
-                self.lowrank.drop(*where)
-                continue
-            if kind == 2:  # a factored leaf: host memory
+            if kind == 1:  # a factored leaf: host memory
                 where.factors.pop(agent)
                 freed += tokens_of(leaf)
                 dropped += 1
@@ -537,19 +524,17 @@ class SharedTree:
 
     def leaf_bytes_by_agent(self) -> dict[str, dict[str, int]]:
         """agent -> bytes of its leaves by type (``exact``: pool slots of its exact leaves;
-        ``lowrank``: its correction factors; ``factored``: its factored leaves)."""
+        ``factored``: its factored leaves)."""
         out: dict[str, dict[str, int]] = {}
 
         def entry(agent: str) -> dict[str, int]:
-            return out.setdefault(agent, {"exact": 0, "lowrank": 0, "factored": 0})
+            return out.setdefault(agent, {"exact": 0, "factored": 0})
 
         for n in self.nodes():
             for agent, leaf in n.deltas.items():
                 entry(agent)["exact"] += int(leaf.nbytes())
             for agent, leaf in n.factors.items():
                 entry(agent)["factored"] += int(leaf.nbytes())
-        for agent, nbytes in self.lowrank.bytes_by_agent().items():
-            entry(agent)["lowrank"] += nbytes
         return out
 
     def check_invariants(self) -> list[str]:
