@@ -12,22 +12,17 @@ identical prompts there and their fidelity probes compare:
 - ``naive``: sharing, nothing recomputed: every borrowed token read re-positioned only;
 - ``exact``: sharing at the deployment's default picks (the first 16 tokens of every borrowed
   span and 10% by owner head mass recomputed, the readers that wait together for one segment
-  splitting 20% of it by mass: ``--kvcmas-recompute-segment-share``), kept as exact leaves
+  splitting 20% of it by mass: ``policy.recompute.SEGMENT_SHARE``), kept as exact leaves
   (exact-sparse: leaf mode ``exact``, the reference of the leaf-byte ratio);
-- ``exact_per_reader``: the same with every reader taking its own 10% however many read;
-- ``exact_cap64``: ``exact_per_reader`` with at most 64 tokens chosen by mass per reader;
-- ``exact_fifo``, ``factored4_fifo``: ``exact`` and the defaults with turn order ``fifo`` (the
-  turn-order ablation);
 - ``factored<r>``: the default picks kept as factored leaves (leaf mode ``factored``: their
   deviation from the owner's KV at rank ``r``, per layer and KV head); ``factored4`` is the
-  server's defaults;
-  ``factored<r>_per_reader``: the same over ``exact_per_reader``'s picks;
-  ``factored4_per_reader_run4``: with SGLang's ``--max-running-requests 4``, so that at most 4
-  readers hold the slots of the tokens they recompute at once (the transient a turn's recompute
-  adds to peak KV, whatever the leaf type); ``factored<r>_per_reader_cap256``: with
-  ``--kvcmas-recompute-batch-tokens 256`` instead, so that the readers released together are
-  prefilled in batches that recompute at most 256 tokens (a factored reader frees its
-  recomputed slots right after its prefill; nothing else is capped).
+  server's defaults; ``factored4_run4``: with SGLang's ``--max-running-requests 4``, so that at
+  most 4 readers hold the slots of the tokens they recompute at once (the transient a turn's
+  recompute adds to peak KV, whatever the leaf type).
+
+(Arms of knobs no longer served, per-reader shares, mass caps, FIFO turns, a per-batch
+recompute cap and low-rank corrections, ran before they were removed: their results stay in
+``results/`` and ``docs/results.md``.)
 
 Per arm: KL recovered (``1 − KL20 served / KL20 naive``, naive's pooled over the run's arms
 (:func:`with_pooled_kl`; each arm's own beside it), over ``--probe`` round-2 readers, each
@@ -53,8 +48,7 @@ than exact-sparse; the report names, per agent count, the arm with the highest K
 among those meeting the others.
 
 A factored arm also reports ``same_x``: the leaf bytes of the exact arm that keeps the same
-tokens, over its own (``factored8`` against ``exact``, ``factored<r>_per_reader`` against
-``exact_per_reader``). Its reader-alone probe recomputes the whole 10% share over its leaves:
+tokens, over its own (``factored8`` against ``exact``). Its reader-alone probe recomputes the whole 10% share over its leaves:
 for ``factored8``, more than its turns did at the defaults' split.
 
     python benchmark/serving/frontier.py --quick   # 16 agents, 4 arms (< 15 min on 2 cores)
@@ -100,29 +94,10 @@ EXACT = ("--kvcmas-leaf-mode", "exact")
 ARMS: dict[str, list[str]] = {
     "naive": ["--kvcmas-recompute-boundary", "0", "--kvcmas-recompute-mass-fraction", "0"],
     "exact": [*EXACT],
-    "exact_per_reader": [*EXACT, "--kvcmas-recompute-segment-share", ""],
-    "exact_cap64": [*EXACT, "--kvcmas-recompute-segment-share", "",
-                    "--kvcmas-recompute-mass-max-tokens", "64"],
-    "exact_fifo": [*EXACT, "--kvcmas-turn-order", "fifo"],
-    "factored4_fifo": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
-                       "--kvcmas-turn-order", "fifo"],
     "factored4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4"],  # default
     "factored8": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "8"],
-    "factored4_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
-                             "--kvcmas-recompute-segment-share", ""],
-    "factored8_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "8",
-                             "--kvcmas-recompute-segment-share", ""],
-    "factored16_per_reader": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "16",
-                              "--kvcmas-recompute-segment-share", ""],
-    "factored4_per_reader_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
-                                  "--kvcmas-recompute-segment-share", "",
-                                  "--max-running-requests", "4"],
-    "factored4_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank",
-                                    "4", "--kvcmas-recompute-segment-share", "",
-                                    "--kvcmas-recompute-batch-tokens", "256"],
-    "factored8_per_reader_cap256": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank",
-                                    "8", "--kvcmas-recompute-segment-share", "",
-                                    "--kvcmas-recompute-batch-tokens", "256"],
+    "factored4_run4": ["--kvcmas-leaf-mode", "factored", "--kvcmas-leaf-rank", "4",
+                       "--max-running-requests", "4"],
 }
 """Sharing arm -> the flags its kvcmas server adds to the defaults."""
 QUICK_ARMS = ("naive", "exact", "factored4", "factored8")
@@ -140,9 +115,9 @@ KL_FLOOR = -1.5
 def turn_selection(flags: list[str], agents: int) -> tuple[int, float, int]:
     """(boundary, mass fraction, tail) a round-2 reader of an arm recomputed in its turn: the
     arm's knobs, with the mass share the policy gives each of the ``agents - 1`` readers that
-    wait together for the round's leader (one reader alone under ``fifo`` turns)."""
+    wait together for the round's leader."""
     config = parse_launcher_args(flags).config
-    readers = 1 if config.turn_order == "fifo" else max(1, agents - 1)
+    readers = max(1, agents - 1)
     policy = RecomputeConfig.from_serving(config).with_readers(readers)
     return policy.boundary_tokens, policy.reader_mass_fraction, policy.tail_tokens
 
@@ -198,8 +173,9 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     }
 
 
-SAME_PICKS = {"factored4": "exact", "factored8": "exact", "factored4_fifo": "exact_fifo",
-              "factored4_per_reader": "exact_per_reader",
+SAME_PICKS = {"factored4": "exact", "factored8": "exact", "factored4_run4": "exact",
+              # arms of saved results, re-rendered by --report
+              "factored4_fifo": "exact_fifo", "factored4_per_reader": "exact_per_reader",
               "factored4_per_reader_run4": "exact_per_reader",
               "factored8_per_reader": "exact_per_reader",
               "factored16_per_reader": "exact_per_reader",

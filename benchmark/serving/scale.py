@@ -21,7 +21,7 @@ Parts (each one server at a time, same binary, same KV pool):
     python benchmark/serving/scale.py --quick      # host + decode at 2k and 8k, < 15 min
     python benchmark/serving/scale.py              # + the 16-agent panel
     python benchmark/serving/scale.py --parts panel \
-        --panel-variants 'cap64=--kvcmas-recompute-mass-max-tokens 64'  # + a kvcmas variant
+        --panel-variants 'exact=--kvcmas-leaf-mode exact'  # + a kvcmas variant
 
 Ends with ``HEADLINE host_ms_per_admission_32k=<x> hook_ms_per_iter_16agents=<x>
 decode_ratio_vs_radix=<x> router_sharing_ratio=<x>``; writes ``results/scale[_quick].json``
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--panel-tokens", type=int, default=24, help="answer tokens per turn")
     ap.add_argument("--panel-variants", default="",
                     help="more kvcmas panel arms, 'NAME=FLAGS;...', e.g. "
-                         "'cap64=--kvcmas-recompute-mass-max-tokens 64'")
+                         "'exact=--kvcmas-leaf-mode exact'")
     ap.add_argument("--panel-probe", type=int, default=0,
                     help="after each sharing arm's workload, measure this many round-2 reader "
                          "turns against an exact prefill (KL recovered, top-1)")

@@ -51,14 +51,11 @@ def test_arm_row_counts_factored_leaves_in_kv_and_compares_with_radix():
 
 
 def test_turn_selection_is_the_policys_split_among_waiting_readers(monkeypatch):
-    for var in ("KVCMAS_RECOMPUTE_SEGMENT_SHARE", "KVCMAS_RECOMPUTE_MASS_FRACTION",
-                "KVCMAS_TURN_ORDER", "KVCMAS_RECOMPUTE_BOUNDARY"):
+    for var in ("KVCMAS_RECOMPUTE_MASS_FRACTION", "KVCMAS_RECOMPUTE_BOUNDARY"):
         monkeypatch.delenv(var, raising=False)
     boundary, mass, tail = turn_selection(ARMS["exact"], 16)  # 15 readers split 20%
     assert (boundary, tail) == (16, 0) and mass == pytest.approx(0.2 / 15)
     assert turn_selection(ARMS["exact"], 3)[1] == pytest.approx(0.1)  # 2 readers: 10% each
-    assert turn_selection(ARMS["exact_per_reader"], 16)[1] == pytest.approx(0.1)
-    assert turn_selection(ARMS["exact_fifo"], 16)[1] == pytest.approx(0.1)  # nobody waits
     assert turn_selection(ARMS["naive"], 16) == (0, 0.0, 0)
 
 

@@ -21,8 +21,8 @@ def turns(texts: dict[tuple[int, int], str], ttft: float, borrowed: int = 0) -> 
 
 def test_variants_parse_and_bad_ones_are_refused():
     assert parse_variants("") == {}
-    assert parse_variants("cap64=--kvcmas-recompute-mass-max-tokens 64; b0=--x") == {
-        "cap64": ["--kvcmas-recompute-mass-max-tokens", "64"], "b0": ["--x"]}
+    assert parse_variants("exact=--kvcmas-leaf-mode exact; b0=--x") == {
+        "exact": ["--kvcmas-leaf-mode", "exact"], "b0": ["--x"]}
     for bad in ("cap64", "=--x", "radix=--x", "kvcmas=--x"):
         with pytest.raises(SystemExit, match="NAME=FLAGS"):
             parse_variants(bad)

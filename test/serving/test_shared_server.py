@@ -43,7 +43,7 @@ T2 = T1 + (
     "sheep are born, lost or given away, and the market sale is the only reduction. So the flock "
     "is 17 at the start, 22 after the purchase and 19 after the sale. Final answer: 19\n\nThis is "
     "round 2. Considering the answers above, give your updated answer.")
-"""Round 2's transcript: more than ``KVCMAS_MIN_BORROWED`` (128) new tokens, so a reader borrows."""
+"""Round 2's transcript: more than ``policy.recompute.MIN_BORROWED`` (128) new tokens, so a reader borrows."""
 
 
 @pytest.fixture(scope="module")
