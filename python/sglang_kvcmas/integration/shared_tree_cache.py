@@ -284,10 +284,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             config = self._across_adapters(config, own_knobs)
             spans = self._at_messages(spans, shared_tokens)
         config = config.with_readers(readers_of(req))
-        recompute, keep = self._recompute_for(req, handle, config, spans)
+        recompute = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
-        handle = replace(handle, recompute=recompute, keep=keep, factor_rank=leaf.factor_rank)
+        handle = replace(handle, recompute=recompute, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 
     @staticmethod
@@ -314,29 +314,23 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return split_spans(spans, message_starts(shared_tokens, self.markers.head_close))
 
     def _recompute_for(self, req: Req, handle: SharedPrefixHandle, config: RecomputeConfig,
-                       spans: list[BorrowedSpan]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+                       spans: list[BorrowedSpan]) -> tuple[int, ...]:
         """Borrowed offsets this request recomputes under ``config`` (``spans =
         borrowed_spans(handle)``), or none when the extend could be chunked or the request asks
-        for logprobs of prompt tokens whose computation order changes; and the subset it keeps as
-        leaves afterwards (None: all of them)."""
+        for logprobs of prompt tokens whose computation order changes."""
         path = handle.borrowed()
-
         factored = path.factored  # held by a factored leaf: never picked again
-
-        def select(c: RecomputeConfig) -> tuple[int, ...]:
-            return select_recompute_arrays(spans, path.offsets, path.foreign & ~factored,
-                                           path.from_leaf | factored, path.mass, c)
-
-        offsets = select(config)
+        offsets = select_recompute_arrays(spans, path.offsets, path.foreign & ~factored,
+                                          path.from_leaf | factored, path.mass, config)
         if not offsets:
-            return (), None
+            return ()
         extend = len(req.full_untruncated_fill_ids) - handle.prefix_len
         if self.chunk_limit and extend + len(offsets) > self.chunk_limit:
-            return (), None
+            return ()
         start = getattr(req, "logprob_start_len", -1)
         if getattr(req, "return_logprob", False) and 0 <= start <= handle.prefix_len:
-            return (), None
-        return offsets, None
+            return ()
+        return offsets
 
     @staticmethod
     def recomputes(req: Req) -> bool:
@@ -524,10 +518,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         setattr(req, REGISTERED_ATTR, len(tokens))
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
-        """Keep the tokens a reader recomputed (``handle.keep`` of them) as its delta leaves on
-        the shared nodes (its later turns read them exactly, without recomputing); the row's
-        protected prefix then covers them, and the other recomputed slots and those a leaf
-        already held are freed at release. Under leaf mode ``factored`` the leaves are the
+        """Keep the tokens a reader recomputed as its exact leaves on the shared nodes (its later
+        turns read them exactly, without recomputing); the row's protected prefix then covers
+        them, and the slots of those a leaf already held are freed at release. Under leaf mode ``factored`` the leaves are the
         factors its extend made of them, and every recomputed slot is freed: now, with the row
         re-pointed at the owners' slots read through those leaves
         (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may

@@ -49,8 +49,6 @@ class SharedPrefixHandle:
             own context instead of borrowing (left out of its prefix; see ``RecomputedTokens``).
         use_leaves: read the agent's exact leaves and keep what it recomputes as new ones (off
             for a request that sets its own recompute knobs: it measures the owner's KV alone).
-        keep: the recomputed offsets kept as leaves (None: all; the others are freed with the
-            request, ``RecomputeConfig.leaf_mass_fraction``).
         path: the borrowed tokens as arrays, walked once at match time (:meth:`walked`); valid
             while the request holds its locks (locked nodes and their leaves never change
             slots; a split keeps them).
@@ -67,7 +65,6 @@ class SharedPrefixHandle:
     namespace: Hashable
     recompute: tuple[int, ...] = ()
     use_leaves: bool = True
-    keep: tuple[int, ...] | None = None
     path: BorrowedPath | None = field(default=None, repr=False)
     factor_rank: int = 0
 
@@ -80,7 +77,7 @@ class SharedPrefixHandle:
         return self.shared_end - self.shared_begin
 
     def without_recompute(self) -> SharedPrefixHandle:
-        return replace(self, recompute=(), keep=None)
+        return replace(self, recompute=())
 
     def walked(self) -> SharedPrefixHandle:
         """This handle with its :class:`BorrowedPath` (walked now if it has none)."""
@@ -297,9 +294,7 @@ def row_leaves(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
     rows = n_before + np.arange(at.shape[0], dtype=np.int64)
     factor = leaves = None
     if handle.factor_rank > 0 and handle.recompute and handle.use_leaves:
-        keep = path.foreign[at].copy()
-        if handle.keep is not None:
-            keep &= np.isin(path.offsets[at], np.asarray(handle.keep, dtype=np.int64))
+        keep = path.foreign[at]
         if keep.any():
             factor = LeafFactorFit(torch.from_numpy(path.slots[at][keep].copy()),
                                    torch.from_numpy(path.shift[at][keep].copy()),
@@ -323,8 +318,8 @@ def row_leaves(handle: SharedPrefixHandle, path: BorrowedPath, kept: np.ndarray
 
 def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.Tensor,
                      bytes_per_token: int) -> torch.Tensor:
-    """Keep the tokens a reader recomputed (``handle.keep`` of them; all when None) as its exact
-    leaves on the shared nodes, so its later turns read them exactly without recomputing.
+    """Keep the tokens a reader recomputed (unless it reads no leaves) as its exact leaves on
+    the shared nodes, so its later turns read them exactly without recomputing.
 
     Args:
         slots: [len(handle.recompute)] int64 pool slots of the recomputed tokens, in
@@ -334,12 +329,7 @@ def adopt_recomputed(tree: SharedTree, handle: SharedPrefixHandle, slots: torch.
         caller frees them with the request.
     """
     offsets = torch.tensor(handle.recompute, dtype=torch.int64)
-    if not handle.use_leaves:
-        keep = torch.zeros(offsets.shape[0], dtype=torch.bool)
-    elif handle.keep is None:
-        keep = torch.ones(offsets.shape[0], dtype=torch.bool)
-    else:
-        keep = torch.isin(offsets, torch.tensor(handle.keep, dtype=torch.int64))
+    keep = torch.full((offsets.shape[0],), handle.use_leaves, dtype=torch.bool)
     rejected = [slots[~keep]] if bool((~keep).any()) else []
     head = handle.split.head_len
     for piece in SharedTree.path(handle.shared_node) if bool(keep.any()) else ():
@@ -357,11 +347,11 @@ def factored_reread(handle: SharedPrefixHandle) -> SharedPrefixHandle | None:
     tokens as factored leaves (:func:`adopt_factored`): no recompute, its path walked afresh,
     so those tokens read as the owner's KV re-positioned plus their deviation, in shared order
     (row index = position). None when a recomputed token would then read worse than the exact
-    KV the row holds: a foreign one that no factored leaf keeps (not in ``handle.keep``, or
-    the fit kept nothing)."""
+    KV the row holds: a foreign one that no factored leaf keeps (the request reads no leaves,
+    or the fit kept nothing)."""
     if not handle.recompute:
         return None
-    fresh = replace(handle, recompute=(), keep=None, path=None).walked()
+    fresh = replace(handle, recompute=(), path=None).walked()
     at = np.asarray(handle.recompute, dtype=np.int64) - handle.shared_begin
     path = fresh.borrowed()
     return fresh if bool((path.factored[at] | ~path.foreign[at]).all()) else None
