@@ -11,7 +11,7 @@ def turn(agent, prompt, cached, answer, reuse=None, ttft=1.0, round_=1):
 
 
 def rec(exact, repos, recomputed):
-    return {"reused_exact": exact, "reused_corrected": 0, "reused_repositioned": repos,
+    return {"reused_exact": exact, "reused_factored": 0, "reused_repositioned": repos,
             "recomputed": recomputed}
 
 
@@ -38,7 +38,7 @@ def test_the_workflow_line_reads_the_servers_ledger():
     from sglang_kvcmas.examples.side_by_side import workflow_line
 
     ledger = {"workflow": "side-by-side-1", "requests": 9, "prompt_tokens": 4000,
-              "reused_exact": 1000, "reused_corrected": 0, "reused_repositioned": 2500,
+              "reused_exact": 1000, "reused_factored": 0, "reused_repositioned": 2500,
               "recomputed": 500, "completion_tokens": 576, "computed": 1076,
               "kv_bytes_written": 3 * 2**20, "forecast": {"total": 1076}}
     line = workflow_line(ledger)

@@ -86,7 +86,7 @@ def _normalized(turn: dict) -> dict:
     if "correction" not in turn:
         return turn
     out = {k: v for k, v in turn.items() if k != "correction"}
-    out.update(normalized({"reused_exact": turn["exact"], "reused_corrected": turn["borrowed"],
+    out.update(normalized({"reused_exact": turn["exact"], "reused_factored": turn["borrowed"],
                            "recomputed": turn["recomputed"], "correction": turn["correction"]}))
     return out
 

@@ -394,7 +394,7 @@ def record_one(run: Run, model_name: str) -> dict:
             "outcome": outcome, "seconds": round(time.time() - t0, 2),
             "n_turns": len(turns),
             "totals": {k: ledger.get(k) for k in ("requests", "agents", "prompt_tokens",
-                                                  "reused_exact", "reused_corrected",
+                                                  "reused_exact", "reused_factored",
                                                   "reused_repositioned", "recomputed",
                                                   "completion_tokens", "computed")},
             "ledger_turns": ledger.get("turns", []), "usage_turns": turns}

@@ -444,7 +444,7 @@ def isolation(url: str, p: Prompts, cat: Category, quick: bool) -> None:
     other = call(url, "/generate", generate_body(p.ids("Ben", transcript), salt="tenant-b"))
     judge_valid(cat, other, "tenant-b reader")
     rec = (other.json().get("meta_info", {}).get("kvcmas_reuse") or [{}])[0]
-    if rec.get("reused_repositioned", 0) or rec.get("reused_corrected", 0):
+    if rec.get("reused_repositioned", 0) or rec.get("reused_factored", 0):
         cat.record("lost", f"tenant-b read across the salt: {rec}")
     same = call(url, "/generate", generate_body(p.ids("Ben", transcript), salt="tenant-a"))
     judge_valid(cat, same, "tenant-a reader")

@@ -1,10 +1,11 @@
 """Read a response's reuse record (``meta_info.kvcmas_reuse``) under one schema.
 
-Servers before the accounting rename called every borrowed token ``reused_corrected`` and
+Servers before the first accounting rename called every borrowed token ``reused_corrected`` and
 described what a reader recomputed and read from its leaves in a ``correction`` label
-(``boundary_recompute:N+delta_leaf:M``); committed turn files keep that schema. Today a borrowed
-token is ``reused_repositioned`` (or ``reused_corrected`` once a correction is served) and the two
-counts are fields of their own. Benchmarks read both through :func:`normalized`.
+(``boundary_recompute:N+delta_leaf:M``); committed turn files keep that schema. Later a borrowed
+token was ``reused_repositioned`` or ``reused_corrected`` (read through a correction or a
+factored leaf); today it is ``reused_repositioned`` or ``reused_factored``, and the two counts
+are fields of their own. Benchmarks read every schema through :func:`normalized`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def normalized(rec: dict | None) -> dict:
         recomputed_borrowed = rec.get("recomputed_borrowed", 0)
         from_leaves = rec.get("exact_from_leaves", 0)
     return {"exact": rec["reused_exact"],
-            "borrowed": rec.get("reused_repositioned", 0) + rec.get("reused_corrected", 0),
+            "borrowed": rec.get("reused_repositioned", 0) + rec.get("reused_factored", 0)
+            + rec.get("reused_corrected", 0),
             "recomputed": rec["recomputed"], "recomputed_borrowed": recomputed_borrowed,
             "exact_from_leaves": from_leaves}
 

@@ -49,7 +49,7 @@ def test_bad_fields_are_refused_before_the_scheduler_and_others_pass():
 
 
 def test_stream_usage_chunk_gains_the_same_fields_as_a_plain_response():
-    rec = {"reused_exact": 10, "reused_corrected": 0, "reused_repositioned": 5, "recomputed": 3,
+    rec = {"reused_exact": 10, "reused_factored": 0, "reused_repositioned": 5, "recomputed": 3,
            "recomputed_borrowed": 1, "exact_from_leaves": 2, "workflow": "w"}
     usage = {"prompt_tokens": 18, "completion_tokens": 4, "total_tokens": 22}
     chunk = f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"

@@ -30,7 +30,7 @@ def synthetic_runs(n: int = 16) -> list[list[dict]]:
 
 def finished(workflow: str, recomputed: int, completion: int) -> dict:
     rec = {"workflow": workflow, "agent": "a", "prompt_tokens": recomputed + 10,
-           "reused_exact": 10, "reused_corrected": 0, "reused_repositioned": 0,
+           "reused_exact": 10, "reused_factored": 0, "reused_repositioned": 0,
            "recomputed": recomputed, "recomputed_borrowed": 0, "exact_from_leaves": 0}
     return {"meta_info": {"finish_reason": {"type": "stop"}, "completion_tokens": completion,
                           "kvcmas_reuse": [rec]}}

@@ -10,7 +10,7 @@ from sglang_kvcmas.policy.workflow_ledger import Turn, WorkflowLedger
 
 def record(workflow, agent, exact, repositioned, recomputed):
     return {"workflow": workflow, "agent": agent, "prompt_tokens": exact + repositioned + recomputed,
-            "reused_exact": exact, "reused_corrected": 0, "reused_repositioned": repositioned,
+            "reused_exact": exact, "reused_factored": 0, "reused_repositioned": repositioned,
             "recomputed": recomputed}
 
 

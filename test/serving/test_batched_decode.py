@@ -111,7 +111,7 @@ def test_factored_tokens_add_their_deviations_as_the_gathered_rows_do(rope_name)
     row, one row's factors all zero at a layer, rows without leaves beside them): batched
     decode with the deviations as additive score and value terms equals the reference that
     adds them to the gathered, re-positioned keys and values, then attends."""
-    from sglang_kvcmas.attention.leaf_factors import FactorBasis, LeafReads, TokenFactors
+    from sglang_kvcmas.attention.deviation_factors import FactorBasis, LeafReads, TokenFactors
     from sglang_kvcmas.attention.span_reads import rotate_keys
     from torch.nn.functional import scaled_dot_product_attention
 

@@ -1,7 +1,7 @@
 """Factored leaves in the tree and the tree cache (no server): a reader under ``factored`` keeps
 the factors its extend made of the tokens it recomputed (no exact leaves, its recomputed slots
 freed), byte-counted per agent; its next turn reads those tokens through them (counted
-``reused_corrected``) and never recomputes them; a node's split, the leaf budget and the
+``reused_factored``) and never recomputes them; a node's split, the leaf budget and the
 invariants hold them."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
-from sglang_kvcmas.attention.leaf_factors import factor_deviation  # noqa: E402
+from sglang_kvcmas.attention.deviation_factors import factor_deviation  # noqa: E402
 from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
-from sglang_kvcmas.tree.factor_leaves import FactorLeaf  # noqa: E402
+from sglang_kvcmas.tree.factored_leaves import FactorLeaf  # noqa: E402
 from sglang_kvcmas.tree.shared_tree import SharedTree  # noqa: E402
 
-from test_leaf_factors import _factors  # noqa: E402
+from test_deviation_factors import _factors  # noqa: E402
 from test_shared_tree_cache import (  # noqa: E402
     END,
     SUFFIX,
@@ -76,7 +76,7 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     assert fit.exact_rows.tolist() == list(range(at + borrowed, at + borrowed + K))
     assert spans.leaves.reads is None and spans.leaves.layer(0) is None  # reads exact
     rec = b2.customized_info["kvcmas_reuse"][0]
-    assert (rec["reused_corrected"], rec["reused_repositioned"]) == (0, borrowed)
+    assert (rec["reused_factored"], rec["reused_repositioned"]) == (0, borrowed)
     assert h.cache.shared.delta_tokens() == 0  # no exact leaves: the recomputed slots freed
     assert_slots_conserved(h)
     stats = h.cache.shared_stats()
@@ -92,7 +92,7 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     leaves = spans3.leaves.reads
     assert sorted(leaves.rows.tolist()) == list(range(at, at + K))
     rec3 = b3.customized_info["kvcmas_reuse"][0]
-    assert (rec3["reused_corrected"], rec3["reused_repositioned"]) == (K, borrowed)
+    assert (rec3["reused_factored"], rec3["reused_repositioned"]) == (K, borrowed)
     deltas = spans3.leaves.layer(0)
     assert deltas.k.shape == (K, HKV, D)
     assert_slots_conserved(h)
@@ -209,7 +209,7 @@ def test_a_request_with_its_own_knobs_reads_the_leaves_only_when_it_asks():
         req.sampling_params = SimpleNamespace(custom_params=custom)
         h.serve(req, row)
         rec = req.customized_info["kvcmas_reuse"][0]
-        assert (rec["reused_corrected"], rec["reused_repositioned"], rec["recomputed_borrowed"]
+        assert (rec["reused_factored"], rec["reused_repositioned"], rec["recomputed_borrowed"]
                 ) == (corrected, borrowed + K - corrected, 0), rec
     assert h.cache.shared_stats()["factored_tokens"] == K  # nothing more kept
     assert_slots_conserved(h)

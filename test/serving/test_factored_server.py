@@ -2,7 +2,7 @@
 it recomputes as factored leaves (their deviation from the owner's KV at rank r: ``/server_info``
 and the ``kvcmas:leaf_bytes`` gauge; no exact leaves, no pool slots; its recomputed slots freed
 right after its prefill, its decode reading them through the leaves), and its next turn reads
-them through those factors (``reused_corrected`` in its usage), in extend and decode."""
+them through those factors (``reused_factored`` in its usage), in extend and decode."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     out = chat(server, SB, T2)
     reader = out["usage"]["prompt_tokens_details"]
     picks = reader["kvcmas_recomputed_borrowed"]
-    assert picks > 0 and reader["kvcmas_reused_corrected"] == 0, reader
+    assert picks > 0 and reader["kvcmas_reused_factored"] == 0, reader
     assert out["choices"][0]["message"]["content"]
     tree = _tree(server)
     assert tree["invariants"] == [] and tree["delta_tokens"] == 0, tree
@@ -74,7 +74,7 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     used = again["usage"]["prompt_tokens_details"]
     # the picks are held as factored leaves: read through them, not recomputed again (the
     # transcript's last tokens tokenize differently before the new text: a few fall outside)
-    assert picks - 4 <= used["kvcmas_reused_corrected"] <= picks, used
+    assert picks - 4 <= used["kvcmas_reused_factored"] <= picks, used
     assert used["kvcmas_exact_from_leaves"] == 0
     assert again["choices"][0]["message"]["content"]  # decode read them too
     time.sleep(1.2)  # the gauge is set at most once a second, after a checkpoint

@@ -127,7 +127,7 @@ def test_backend_extend_through_the_kernel_equals_its_torch_path():
 
 def _factors(m: int, layers: int, hkv: int, d: int, r: int):
     """Random coefficients of ``m`` tokens under one orthonormal basis per layer and KV head."""
-    from sglang_kvcmas.attention.leaf_factors import FactorBasis, TokenFactors
+    from sglang_kvcmas.attention.deviation_factors import FactorBasis, TokenFactors
 
     basis = [torch.linalg.qr(torch.randn(layers, hkv, d, r))[0] for _ in range(2)]
     return TokenFactors(torch.randn(layers, m, hkv, r), torch.randn(layers, m, hkv, r),
@@ -150,7 +150,7 @@ def test_kernel_decode_reads_factored_leaves_as_the_reference(rows, h, hkv, d):
     """Decode through the kernel with factored tokens' deviations packed per span equals the
     torch path: keys re-positioned, each factored token's deviation added (its key deviation
     rotated at its position), then SDPA; at two layers (each packs its own factors)."""
-    from sglang_kvcmas.attention.leaf_factors import LeafReads
+    from sglang_kvcmas.attention.deviation_factors import LeafReads
 
     torch.manual_seed(d + len(rows))
     layers = 3
@@ -184,7 +184,7 @@ def test_runs_hold_every_factored_token_and_placement_finds_them():
     """A shift-0 region becomes a span where it holds a factored token (only there); every
     token lands on its own packed row; a token outside the spans is refused."""
     from sglang_kvcmas.attention.kernel_reads import place_leaves
-    from sglang_kvcmas.attention.leaf_factors import LeafReads
+    from sglang_kvcmas.attention.deviation_factors import LeafReads
 
     ks = KeyShifts.of_row(2, torch.tensor([3, 3, 0, 0, -5, -5, 0, 0]))  # rows 2..9
     rows = torch.tensor([3, 4, 9])  # the shift-0 rows 0..1 hold none: no span there
@@ -205,7 +205,7 @@ def test_backend_decode_and_extend_read_factored_rows_through_the_kernel():
     """A batch with a reader over factored leaves stays on the kernel (decode, and an extend
     without recomputed tokens) and equals the torch path; a row whose factored tokens are not
     at their row index sends the batch to the torch path."""
-    from sglang_kvcmas.attention.leaf_factors import LeafReads, RowLeaves
+    from sglang_kvcmas.attention.deviation_factors import LeafReads, RowLeaves
     from sglang_kvcmas.attention.spans import BatchRow
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
 
@@ -265,7 +265,7 @@ def test_packing_a_layer_in_one_scatter_equals_the_part_by_part_reference(ranks)
     every packed coefficient and basis column as the reference places it; a span that holds
     none of a part's tokens carries none of its basis."""
     from sglang_kvcmas.attention.kernel_reads import place_leaves
-    from sglang_kvcmas.attention.leaf_factors import LeafReads
+    from sglang_kvcmas.attention.deviation_factors import LeafReads
 
     torch.manual_seed(3)
     hkv, d, layers = 2, 32, 2

@@ -14,7 +14,7 @@ from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 from sglang_kvcmas.tree.shared_tree import SharedTree  # noqa: E402
 
-from test_leaf_factors import _factors  # noqa: E402
+from test_deviation_factors import _factors  # noqa: E402
 from test_shared_tree_cache import (  # noqa: E402
     END,
     SUFFIX,
@@ -41,7 +41,7 @@ def test_exact_mode_keeps_exact_leaves_and_reads_the_rest_re_positioned():
     spans, _ = h.serve(b2, 3)
     assert spans.leaves is None
     rec = b2.customized_info["kvcmas_reuse"][0]
-    assert rec["reused_corrected"] == 0 and rec["reused_repositioned"] == len(T2) + END - K
+    assert rec["reused_factored"] == 0 and rec["reused_repositioned"] == len(T2) + END - K
     assert h.cache.shared.delta_tokens() == K
 
 

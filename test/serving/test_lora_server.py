@@ -79,7 +79,7 @@ def borrowed_in(rec: dict) -> int:
     """Prompt tokens a reuse record read off another agent's (or the centroid's) transcript:
     re-positioned, corrected, or recomputed at the reader's picks (the last
     ``LORA_RECOMPUTE_TAIL`` among them)."""
-    return (rec.get("reused_repositioned", 0) + rec.get("reused_corrected", 0)
+    return (rec.get("reused_repositioned", 0) + rec.get("reused_factored", 0)
             + rec.get("recomputed_borrowed", 0))
 
 
@@ -146,7 +146,7 @@ def test_chat_requests_of_two_adapters_report_the_reuse_in_usage(servers):
 
     assert chat("planner")["kvcmas_reused_repositioned"] == 0
     details = chat("critic", PLAN)
-    read = details["kvcmas_reused_repositioned"] + details["kvcmas_reused_corrected"]
+    read = details["kvcmas_reused_repositioned"] + details["kvcmas_reused_factored"]
     assert read > 40 and read + details["kvcmas_recomputed_borrowed"] > 80, details
 
 

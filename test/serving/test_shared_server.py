@@ -76,7 +76,7 @@ def test_second_agent_reads_first_agents_transcript(server):
     reader = chat(server, SB, T2)["usage"]["prompt_tokens_details"]
     assert owner["kvcmas_reused_repositioned"] == 0 and owner["kvcmas_recomputed"] > 60
     assert reader["kvcmas_reused_repositioned"] > 40, reader
-    assert owner["kvcmas_reused_corrected"] == reader["kvcmas_reused_corrected"] == 0
+    assert owner["kvcmas_reused_factored"] == reader["kvcmas_reused_factored"] == 0
     # One borrowed span (T2 after T1): its boundary plus the owner's top head-mass tokens.
     borrowed = reader["kvcmas_reused_repositioned"] + reader["kvcmas_recomputed_borrowed"]
     defaults = ServingConfig()
@@ -88,7 +88,7 @@ def test_second_agent_reads_first_agents_transcript(server):
                                        + reader["kvcmas_reused_repositioned"])
     # Its factored leaves now (the default leaf mode): the picks read through their factors.
     again = chat(server, SB, T2)["usage"]["prompt_tokens_details"]
-    assert (again["kvcmas_reused_corrected"], again["kvcmas_exact_from_leaves"]) == (
+    assert (again["kvcmas_reused_factored"], again["kvcmas_exact_from_leaves"]) == (
         boundary + extra, 0)
     assert again["kvcmas_recomputed"] == reader["kvcmas_recomputed"] - boundary - extra
     assert again["kvcmas_reused_exact"] == reader["kvcmas_reused_exact"]
@@ -118,7 +118,7 @@ def test_streamed_and_plain_usage_carry_the_same_kvcmas_fields(server):
     streamed = chat_stream(server, SB, T2 + " Streamed.")["prompt_tokens_details"]
     ours = {k for k in plain if k.startswith("kvcmas_")}
     assert ours == {k for k in streamed if k.startswith("kvcmas_")}
-    assert {"kvcmas_reused_exact", "kvcmas_reused_corrected", "kvcmas_reused_repositioned",
+    assert {"kvcmas_reused_exact", "kvcmas_reused_factored", "kvcmas_reused_repositioned",
             "kvcmas_recomputed", "kvcmas_workflow"} <= ours
     assert streamed["cached_tokens"] == plain["cached_tokens"] or streamed["kvcmas_recomputed"]
 

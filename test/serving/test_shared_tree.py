@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvcmas.attention.leaf_factors import FactorBasis, TokenFactors
+from sglang_kvcmas.attention.deviation_factors import FactorBasis, TokenFactors
 from sglang_kvcmas.tree.shared_tree import SharedTree
 
 NS = ("ns", None)

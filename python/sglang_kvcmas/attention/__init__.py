@@ -8,7 +8,7 @@ Modules (one noun each):
   ``span_reads``     keys re-positioned by span (the reference), head mass on the agent head,
                      the pairs factored leaves are fitted on
   ``shifted_query``  decode that rotates the query per shift instead of every borrowed key
-  ``leaf_factors``   factored leaves: a reader's recomputed tokens kept as low-rank factors of
+  ``deviation_factors``   factored leaves: a reader's recomputed tokens kept as low-rank factors of
                      their deviation from the owner's KV, read as additive terms (and the naive
                      reference of such reads)
 """

@@ -17,7 +17,7 @@ key against all S rotated queries costs S times the products of plain attention,
 more than ``max_shifts`` distinct shifts are left to the per-row path, as are rows the caller
 does not hand over (rows read exactly by SDPA).
 
-A row's tokens read through factored leaves (``attention/leaf_factors.py``: the owner's key
+A row's tokens read through factored leaves (``attention/deviation_factors.py``: the owner's key
 re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)
 are additive terms: ``q · (R(δ)·k + R(p)·Δk) = score + q · R(p)·Δk`` and, after the softmax,
 ``out += prob · Δv``, for those few keys only (the per-row path adds the deviations to the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvcmas.attention.leaf_factors import LeafReads
+from sglang_kvcmas.attention.deviation_factors import LeafReads
 from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts
 

@@ -8,7 +8,7 @@ run), and every layer is one launch of
 row-causal), which rotate each KV tile by its run's shift in registers (``R(δ)·k``, no rotated
 copy of any key) and attend all of a KV head's query heads at once.
 
-Factored leaves (``attention/leaf_factors.py``) are the kernels' own delta form: a token's
+Factored leaves (``attention/deviation_factors.py``) are the kernels' own delta form: a token's
 pre-RoPE key deviation ``u·Bᵀ`` rotated at its reader position, its value deviation added as
 is. :func:`place_leaves` puts a batch's factored tokens into the kernels' packed factors once
 per forward (a shift-0 run becomes a span where it holds one: deviations are added inside spans
@@ -42,7 +42,7 @@ from sglang_kvcmas.attention.delta_plan import (
     plan_delta_batch,
     rank_block,
 )
-from sglang_kvcmas.attention.leaf_factors import LeafReads, TokenFactors
+from sglang_kvcmas.attention.deviation_factors import LeafReads, TokenFactors
 from sglang_kvcmas.attention.rope import ShiftRope
 from sglang_kvcmas.attention.spans import KeyShifts, SharedSpan
 

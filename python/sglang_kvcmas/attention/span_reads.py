@@ -14,7 +14,7 @@ values from the pool and calls these; they know nothing of SGLang.
   prefix (reference: :func:`padded_tail_attention`, the query padded to the whole sequence).
 - :func:`gather_pairs` gathers, at one layer, what a reader's factored leaves are fitted on: the
   owner's K/V of the tokens it recomputes, re-positioned, and its own exact K/V of them
-  (``attention/leaf_factors.py``).
+  (``attention/deviation_factors.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvcmas.attention.leaf_factors import LeafFactorFit
+from sglang_kvcmas.attention.deviation_factors import LeafFactorFit
 from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
 

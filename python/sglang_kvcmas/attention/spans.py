@@ -19,7 +19,7 @@ from functools import cached_property
 
 import torch
 
-from sglang_kvcmas.attention.leaf_factors import RowLeaves
+from sglang_kvcmas.attention.deviation_factors import RowLeaves
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class RowSpans:
             end of the recomputed tokens (rows after them sit at their own index); None when
             every row index is its position.
         leaves: the tokens the row reads through its agent's factored leaves and those its
-            extend factors into new ones (``attention/leaf_factors.py``), or None (read
+            extend factors into new ones (``attention/deviation_factors.py``), or None (read
             re-positioned only).
     """
 

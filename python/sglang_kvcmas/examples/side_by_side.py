@@ -7,20 +7,20 @@ debate of :mod:`sglang_kvcmas.examples.debate` (an SGLang frontend program; by d
 of a round answer at the same time over the rounds before, ``--sequential`` one after another),
 then prints one row per turn and a summary::
 
-    turn agent | radix: prompt cached prefill ttft | kvcmas: prompt exact corr repos recomp ttft | same
+    turn agent | radix: prompt cached prefill ttft | kvcmas: prompt exact fact repos recomp ttft | same
     ...
     SUMMARY prefill_tokens radix=.. kvcmas=.. (saved ..%) ttft_ratio=..x kv_held radix=..
             kvcmas=.. same_answers=k/n
-    WORKFLOW side-by-side-.. requests=.. prompt=.. exact=.. corrected=.. repositioned=..
+    WORKFLOW side-by-side-.. requests=.. prompt=.. exact=.. factored=.. repositioned=..
             recomputed=.. completion=.. computed=.. kv_written_mib=.. forecast_total=..
 
 The ``WORKFLOW`` line is the kvcmas server's own ledger of the run (its frontend backend,
 :class:`sglang_kvcmas.frontend.KvcmasEndpoint`, names the run's workflow on every request):
 ``GET /kvcmas/workflows/{id}``.
 
-``exact``: prompt tokens read from KV computed in the agent's own context; ``corr``: read from
+``exact``: prompt tokens read from KV computed in the agent's own context; ``fact``: read from
 another agent's KV through the agent's factored leaves (re-positioned, its deviation added);
-``repos``: read from another agent's KV re-positioned, uncorrected; ``recomp``: prefilled.
+``repos``: read from another agent's KV re-positioned only; ``recomp``: prefilled.
 ``kv held``: pool slots the server holds after the workflow (in use + cached), from its
 ``/metrics``.
 
@@ -78,7 +78,7 @@ def workflow_line(ledger: dict) -> str:
     forecast = (ledger.get("forecast") or {}).get("total")
     return (f"WORKFLOW {ledger['workflow']} requests={ledger['requests']} "
             f"prompt={ledger['prompt_tokens']} exact={ledger['reused_exact']} "
-            f"corrected={ledger['reused_corrected']} "
+            f"factored={ledger['reused_factored']} "
             f"repositioned={ledger['reused_repositioned']} recomputed={ledger['recomputed']} "
             f"completion={ledger['completion_tokens']} computed={ledger['computed']} "
             f"kv_written_mib={ledger.get('kv_bytes_written', 0) / 2**20:.1f} "
@@ -166,14 +166,14 @@ def table(radix: ArmResult, ours: ArmResult) -> list[str]:
         "                 |      SGLang radix cache       |"
         "                 sglang-kvcmas                  |",
         "turn agent       | prompt cached prefill  ttft s |"
-        " prompt exact  corr repos recomp  ttft s | same answer",
+        " prompt exact  fact repos recomp  ttft s | same answer",
     ]
     for i, (a, b) in enumerate(zip(radix.turns, ours.turns), 1):
         rec = b.reuse or {}
         lines.append(
             f"{i:>4} {a.agent:<12}| {a.prompt_tokens:>6} {a.cached_tokens:>6} "
             f"{prefilled(a):>7} {a.ttft_client_s:>7.2f} | {b.prompt_tokens:>6} "
-            f"{rec.get('reused_exact', 0):>5} {rec.get('reused_corrected', 0):>5} "
+            f"{rec.get('reused_exact', 0):>5} {rec.get('reused_factored', 0):>5} "
             f"{rec.get('reused_repositioned', 0):>5} {prefilled(b):>6} {b.ttft_client_s:>7.2f} | "
             f"{'yes' if a.answer == b.answer else 'no'}")
     return lines

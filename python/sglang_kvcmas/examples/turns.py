@@ -30,7 +30,7 @@ class Turn:
         ttft_server_s: the server's ``first_token_latency`` (request received → first token).
         latency_s: seconds until the turn finished, on the client.
         reuse: the server's reuse record (``meta_info.kvcmas_reuse``: tokens reused exactly,
-            corrected, re-positioned, recomputed), or None when the server kept none (SGLang's
+            factored, re-positioned, recomputed), or None when the server kept none (SGLang's
             own tree cache).
     """
 

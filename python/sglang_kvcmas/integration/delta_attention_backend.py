@@ -36,7 +36,7 @@ RoPE: the shift rotates with the model's rotary embedding as SGLang built it
 cannot serve exactly (multimodal rotary, sliding-window layers, other rope types) is refused
 when this backend starts, that is whenever ``--kvcmas-share-context`` is on.
 
-Factored leaves (leaf mode ``factored``, ``attention.leaf_factors.RowLeaves``): a row's extend
+Factored leaves (leaf mode ``factored``, ``attention.deviation_factors.RowLeaves``): a row's extend
 factors, at each layer, the deviation of the recomputed tokens it keeps from the pairs they give
 (their exact K/V just written, the owner's K/V re-positioned: ``span_reads.gather_pairs``; it
 reads nothing differently: this request reads them exact); a later row reads those tokens as the
@@ -63,7 +63,7 @@ from sglang_kvcmas.attention.batched_decode import (
     batched_shift_decode,
     plan_batched_decode,
 )
-from sglang_kvcmas.attention.leaf_factors import TokenDeltas
+from sglang_kvcmas.attention.deviation_factors import TokenDeltas
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.span_reads import (
     gather_pairs,

@@ -4,10 +4,10 @@ Every prompt token is counted once, in one of four kinds:
 
 - ``reused_exact``: read from KV computed in the request's own context (its radix path, or its
   agent's exact leaves on shared nodes: ``exact_from_leaves`` of them);
-- ``reused_corrected``: read from another agent's KV, re-positioned and corrected by the reader
-  agent's factored leaves (the deviation it kept of that token; 0 under leaf mode ``exact``);
-- ``reused_repositioned``: read from another agent's KV, re-positioned to the reader's positions,
-  uncorrected;
+- ``reused_factored``: read from another agent's KV, re-positioned, plus the deviation the
+  reader agent keeps of that token in its factored leaves (0 under leaf mode ``exact``);
+- ``reused_repositioned``: read from another agent's KV, re-positioned to the reader's positions
+  only;
 - ``recomputed``: prefilled by this request (``recomputed_borrowed`` of them were available
   borrowed and recomputed in the request's own context).
 
@@ -18,7 +18,7 @@ Reported three ways, with the same fields:
 - ``usage.prompt_tokens_details.kvcmas_<field>`` of OpenAI responses, streamed
   (``stream_options.include_usage``) and not (:func:`add_reuse_to_usage`,
   ``usage_stream.py``);
-- Prometheus counters ``kvcmas:prompt_tokens_total{kind="exact"|"corrected"|"repositioned"|
+- Prometheus counters ``kvcmas:prompt_tokens_total{kind="exact"|"factored"|"repositioned"|
   "recomputed"}`` beside SGLang's own ``sglang:`` metrics.
 
 A request that was never accounted has no record: an absent value never reads as zero.
@@ -56,7 +56,7 @@ class ReuseRecord:
     workflow: str | None
     prompt_tokens: int
     reused_exact: int
-    reused_corrected: int
+    reused_factored: int
     reused_repositioned: int
     recomputed: int
     recomputed_borrowed: int = 0
@@ -64,7 +64,7 @@ class ReuseRecord:
     kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
-        kinds = (self.reused_exact, self.reused_corrected, self.reused_repositioned,
+        kinds = (self.reused_exact, self.reused_factored, self.reused_repositioned,
                  self.recomputed)
         if sum(kinds) != self.prompt_tokens or min(kinds) < 0 or not (
                 0 <= self.recomputed_borrowed <= self.recomputed
@@ -75,11 +75,11 @@ class ReuseRecord:
         return asdict(self)
 
 
-COUNTED = ("reused_exact", "reused_corrected", "reused_repositioned", "recomputed",
+COUNTED = ("reused_exact", "reused_factored", "reused_repositioned", "recomputed",
            "recomputed_borrowed", "exact_from_leaves")
 """The record's token counts, each reported in usage as ``kvcmas_<name>`` (summed over
 prompts)."""
-KINDS = {"exact": "reused_exact", "corrected": "reused_corrected",
+KINDS = {"exact": "reused_exact", "factored": "reused_factored",
          "repositioned": "reused_repositioned", "recomputed": "recomputed"}
 """Prometheus ``kind`` label -> record field."""
 
@@ -87,7 +87,7 @@ KINDS = {"exact": "reused_exact", "corrected": "reused_corrected",
 def _counter():
     return metrics.counter(
         "kvcmas:prompt_tokens",
-        "Prompt tokens by how sglang-kvcmas served them (exact reuse, corrected reuse, "
+        "Prompt tokens by how sglang-kvcmas served them (exact reuse, factored reuse, "
         "re-positioned reuse, recomputed).",
         ["kind"],
     )
@@ -140,9 +140,9 @@ def records_of(responses: list[dict]) -> list[dict] | None:
 
 
 def cached_tokens(records: list[dict]) -> int:
-    """Prompt tokens read from any cache (exact, corrected or re-positioned), over ``records``:
+    """Prompt tokens read from any cache (exact, factored or re-positioned), over ``records``:
     ``cached_tokens`` when SGLang reported none."""
-    return sum(r["reused_exact"] + r["reused_corrected"] + r["reused_repositioned"]
+    return sum(r["reused_exact"] + r["reused_factored"] + r["reused_repositioned"]
                for r in records)
 
 

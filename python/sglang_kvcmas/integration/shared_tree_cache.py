@@ -76,7 +76,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_kvcmas.attention.leaf_factors import RowLeaves
+from sglang_kvcmas.attention.deviation_factors import RowLeaves
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
@@ -430,7 +430,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             exact = req.prefix_len - repositioned - corrected
             reuse_accounting.attach(req, reuse_accounting.ReuseRecord(
                 agent=split.agent if split else None, workflow=self.requests.options(req).workflow,
-                prompt_tokens=prompt, reused_exact=exact, reused_corrected=corrected,
+                prompt_tokens=prompt, reused_exact=exact, reused_factored=corrected,
                 reused_repositioned=repositioned,
                 recomputed=prompt - exact - repositioned - corrected,
                 recomputed_borrowed=recomputed_borrowed, exact_from_leaves=from_leaves,

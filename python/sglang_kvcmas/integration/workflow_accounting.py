@@ -6,14 +6,14 @@ finished request that names a workflow (``kvcmas_workflow``, the ``X-KVCMAS-Work
 the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.WorkflowLedger`:
 
 - ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (prompt tokens,
-  reused exact / corrected / re-positioned, recomputed, completion tokens, computed = prefill +
+  reused exact / factored / re-positioned, recomputed, completion tokens, computed = prefill +
   decode, requests, agents, first and last seen, requests in flight, KV bytes written and read,
   the spend forecast and the budget);
 - ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory:
   each turn's counts, the requests still in flight when it finished and the KV bytes it wrote);
   404 for a workflow the ledger does not hold;
 - Prometheus ``kvcmas:workflow_tokens_total{workflow, kind}`` (``kind``: ``prompt``, ``exact``,
-  ``corrected``, ``repositioned``, ``recomputed``, ``completion``) and
+  ``factored``, ``repositioned``, ``recomputed``, ``completion``) and
   ``kvcmas:workflow_kv_bytes_total{workflow, kind}`` (``written``, ``read``), with at most
   ``METRIC_WORKFLOWS`` workflow label values per server process: later workflows are counted
   under ``workflow="_other"``, so the series count stays bounded.
@@ -53,7 +53,7 @@ ROUTE = "/kvcmas/workflows"
 METRIC_WORKFLOWS = 64
 OTHER = "_other"
 KIND_FIELDS = {"prompt": "prompt_tokens", "exact": "reused_exact",
-               "corrected": "reused_corrected", "repositioned": "reused_repositioned",
+               "factored": "reused_factored", "repositioned": "reused_repositioned",
                "recomputed": "recomputed", "completion": "completion_tokens"}
 
 
@@ -126,7 +126,7 @@ def admit_options(options: list[RequestOptions | None], now: float | None = None
 def _counter() -> Any:
     return metrics.counter("kvcmas:workflow_tokens",
                            "Tokens per workflow by how sglang-kvcmas served them (prompt, "
-                           "exact / corrected / re-positioned reuse, recomputed, completion).",
+                           "exact / factored / re-positioned reuse, recomputed, completion).",
                            ["workflow", "kind"])
 
 

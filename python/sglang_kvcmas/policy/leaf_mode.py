@@ -6,7 +6,7 @@ exact tokens can be kept these ways:
 - ``exact``: as exact leaves (``tree/pool_overrides.py``: full-size KV in the pool, read exactly
   on the agent's later turns);
 - ``factored`` (the default, at rank 4): as the agent's factored leaves
-  (``attention/leaf_factors.py``, ``tree/factor_leaves.py``): the same tokens as ``exact``
+  (``attention/deviation_factors.py``, ``tree/factored_leaves.py``): the same tokens as ``exact``
   keeps, but only their deviation from the owner's KV, cut to rank ``rank`` per layer and KV
   head (host memory: up to ``d / rank`` times smaller than their exact leaves, less a basis per
   fit); the request's decode and the agent's later turns read them as the owner's KV

@@ -7,7 +7,7 @@ one :class:`Turn` (its reuse record and completion tokens) to the workflow's
 (least recently active dropped first, counted in ``dropped``), and each keeps its last
 ``max_turns`` turns as a trajectory, so memory stays bounded on a server that runs for months.
 
-Token kinds (the reuse record's): ``reused_exact`` + ``reused_corrected`` +
+Token kinds (the reuse record's): ``reused_exact`` + ``reused_factored`` +
 ``reused_repositioned`` + ``recomputed`` = ``prompt_tokens``; ``computed`` = ``recomputed``
 (prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for.
 
@@ -37,7 +37,7 @@ from sglang_kvcmas.policy.spend_forecast import SpendForecast, SpendForecaster, 
 
 logger = logging.getLogger(__name__)
 
-COUNTS = ("prompt_tokens", "reused_exact", "reused_corrected", "reused_repositioned",
+COUNTS = ("prompt_tokens", "reused_exact", "reused_factored", "reused_repositioned",
           "recomputed", "completion_tokens")
 
 
@@ -57,7 +57,7 @@ class Turn:
     agent: str | None
     prompt_tokens: int
     reused_exact: int
-    reused_corrected: int
+    reused_factored: int
     reused_repositioned: int
     recomputed: int
     completion_tokens: int
@@ -97,7 +97,7 @@ class WorkflowTotals:
     requests: int = 0
     prompt_tokens: int = 0
     reused_exact: int = 0
-    reused_corrected: int = 0
+    reused_factored: int = 0
     reused_repositioned: int = 0
     recomputed: int = 0
     completion_tokens: int = 0
@@ -138,7 +138,7 @@ class WorkflowTotals:
                                "kv_bytes_written": self.kv_bytes_written,
                                "kv_bytes_read": self.kv_bytes_read}
         out.update({k: getattr(self, k) for k in COUNTS})
-        reused = self.reused_exact + self.reused_corrected + self.reused_repositioned
+        reused = self.reused_exact + self.reused_factored + self.reused_repositioned
         out["reused_fraction"] = reused / self.prompt_tokens if self.prompt_tokens else 0.0
         out["forecast"] = self.forecast.to_json() if self.forecast else None
         out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_kvcmas.attention.leaf_factors import LeafFactorFit, LeafReads, RowLeaves
+from sglang_kvcmas.attention.deviation_factors import LeafFactorFit, LeafReads, RowLeaves
 from sglang_kvcmas.attention.spans import KeyShifts, RecomputedTokens, RowSpans
 from sglang_kvcmas.policy.recompute import BorrowedSpan, BorrowedToken
 from sglang_kvcmas.tree.agent_split import AgentSplit

@@ -18,7 +18,7 @@ hold a reader agent's exact KV for some of a node's tokens (the boundary tokens 
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
 the leaf (least recently used first) or its node is evicted. A reader agent's factored leaves
 (``factors``: the deviations of tokens it recomputed, host memory, not pool slots) are kept on
-the nodes, like exact ones (``tree/factor_leaves.py``).
+the nodes, like exact ones (``tree/factored_leaves.py``).
 
 Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
 transcript matches in microseconds, not one Python step per token.
@@ -30,7 +30,7 @@ int64 payloads.
 NOTE: about 600 lines because ``SharedTree`` keeps one set of invariants (node map, lock
 counts, owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
 ``check_invariants`` and ``trim_leaves`` walk together; the borrowed-path walks live in
-``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py`` and ``factor_leaves.py``
+``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py`` and ``factored_leaves.py``
 (only their adoption, budget and byte counts are here, beside the sizes they change).
 """
 
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from sglang_kvcmas.tokens import as_token_array, common_prefix
-from sglang_kvcmas.tree.factor_leaves import FactorLeaf
+from sglang_kvcmas.tree.factored_leaves import FactorLeaf
 from sglang_kvcmas.tree.pool_overrides import PoolOverrides
 
 Namespace = Hashable
@@ -437,11 +437,11 @@ class SharedTree:
 
     def add_factors(self, node: SharedNode, agent: str, offsets: torch.Tensor, factors,
                     reader_start: int) -> int:
-        """Keep an agent's factored tokens of ``node`` (``tree/factor_leaves.py``).
+        """Keep an agent's factored tokens of ``node`` (``tree/factored_leaves.py``).
 
         Args:
             offsets: [k] int64 node-local offsets, sorted and distinct.
-            factors: their ``attention.leaf_factors.TokenFactors``.
+            factors: their ``attention.deviation_factors.TokenFactors``.
             reader_start: the agent's position of the node's first token.
         Returns:
             tokens kept (0: the node is gone, the agent read it at another position, or its

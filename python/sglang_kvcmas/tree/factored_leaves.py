@@ -3,7 +3,7 @@
 The third leaf type (``policy/leaf_mode.py``: ``factored``). Where an exact leaf
 (``tree/pool_overrides.py``) holds a token's full K/V in a pool slot, a factored leaf holds the
 token's deviation from the owner's KV as coefficients under its fit's basis
-(``attention.leaf_factors.TokenFactors``): host memory, not pool slots, so the tree counts its
+(``attention.deviation_factors.TokenFactors``): host memory, not pool slots, so the tree counts its
 bytes and the leaf budget (``shared_tree.trim_leaves``) bounds it with the other types::
 
     node tokens        0 1 2 3 4 5 6 7 8 ...      (owner's slots, owner positions)
@@ -30,7 +30,7 @@ class FactorPart:
 
     Attributes:
         offsets: [m] int64 node-local offsets, sorted and distinct.
-        factors: an ``attention.leaf_factors.TokenFactors`` of those ``m`` tokens, in order.
+        factors: an ``attention.deviation_factors.TokenFactors`` of those ``m`` tokens, in order.
     """
 
     offsets: torch.Tensor

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_kvcmas.attention.leaf_factors import (
+from sglang_kvcmas.attention.deviation_factors import (
     FactorBasis,
     LeafFactorFit,
     LeafReads,
