@@ -4,7 +4,7 @@
 # a time (same binary, embedded model), and print a side-by-side table per turn with a summary.
 #
 #   scripts/run.sh                                   # 3 rounds, 64-token answers
-#   scripts/run.sh --rounds 2 --max-new-tokens 48    # args go to sglang_kvcmas.examples.side_by_side
+#   scripts/run.sh --rounds 2 --max-new-tokens 48    # args go to sglang_kvcmas_examples.side_by_side
 #   scripts/run.sh --server-args "--model-path /path/to/hf-folder"
 #
 # Environment: VENV (default .venv, see scripts/install.sh), SKIP_INSTALL=1 (do not run
@@ -14,5 +14,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export VENV="${VENV:-$ROOT/.venv}"
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then "$ROOT/scripts/install.sh"; fi
 start=$(date +%s)
-"$VENV/bin/python" -m sglang_kvcmas.examples.side_by_side "$@"
+"$VENV/bin/python" -m sglang_kvcmas_examples.side_by_side "$@"
 echo "[run] done in $(( $(date +%s) - start )) s" >&2

@@ -30,7 +30,7 @@ import torch
 
 from sglang_kvcmas.adapters import ADAPTER_CONFIGS, ROLES, role_adapter_dir
 from sglang_kvcmas.adapters.role_data import role_examples
-from sglang_kvcmas.datasets import gsm8k
+from sglang_kvcmas_examples.datasets import gsm8k
 from sglang_kvcmas.models.resolve import resolve_model_path
 
 FIRST_TRAIN_ITEM = 200

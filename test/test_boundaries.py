@@ -1,5 +1,6 @@
-"""The two parts stay apart: only the SGLang adapter imports ``sglang.srt``, and the server never
-imports the lab (``sglang_kvcmas_lab``), statically or at run time."""
+"""The parts stay apart: only the SGLang adapter imports ``sglang.srt``, and the server never
+imports the lab (``sglang_kvcmas_lab``) or the client programs (``sglang_kvcmas_examples``),
+statically or at run time."""
 
 from __future__ import annotations
 
@@ -21,16 +22,17 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_the_server_package_never_imports_the_lab():
+def test_the_server_package_never_imports_the_lab_or_the_examples():
+    apart = ("sglang_kvcmas_lab", "sglang_kvcmas_examples")
     offenders = {str(p.relative_to(PYTHON)): sorted(m for m in _imports(p)
-                                                    if m.split(".")[0] == "sglang_kvcmas_lab")
+                                                    if m.split(".")[0] in apart)
                  for p in (PYTHON / "sglang_kvcmas").rglob("*.py")}
     assert not {k: v for k, v in offenders.items() if v}
 
 
 def test_only_the_adapter_imports_sglang_srt():
     offenders = {}
-    for root in ("sglang_kvcmas", "sglang_kvcmas_lab"):
+    for root in ("sglang_kvcmas", "sglang_kvcmas_lab", "sglang_kvcmas_examples"):
         for p in (PYTHON / root).rglob("*.py"):
             rel = str(p.relative_to(PYTHON))
             if rel.startswith("sglang_kvcmas/integration/"):
@@ -49,7 +51,8 @@ def test_loading_the_plugin_imports_no_lab_module():
         "import sglang_kvcmas.launch_server, sglang_kvcmas.plugin as p\n"
         "p.register()\n"
         "import sglang_kvcmas.integration.shared_tree_cache\n"
-        "print(sorted(m for m in sys.modules if m.startswith('sglang_kvcmas_lab')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('sglang_kvcmas_lab', "
+        "'sglang_kvcmas_examples'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from sglang_kvcmas import datasets
+from sglang_kvcmas_examples import datasets
 
 
 def test_gsm8k_loads_with_final_answers():

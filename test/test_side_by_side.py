@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sglang_kvcmas.examples.debate import Turn
-from sglang_kvcmas.examples.side_by_side import ArmResult, prefilled, summary, table
+from sglang_kvcmas_examples.debate import Turn
+from sglang_kvcmas_examples.side_by_side import ArmResult, prefilled, summary, table
 
 
 def turn(agent, prompt, cached, answer, reuse=None, ttft=1.0, round_=1):
@@ -35,7 +35,7 @@ def test_rows_and_summary():
 
 
 def test_the_workflow_line_reads_the_servers_ledger():
-    from sglang_kvcmas.examples.side_by_side import workflow_line
+    from sglang_kvcmas_examples.side_by_side import workflow_line
 
     ledger = {"workflow": "side-by-side-1", "requests": 9, "prompt_tokens": 4000,
               "reused_exact": 1000, "reused_factored": 0, "reused_repositioned": 2500,

@@ -215,7 +215,7 @@ def main() -> int:
     args.out = args.out or bench.named(RESULTS / "delta_growth_study")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas.datasets import essays
+    from sglang_kvcmas_examples.datasets import essays
     from sglang_kvcmas_lab.models.reference_llama import RefLlama
 
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_kvcmas.datasets import essays, gsm8k
+from sglang_kvcmas_examples.datasets import essays, gsm8k
 
 __all__ = ["AGENTS", "TurnPlan", "Workload", "debate", "reviewer_chain"]
 

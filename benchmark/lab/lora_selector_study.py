@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
 from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
 from sglang_kvcmas.attention.span_reads import head_mass  # noqa: E402
-from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
 from sglang_kvcmas.policy.lora_share import (  # noqa: E402
     LORA_RECOMPUTE_BOUNDARY,
     LORA_RECOMPUTE_TAIL,

@@ -78,7 +78,7 @@ def main() -> int:
 
     from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
-    from sglang_kvcmas.datasets import essays
+    from sglang_kvcmas_examples.datasets import essays
     from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
     t0 = time.perf_counter()

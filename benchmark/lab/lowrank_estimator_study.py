@@ -109,7 +109,7 @@ def main() -> int:
 
     from sglang_kvcmas_lab.correction.affine_lowrank import fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
     from sglang_kvcmas_lab.models.reference_llama import RefLlama
     from transformers import AutoTokenizer

@@ -116,7 +116,7 @@ def main() -> int:
     bench_model = model_from_args(ap, args, lab=True)
     args.out = bench_model.out_or_named(args.out, DEFAULT_OUT)
     torch.manual_seed(0)
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     tok, model = load_lab_model(bench_model)
     probe_layers = [layer for layer in PROBE_LAYERS if layer < model.spec.num_layers]

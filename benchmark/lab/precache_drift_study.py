@@ -43,7 +43,7 @@ from sglang_kvcmas_lab.correction.lora_forward import AgentModel  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
 from sglang_kvcmas_lab.correction.precache_base import create_lora_method  # noqa: E402
 from sglang_kvcmas_lab.correction.precache_drift import drift_pass  # noqa: E402
-from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
 
 MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values", "adapters"),
          ("own", "adapters"), ("own", "own")]

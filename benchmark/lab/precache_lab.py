@@ -70,7 +70,7 @@ from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E4
 from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import AdapterSet  # noqa: E402
 from sglang_kvcmas_lab.correction.precache_base import Segment, create_lora_method  # noqa: E402
-from sglang_kvcmas.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
 from benchmark.model_arg import BenchModel, add_model_arg, model_from_args  # noqa: E402
 

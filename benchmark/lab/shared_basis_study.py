@@ -4,7 +4,7 @@ The server's leaf mode ``factored`` keeps the tokens a reader recomputes as the 
 their deviation from the owner's KV, per layer and KV head: coefficients per token plus one basis
 per fit (a turn's picks). At the defaults' picks (a few dozen tokens per reader and turn) the
 bases are half the bytes. This lab asks what a basis held longer costs in fidelity. The panel's
-agents (``sglang_kvcmas.examples.panel``) read the first ``--length`` tokens of a PyPI-shipped
+agents (``sglang_kvcmas_examples.panel``) read the first ``--length`` tokens of a PyPI-shipped
 essay; agent 0 owns it, ``--readers`` others read it. Every full computation runs in the lab's
 reference model, so each reader's deviation on its picks (the first 16 tokens and 10% by the
 owner's head mass, as served; keys before RoPE) is known exactly. The picks are split in two
@@ -104,7 +104,7 @@ def leaf_bytes(variant: str, picks: int, dim: int, r: int, readers: int) -> floa
 
 
 def study(model, tok, text: str, length: int, readers: int) -> dict:
-    from sglang_kvcmas.examples.panel import PERSONAS, system_prompt
+    from sglang_kvcmas_examples.panel import PERSONAS, system_prompt
     from sglang_kvcmas_lab.models.reference_llama import KVCache
 
     essay = tok.decode(tok.encode(text, add_special_tokens=False)[:length])
@@ -209,7 +209,7 @@ def main() -> int:
     args.out = args.out or bench.named(RESULTS / "shared_basis_study")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas.datasets import essays
+    from sglang_kvcmas_examples.datasets import essays
     from sglang_kvcmas_lab.models.reference_llama import RefLlama
 
     t0 = time.perf_counter()

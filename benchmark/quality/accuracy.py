@@ -76,7 +76,7 @@ def say(text: str) -> None:
 # ----- items --------------------------------------------------------------------------------
 
 def build_flow(task: str, item: int) -> tasks.Flow:
-    from sglang_kvcmas.datasets import gsm8k, humaneval
+    from sglang_kvcmas_examples.datasets import gsm8k, humaneval
 
     if task == "gsm8k":
         return tasks.gsm8k_flow(item, gsm8k()[item].question)
@@ -86,7 +86,7 @@ def build_flow(task: str, item: int) -> tasks.Flow:
 def grade(flow: tasks.Flow) -> tuple[bool, str | None]:
     """Whether the workflow's final answer is right, and that answer (GSM8K: the voted number;
     HumanEval: the fixer's code)."""
-    from sglang_kvcmas.datasets import gsm8k, humaneval
+    from sglang_kvcmas_examples.datasets import gsm8k, humaneval
 
     if flow.task == "gsm8k":
         final = tasks.gsm8k_vote(flow)

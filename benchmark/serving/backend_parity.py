@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
 from benchmark.serving.recompute_fidelity import generate  # noqa: E402
 from benchmark.serving.server_arms import ArmServer, run_header  # noqa: E402
-from sglang_kvcmas import datasets  # noqa: E402
+from sglang_kvcmas_examples import datasets  # noqa: E402
 from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
 from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
 

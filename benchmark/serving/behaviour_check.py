@@ -53,7 +53,7 @@ def record(url: str, max_new: int, n_debates: int, n_chains: int,
     """Every turn's record (``model_folder``: the served model's, default the embedded one)."""
     from transformers import AutoTokenizer
 
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(model_folder or resolve_model_path(None)))

@@ -115,7 +115,7 @@ class KvSampler(threading.Thread):
 
 
 def build_workflows(n_debates: int, n_chains: int) -> list[Workflow]:
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     items = gsm8k()
     flows = [debate(i, items[i].question) for i in range(n_debates)]
@@ -174,7 +174,7 @@ def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
     """The majority of the last step's answers (each reply's last number); a tie goes to the
     agent first by name, so the vote is the same in every process (a vote over a ``set`` broke
     ties by string hash order, which changes from one Python process to the next)."""
-    from sglang_kvcmas.datasets import last_number
+    from sglang_kvcmas_examples.datasets import last_number
 
     last = max(t["step"] for t in turns if t["wid"] == wid)
     answers = [last_number(t["text"]) for t in sorted(turns, key=lambda t: t["agent"])
@@ -492,7 +492,7 @@ def main() -> int:
     deb = [w for w in range(args.debates)]
     answers = {arm: final_answers(results[arm][0], args.debates) for arm in ("radix", "kvcmas")}
     same = {w: same_answer(answers["kvcmas"][w], answers["radix"][w]) for w in deb}
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     truth = [item.final for item in gsm8k()[: args.debates]]
     correct = {arm: sum(same_number(a, t) for a, t in zip(answers[arm], truth))

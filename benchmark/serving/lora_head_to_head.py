@@ -225,7 +225,7 @@ def build_flows(n: int, steps: list[list[str]], shots: int = 0) -> list[LoraFlow
     after worked examples of its own (``shots`` GSM8K solutions, different for every workflow, as
     a retriever would pick them): a task context every agent of the workflow reads, which stock
     serving prefills once per adapter."""
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     items = gsm8k()
 
@@ -339,7 +339,7 @@ def prefilled(t: dict) -> int:
 
 def last_answer(turns: list[dict], wid: int) -> str | None:
     """The workflow's last solver answer (``ANSWER: <number>``, else its last number)."""
-    from sglang_kvcmas.datasets import last_number
+    from sglang_kvcmas_examples.datasets import last_number
 
     mine = [t for t in turns if t["wid"] == wid]
     solver = [t for t in mine if t["agent"] == "solver"] or mine  # other adapters: the last turn

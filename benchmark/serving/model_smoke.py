@@ -30,7 +30,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_kvcmas import datasets
+from sglang_kvcmas_examples import datasets
 from sglang_kvcmas.models.resolve import resolve_model_path
 from sglang_kvcmas.server.process import ServerProcess
 

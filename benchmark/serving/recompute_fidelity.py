@@ -153,7 +153,7 @@ def main() -> int:
     args.out = model.out_or_named(args.out, DEFAULT_OUT)
     configs = [parse_config(c) for c in args.configs.split(",")]
 
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     tok = model.tokenizer()
     questions = [q.question for q in gsm8k()[: args.questions]]

@@ -68,7 +68,7 @@ from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # 
                                      printed_number, same_number)
 from benchmark.serving.server_arms import ArmServer  # noqa: E402
 from benchmark.serving.workflows import DEBATERS  # noqa: E402
-from sglang_kvcmas.examples import fanout  # noqa: E402
+from sglang_kvcmas_examples import fanout  # noqa: E402
 from sglang_kvcmas.server.process import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -121,7 +121,7 @@ PANEL_ROLES = {
 }
 FANOUT_ROLES = {"Planner": fanout.PLANNER, "Worker": fanout.WORKER,
                 "Aggregator": fanout.AGGREGATOR}
-"""The fan-out example's roles (``sglang_kvcmas.examples.fanout``)."""
+"""The fan-out example's roles (``sglang_kvcmas_examples.fanout``)."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"final answer\s*[:=]?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.I)
 
@@ -422,7 +422,7 @@ def main() -> int:
     out = RESULTS / f"record_runs_{args.variant}.jsonl"
     done = done_keys(out)
     kinds = KIND_SETS[args.kinds]
-    from sglang_kvcmas.datasets import gsm8k, humaneval
+    from sglang_kvcmas_examples.datasets import gsm8k, humaneval
 
     problems = humaneval() if args.kinds == "code" else ()
     if args.kinds == "code" and args.runs > len(problems):

@@ -189,7 +189,7 @@ class Prompts:
         """``model_folder``: the served model's HF folder (default: the embedded model's)."""
         from transformers import AutoTokenizer
 
-        from sglang_kvcmas.datasets import gsm8k
+        from sglang_kvcmas_examples.datasets import gsm8k
         from sglang_kvcmas.models.resolve import resolve_model_path
 
         folder = model_folder or resolve_model_path(None)

@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                             + ("_pinned" if args.pin_cores else ""))).name
     logs = args.out or Path("/tmp") / name
     logs.mkdir(parents=True, exist_ok=True)
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     tok = model.tokenizer()
     questions = gsm8k()

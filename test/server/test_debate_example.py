@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import sglang as sgl
 
-from sglang_kvcmas.examples.debate import CHAT_TEMPLATE, DEFAULT_AGENTS, run_debate
+from sglang_kvcmas_examples.debate import CHAT_TEMPLATE, DEFAULT_AGENTS, run_debate
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def test_panel_program_runs_three_rounds_and_round_two_borrows(sharing_server):
     """The review panel (examples/panel.py) over a short document on the sharing server:
     every panelist answers in each round, and in round 2 (all read the same document at
     once) the readers reuse it from one panelist's KV (re-positioned) instead of prefilling it."""
-    from sglang_kvcmas.examples.panel import PERSONAS, document, run_panel
+    from sglang_kvcmas_examples.panel import PERSONAS, document, run_panel
 
     backend = sgl.RuntimeEndpoint(sharing_server.url, chat_template_name=CHAT_TEMPLATE)
     run = run_panel(backend, document(1600), agents=3, answer_tokens=4)
@@ -49,7 +49,7 @@ def test_panel_program_runs_three_rounds_and_round_two_borrows(sharing_server):
 
 
 def test_fanout_program_forks_one_worker_per_sub_task(sharing_server):
-    from sglang_kvcmas.examples.fanout import run_fanout, sub_tasks
+    from sglang_kvcmas_examples.fanout import run_fanout, sub_tasks
 
     assert sub_tasks("1. add\n- multiply\nnothing", "q", 8) == ["add", "multiply"]
     assert sub_tasks("no list", "q", 8) == ["q"]

@@ -55,7 +55,7 @@ def test_gsm8k_flow_runs_each_program_and_votes():
 
 
 def test_humaneval_grading_runs_the_problems_own_tests():
-    from sglang_kvcmas.datasets import humaneval
+    from sglang_kvcmas_examples.datasets import humaneval
 
     for problem in humaneval()[:3]:
         body = problem["canonical_solution"]

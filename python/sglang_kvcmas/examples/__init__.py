@@ -1,1 +1,0 @@
-"""Runnable multi-agent workflows, written as SGLang frontend programs (``sgl.function``)."""
