@@ -13,7 +13,11 @@ its slots scattered over a ``--pool``-slot pool (40000, the serving benchmarks' 
   a low-rank correction or more than ``MAX_SHIFTS`` owners);
 - ``batched``: the batch bucketed by length once per forward, each bucket read in a few tensor
   ops (``attention/batched_decode.py``: what the backend serves). The plan's cost is
-  reported apart (``plan_us``, once per forward, shared by every layer).
+  reported apart (``plan_us``, once per forward, shared by every layer);
+- ``leaves``: ``batched`` with every row reading one borrowed token in ``--leaf-every`` through
+  a factored leaf (rank ``--leaf-rank``, the default's): what a reader's decode serves once its
+  picks are factored. Successive calls read successive layers (of the model's), as a decode step
+  does, so nothing one layer materializes is reused by the next call.
 
     python benchmark/kernels/batched_decode_bench.py [--rows 4 12 24] [--n-kv 1000 3000]
 
@@ -42,6 +46,11 @@ from sglang_kvcmas.attention.batched_decode import (  # noqa: E402
     batched_shift_decode,
     plan_batched_decode,
 )
+from sglang_kvcmas.attention.deviation_factors import (  # noqa: E402
+    FactorBasis,
+    LeafReads,
+    TokenFactors,
+)
 from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq  # noqa: E402
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode  # noqa: E402
 from sglang_kvcmas.attention.spans import KeyShifts  # noqa: E402
@@ -58,6 +67,9 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=40000,
                     help="KV pool slots the rows are scattered over (the benchmarks' pool)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--leaf-every", type=int, default=8,
+                    help="one borrowed token in N read through a factored leaf (``leaves``)")
+    ap.add_argument("--leaf-rank", type=int, default=4)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="JSONL (default: results/batched_decode_bench[_<model>].jsonl)")
     add_model_arg(ap)
@@ -68,8 +80,8 @@ def main() -> int:
     h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim  # embedded: 9, 3, 64
     rope, scale = ShiftRope.full(rope_inv_freq(d, model.rope_theta)), d**-0.5
     records = []
-    print(f"{'rows':>4} {'n_kv':>5} {'plain':>8} {'per_row':>8} {'batched':>8} {'plan':>7}  "
-          "us per layer call")
+    print(f"{'rows':>4} {'n_kv':>5} {'plain':>8} {'per_row':>8} {'batched':>8} {'leaves':>8} "
+          f"{'plan':>7}  us per layer call")
     for n_rows in args.rows:
         for n in args.n_kv:
             g = torch.Generator().manual_seed(n_rows * 7919 + n)
@@ -105,19 +117,47 @@ def main() -> int:
                 batched_shift_decode(query, k_cache, v_cache, plan, rope, scale, out)
                 return out
 
+            leaves = [leaf_reads(m, args.leaf_every, args.leaf_rank, model.num_layers, hkv, d, g)
+                      for m in lens]
+            leaf_plan = plan_batched_decode(slots, shifts, rope, leaves=leaves)
+            layer = [0]
+
+            def with_leaves():
+                out = torch.empty_like(query)
+                batched_shift_decode(query, k_cache, v_cache, leaf_plan, rope, scale, out,
+                                     layer=layer[0])
+                layer[0] = (layer[0] + 1) % model.num_layers
+                return out
+
             torch.testing.assert_close(batched(), per_row(), atol=3e-6, rtol=1e-5)
             t = {name: timed(fn, args.reps) for name, fn in
-                 (("plain", plain), ("per_row", per_row), ("batched", batched))}
+                 (("plain", plain), ("per_row", per_row), ("batched", batched),
+                  ("leaves", with_leaves))}
             t["plan"] = timed(lambda: plan_batched_decode(slots, shifts, rope), args.reps)
             rec = {"model": model.name, "rows": n_rows, "n_kv": n, "owners": args.owners,
+                   "leaf_every": args.leaf_every, "leaf_rank": args.leaf_rank,
                    "buckets": len(plan.buckets), **{f"{k}_us": round(v, 1) for k, v in t.items()}}
             records.append(rec)
             print(f"{n_rows:>4} {n:>5} {t['plain']:>8.0f} {t['per_row']:>8.0f} "
-                  f"{t['batched']:>8.0f} {t['plan']:>7.0f}  plain/per_row "
-                  f"{t['plain'] / t['per_row']:.2f}  plain/batched {t['plain'] / t['batched']:.2f}")
+                  f"{t['batched']:>8.0f} {t['leaves']:>8.0f} {t['plan']:>7.0f}  plain/per_row "
+                  f"{t['plain'] / t['per_row']:.2f}  plain/batched {t['plain'] / t['batched']:.2f}"
+                  f"  plain/leaves {t['plain'] / t['leaves']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     return 0
+
+
+def leaf_reads(n: int, every: int, rank: int, layers: int, hkv: int, d: int,
+               g: torch.Generator) -> LeafReads:
+    """A row of ``n`` keys reading one borrowed token in ``every`` (past its own sixth: its
+    head) through one fit's factored leaves of rank ``rank``, every layer's."""
+    rows = torch.arange(n // 6, n, every, dtype=torch.int64)
+    m = rows.numel()
+    basis = FactorBasis(torch.linalg.qr(torch.randn(layers, hkv, d, rank, generator=g))[0],
+                        torch.linalg.qr(torch.randn(layers, hkv, d, rank, generator=g))[0], m)
+    coef = TokenFactors(0.1 * torch.randn(layers, m, hkv, rank, generator=g),
+                        0.1 * torch.randn(layers, m, hkv, rank, generator=g), basis)
+    return LeafReads([(rows, rows.clone(), coef)])
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ does not hand over (rows read exactly by SDPA).
 
 A row's tokens read through factored leaves (``attention/deviation_factors.py``: the owner's key
 re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)
-are additive terms: ``q · (R(δ)·k + R(p)·Δk) = score + q · R(p)·Δk`` and, after the softmax,
-``out += prob · Δv``, for those few keys only (the per-row path adds the deviations to the
-gathered rows instead).
+have their deviations added to the bucket's gathered copies of their keys and values, the key's
+rotated to the owner's position ``p − δ`` as the gathered key sits there:
+``R(−δ)q · (k + R(p−δ)Δk) = q · (R(δ)k + R(p)Δk)``. The deviations come materialized once per
+layer and request (``LeafReads.layer``), so a decode step pays a gather-add for them, not a
+re-expansion of their factors.
 
 The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
 the keys); ``test/serving/test_batched_decode.py`` compares them over awkward batches, and
@@ -35,7 +37,13 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvcmas.attention.deviation_factors import LeafReads
-from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
+from sglang_kvcmas.attention.rope import (
+    ShiftRope,
+    apply_rope,
+    as_shift_rope,
+    rope_cos_sin,
+    rotate,
+)
 from sglang_kvcmas.attention.spans import KeyShifts
 
 MAX_SHIFTS = 4
@@ -60,6 +68,7 @@ class DecodeBucket:
         shift_index: [R, L] int64 each key's index into its row's shifts (padding: 0).
         pad_bias: [R, 1, 1, L] float32, 0 for a key, -inf for padding.
         cos, sin: [R, S, rotary_dim // 2] float32 of each row's shifts negated (padding: 0).
+        shifts: [R, S] int64 each row's shifts (padding: 0).
         leaves: (bucket row, its factored-leaf tokens) for the rows that read some.
     """
 
@@ -69,6 +78,7 @@ class DecodeBucket:
     pad_bias: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    shifts: torch.Tensor
     leaves: tuple[tuple[int, LeafReads], ...] = ()
 
 
@@ -150,6 +160,7 @@ def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope,
         pad_bias=bias[:, None, None, :].to(device),
         cos=cos.view(len(rows), s_max, half).to(device),
         sin=sin.view(len(rows), s_max, half).to(device),
+        shifts=-neg,
         leaves=tuple((r, leaves[i]) for r, i in enumerate(rows)
                      if leaves is not None and leaves[i] is not None and len(leaves[i])),
     )
@@ -158,20 +169,28 @@ def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope,
 def _leaf_terms(b: DecodeBucket, layer: int, rope: ShiftRope, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The bucket's factored tokens at ``layer``: (bucket rows [T], key indices [T], key
-    deviations rotated to their positions [T, H_kv, d], value deviations [T, H_kv, d]), or
-    None where there are none (or all are zero there)."""
-    rows, keys, dks, dvs = [], [], [], []
+    deviations rotated to their owner's positions [T, H_kv, d], value deviations
+    [T, H_kv, d]), or None where there are none (or all are zero there).
+
+    The gathered keys sit at their owners' positions and each row's query is rotated back by
+    the key's shift, so a deviation rotated to the token's own position ``p`` joins its key
+    rotated to ``p - shift``: ``R(−δ)q · R(p−δ)Δk = q · R(p)Δk``."""
+    rows, keys, pos, dks, dvs = [], [], [], [], []
     for r, lr in b.leaves:
         td = lr.layer(layer)
         if td is None:
             continue
         rows.append(torch.full((td.rows.numel(),), r, dtype=torch.int64))
         keys.append(td.rows)
-        dks.append(td.k_at_positions(rope))
+        pos.append(td.positions)
+        dks.append(td.k)
         dvs.append(td.v)
     if not rows:
         return None
-    return tuple(torch.cat(t).to(device) for t in (rows, keys, dks, dvs))
+    t_rows, t_keys, t_pos = torch.cat(rows), torch.cat(keys), torch.cat(pos)
+    shift = b.shifts[t_rows, b.shift_index.cpu()[t_rows, t_keys]]
+    dk = apply_rope(torch.cat(dks), t_pos - shift, rope)
+    return t_rows.to(device), t_keys.to(device), dk.to(device), torch.cat(dvs).to(device)
 
 
 def batched_shift_decode(
@@ -205,6 +224,11 @@ def batched_shift_decode(
         # gathered [R, L, H_kv, d] through strided views, no transposed copy.
         k = k_cache.index_select(0, flat).view(r, n_kv, hkv, d).to(torch.float32)
         v = v_cache.index_select(0, flat).view(r, n_kv, hkv, d).to(torch.float32)
+        terms = _leaf_terms(b, layer, rope, k.device) if b.leaves else None
+        if terms is not None:  # factored tokens: deviations added to the gathered copies
+            t_rows, t_keys, dk, dv = terms
+            k.index_put_((t_rows, t_keys), dk, accumulate=True)
+            v.index_put_((t_rows, t_keys), dv, accumulate=True)
         q = query[b.rows].reshape(r, hkv, g, d).to(torch.float32)
         q_s = rotate(q[:, :, None], b.cos[:, None, :, None, :], b.sin[:, None, :, None, :],
                      rope) * scale  # [R, H_kv, S, g, d]: each row's query once per shift
@@ -215,14 +239,6 @@ def batched_shift_decode(
         else:  # each key's score against its own shift's query
             pick = b.shift_index[:, None, None, None, :].expand(r, hkv, 1, g, n_kv)
             scores = every.gather(2, pick).squeeze(2)  # [R, H_kv, g, L]
-        terms = _leaf_terms(b, layer, rope, k.device) if b.leaves else None
-        if terms is not None:  # factored tokens: + q · R(p)·Δk on their scores
-            t_rows, t_keys, dk, dv = terms
-            q_t = q[t_rows] * scale  # [T, H_kv, g, d]
-            scores[t_rows, :, :, t_keys] += torch.einsum("thgd,thd->thg", q_t, dk.float())
         probs = torch.softmax(scores + b.pad_bias, dim=-1)
         out = torch.stack([probs[:, j] @ v[:, :, j] for j in range(hkv)], dim=1)
-        if terms is not None:  # ... and + prob · Δv on the output
-            p_t = probs[t_rows, :, :, t_keys]  # [T, H_kv, g]
-            out.index_add_(0, t_rows, p_t[..., None] * dv.float()[:, :, None, :])
         output[b.rows] = out.reshape(r, h, d).to(output.dtype)

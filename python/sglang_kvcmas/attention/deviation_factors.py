@@ -264,7 +264,7 @@ class LeafReads:
         empty = torch.empty(0, dtype=torch.int64)
         self.rows = torch.cat([p[0] for p in self.parts]) if self.parts else empty
         self.positions = torch.cat([p[1] for p in self.parts]) if self.parts else empty
-        self._last: tuple[int, TokenDeltas] | None = None
+        self._layers: dict[int, TokenDeltas | None] = {}
 
     def __len__(self) -> int:
         return int(self.rows.numel())
@@ -276,16 +276,27 @@ class LeafReads:
 
     def layer(self, layer_id: int) -> TokenDeltas | None:
         """The layer's deltas, or None where every factor is zero (the row then reads as it
-        would without them, bit for bit). The last layer's are kept: every read of one layer
-        reuses them, and no more than one layer's is ever held."""
-        if self._last is not None and self._last[0] == layer_id:
-            return self._last[1]
+        would without them, bit for bit).
+
+        Materialized once per layer and kept while the row is read: a decode step reads every
+        layer again, and re-expanding the factors at each step cost readers a third of their
+        decode time on CPU (``benchmark/kernels/batched_decode_bench.py``). So while its
+        request runs, a row holds its factored tokens' deviations at full size, float32
+        (:meth:`materialized_nbytes`: as much as exact leaves of those tokens in a float32
+        pool); the tree keeps only the factors, and they go with the request."""
+        if layer_id in self._layers:
+            return self._layers[layer_id]
         out = None
         if any(bool(f.k[layer_id].any() or f.v[layer_id].any()) for _, _, f in self.parts):
             ks, vs = zip(*(f.deltas(layer_id) for _, _, f in self.parts))
             out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
-        self._last = (layer_id, out)
+        self._layers[layer_id] = out
         return out
+
+    def materialized_nbytes(self) -> int:
+        """Bytes of the deviations :meth:`layer` holds now."""
+        return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size()
+                   for t in self._layers.values() if t is not None)
 
 
 @dataclass(frozen=True)
