@@ -5,6 +5,9 @@ together."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 from sglang_kvcmas.tree.shared_tree import SharedTree  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attention"))
 from test_deviation_factors import _factors  # noqa: E402
 from test_shared_tree_cache import (  # noqa: E402
     END,

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from chat_templates import LLAMA3  # noqa: E402
 from test_shared_server import SA, SB, T1, T2  # noqa: E402

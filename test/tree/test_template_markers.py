@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from chat_templates import GEMMA, LLAMA3, MISTRAL  # noqa: E402
 
