@@ -26,7 +26,7 @@ layer and request (``LeafReads.layer``), so a decode step pays a gather-add for 
 re-expansion of their factors.
 
 The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
-the keys); ``test/serving/test_batched_decode.py`` compares them over awkward batches, and
+the keys); ``test/attention/test_batched_decode.py`` compares them over awkward batches, and
 ``benchmark/kernels/batched_decode_bench.py`` times both beside radix's per-row SDPA.
 """
 

@@ -17,7 +17,7 @@ products) and rotating every key by its shift before SDPA (``span_reads.rotate_k
 elementwise pass over all keys per layer and step).
 
 The reference is :func:`sglang_kvcmas.attention.span_reads.transform_spans`
-followed by SDPA; ``test/serving/test_shifted_query.py`` compares the two.
+followed by SDPA; ``test/attention/test_shifted_query.py`` compares the two.
 """
 
 from __future__ import annotations

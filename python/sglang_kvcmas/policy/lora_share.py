@@ -37,7 +37,7 @@ from each adapter a is bounded by the adapters' spread: per projection, ``|dW_a 
 (N-1)/N * mean_b |dW_a - dW_b|`` over the other adapters b, where ``borrow`` reads another
 adapter's KV at one whole ``|dW_a - dW_b|``. On the embedded model's role adapters the base
 with nothing recomputed leaves a teacher-forced KL to exact of 0.007-0.014 against 0.16-0.19
-for another adapter's KV, and the default picks 0.0015 (``test/serving/test_lora_server.py``,
+for another adapter's KV, and the default picks 0.0015 (``test/server/test_lora_server.py``,
 ``test/server/test_lora_centroid.py``).
 A request without an adapter never reads KV computed with one (and never lends to one), so the
 base model's answers are what they are without adapters in the server.
