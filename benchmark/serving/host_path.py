@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
                        "reader_admit_ms_max": max(readers),
                        "finish_ms_median": statistics.median(finish.values()),
                        "shared_nodes": len(list(sim.cache.shared.nodes())),
-                       "leaf_tokens": sim.cache.shared.delta_tokens()})
+                       "leaf_tokens": sim.cache.shared.exact_leaf_tokens()})
         print(f"[host] round {r:3d} transcript {done:6d}: reader admit median "
               f"{rounds[-1]['reader_admit_ms_median']:8.2f} ms  max "
               f"{rounds[-1]['reader_admit_ms_max']:8.2f} ms  finish median "

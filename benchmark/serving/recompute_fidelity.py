@@ -8,7 +8,7 @@ nothing cached: an exact prefill on the same server binary). What the reader rec
 request — ``custom_params["kvcmas_recompute_boundary"]`` (first tokens of each borrowed span) and
 ``["kvcmas_recompute_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass)
 and ``["kvcmas_recompute_tail"]`` (the last borrowed tokens before the reader's suffix) — so every
-configuration reads the same owner KV (explicit knobs bypass the agent's delta leaves).
+configuration reads the same owner KV (explicit knobs bypass the agent's exact leaves).
 
 Per configuration it reports, over reader turns: teacher-forced top-1 agreement with the exact
 computation, mean KL on the exact computation's top-20 tokens (KL20: both distributions

@@ -72,7 +72,7 @@ def test_token_factors_select_and_count_their_share_of_the_basis():
     a, b = f.select(torch.arange(4)), f.select(torch.arange(4, 10))
     assert a.basis is f.basis and len(a) == 4 and len(b) == 6
     assert a.nbytes() + b.nbytes() in (f.nbytes(), f.nbytes() + 1)  # rounded up per part
-    dk, dv = f.deltas(2)
+    dk, dv = f.deviations(2)
     torch.testing.assert_close(dk[3], torch.einsum("hr,hdr->hd", f.k[2, 3], f.basis.k[2]))
     torch.testing.assert_close(dv[3], torch.einsum("hr,hdr->hd", f.v[2, 3], f.basis.v[2]))
     with pytest.raises(ValueError):
@@ -91,9 +91,9 @@ def test_a_fit_stacks_every_layer_and_keeps_nothing_unless_each_was_fitted():
     fit.fit_layer(0, x, x, x, x - 2, rope)
     res = fit.result()
     assert res.k.shape == (2, p, hkv, 4) and res.basis.tokens == p
-    dk, dv = res.deltas(1)  # keys before RoPE: the deviation rotated back from its position
+    dk, dv = res.deviations(1)  # keys before RoPE: the deviation rotated back from its position
     torch.testing.assert_close(dk, ones, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(res.deltas(0)[1], torch.full((p, hkv, d), -2.0), atol=1e-5,
+    torch.testing.assert_close(res.deviations(0)[1], torch.full((p, hkv, d), -2.0), atol=1e-5,
                                rtol=1e-5)
     assert not LeafFactorFit(torch.empty(0, dtype=torch.int64), torch.empty(0), torch.empty(0),
                              torch.empty(0), torch.empty(0), 4).fits
@@ -240,7 +240,7 @@ def test_extend_factors_the_kept_recomputed_pairs_and_reads_them_exact():
         outs.append(out)
     assert torch.equal(*outs)
     x_k, y_k, x_v, y_v = gather_pairs(k_cache, v_cache, slots, fit, ROPE)
-    dk, dv = fit.result().deltas(0)
+    dk, dv = fit.result().deviations(0)
     for got, dev in ((dk, apply_rope(y_k - x_k, -rows, ROPE)), (dv, y_v - x_v)):
         want = torch.einsum("phr,hdr->phd", *factor_deviation(dev, rank))
         torch.testing.assert_close(got, want)

@@ -81,7 +81,7 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     assert spans.leaves.reads is None and spans.leaves.layer(0) is None  # reads exact
     rec = b2.customized_info["kvcmas_reuse"][0]
     assert (rec["reused_factored"], rec["reused_repositioned"]) == (0, borrowed)
-    assert h.cache.shared.delta_tokens() == 0  # no exact leaves: the recomputed slots freed
+    assert h.cache.shared.exact_leaf_tokens() == 0  # no exact leaves: the recomputed slots freed
     assert_slots_conserved(h)
     stats = h.cache.shared_stats()
     assert stats["factored_tokens"] == K and stats["factored_bytes"] > 0
@@ -147,7 +147,7 @@ def test_the_picks_are_read_through_the_leaves_right_after_the_prefill():
 def test_exact_mode_keeps_no_factors():
     h = _harness("exact")
     _, _, spans = _turns(h)
-    assert spans.leaves is None and h.cache.shared.delta_tokens() == K
+    assert spans.leaves is None and h.cache.shared.exact_leaf_tokens() == K
     assert h.cache.shared_stats()["factored_tokens"] == 0
 
 
@@ -167,14 +167,14 @@ def test_a_node_split_keeps_each_factored_token_on_its_half_under_its_basis():
     assert tree.add_factors(node, "b", torch.tensor([4, 5]), f.select(torch.arange(2)), 12) == 1
     assert tree.add_factors(node, "b", torch.tensor([7]), f.select(torch.arange(1)), 13) == 0
     whole = node.factors["b"].nbytes()
-    dk_before = f.deltas(0)[0]
+    dk_before = f.deviations(0)[0]
     tree.match(("k", None), np.arange(11, dtype=np.int64), split=True)  # split after 11 tokens
     head_node = node.parent
     first, rest = head_node.factors["b"], node.factors["b"]
     assert first.offsets().tolist() == [1, 4, 10, 5] and rest.offsets().tolist() == [0, 9, 18]
     assert (first.reader_start, rest.reader_start) == (12, 23)
     assert abs(first.nbytes() + rest.nbytes() - whole) <= 3
-    torch.testing.assert_close(rest.parts[0].factors.deltas(0)[0], dk_before[3:])
+    torch.testing.assert_close(rest.parts[0].factors.deviations(0)[0], dk_before[3:])
     assert not tree.check_invariants()
 
 

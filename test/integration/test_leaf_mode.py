@@ -46,7 +46,7 @@ def test_exact_mode_keeps_exact_leaves_and_reads_the_rest_re_positioned():
     assert spans.leaves is None
     rec = b2.customized_info["kvcmas_reuse"][0]
     assert rec["reused_factored"] == 0 and rec["reused_repositioned"] == len(T2) + END - K
-    assert h.cache.shared.delta_tokens() == K
+    assert h.cache.shared.exact_leaf_tokens() == K
 
 
 def test_leaf_mode_knob_from_config_environment_and_request():
@@ -78,7 +78,7 @@ def test_the_leaf_budget_counts_exact_and_factored_leaves_least_recently_used_fi
     f = _factors(1, 6, 2, 16, 4, seed=2)
     tree.add_factors(node, "c", torch.arange(6), f, 12)
     tree.add_factors(node, "d", torch.arange(6), f, 40)
-    node.deltas["b"].last_access = 1.0
+    node.exact_leaves["b"].last_access = 1.0
     node.factors["c"].last_access, node.factors["d"].last_access = 2.0, 3.0
     per_token = 100
     tokens = -(-node.factors["c"].nbytes() // per_token)

@@ -145,12 +145,12 @@ def test_an_adapter_reader_keeps_what_it_recomputes_unless_it_asks_not_to(lora_p
     b2 = _req("b2", b + T1 + T2 + SUFFIX, "solver")
     h.serve(b2, 4)
     assert b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
-    assert h.cache.shared.delta_tokens() == 8
+    assert h.cache.shared.exact_leaf_tokens() == 8
     c2 = _req("c2", b + T1 + T2 + SUFFIX, "critic")
     c2.sampling_params.custom_params = {"kvcmas_read_leaves": False}
     h.serve(c2, 5)
     assert c2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
-    assert h.cache.shared.delta_tokens() == 8
+    assert h.cache.shared.exact_leaf_tokens() == 8
 
 
 def test_an_adapter_reader_takes_the_lora_boundary(lora_picks):

@@ -129,7 +129,7 @@ class Harness:
     def held(self) -> set[int]:
         radix = set(self.cache.all_values_flatten().tolist()) if self.cache.root_node.children else set()
         owned = {int(s) for n in self.cache.shared.nodes() if n.owns_slots for s in n.slots}
-        leaves = {int(s) for n in self.cache.shared.nodes() for d in n.deltas.values()
+        leaves = {int(s) for n in self.cache.shared.nodes() for d in n.exact_leaves.values()
                   for s in d.slots}
         return radix | owned | leaves
 
@@ -273,7 +273,7 @@ def test_boundary_policy_per_request_and_disabled_for_prompt_logprobs():
 
 
 def test_recomputed_boundary_becomes_the_readers_delta_leaf():
-    """The boundary a reader recomputed is kept as its delta leaf: its next turn over the same
+    """The boundary a reader recomputed is kept as its exact leaf: its next turn over the same
     span reads those tokens exactly (own slots, no shift) and recomputes nothing there; another
     reader still recomputes its own; leaves are evictable like any cached KV."""
     k = 4
@@ -286,8 +286,8 @@ def test_recomputed_boundary_becomes_the_readers_delta_leaf():
     h.serve(b2, 4)
     at = len(b) + len(T1)
     recomputed_slots = h.pool.req_to_token[4, b2.prefix_len : b2.prefix_len + k].tolist()
-    assert h.cache.shared.delta_tokens() == k
-    assert h.cache.shared_stats()["delta_tokens"] == k
+    assert h.cache.shared.exact_leaf_tokens() == k
+    assert h.cache.shared_stats()["exact_leaf_tokens"] == k
     b3 = Req("b3", b + T1 + T2 + SUFFIX + [9])  # b again, same transcript
     spans, prefix = h.serve(b3, 5)
     assert b3.prefix_len == at + len(T2) + END  # nothing recomputed
@@ -303,20 +303,20 @@ def test_recomputed_boundary_becomes_the_readers_delta_leaf():
     b4.sampling_params = SimpleNamespace(custom_params={"kvcmas_recompute_boundary": 0})
     h.serve(b4, 7)  # an explicit boundary measures the owner's KV alone: no leaf read
     assert b4.customized_info["kvcmas_reuse"][0]["reused_repositioned"] == len(T2) + END
-    assert h.cache.shared.delta_tokens() == k
+    assert h.cache.shared.exact_leaf_tokens() == k
     c2 = Req("c2", c + T1 + T2 + SUFFIX)
     spans, _ = h.serve(c2, 6)
     assert len(spans.recomputed.token_ids) == k  # c has no leaf: it recomputes its own
-    assert h.cache.shared.delta_tokens() == 2 * k
+    assert h.cache.shared.exact_leaf_tokens() == 2 * k
     assert_slots_conserved(h)
     assert h.cache.evictable_size() == len(h.held())  # leaves are evictable once unlocked
     h.cache.evict(EvictParams(num_tokens=10**6))
-    assert h.cache.shared.delta_tokens() == 0 and h.cache.evictable_size() == 0
+    assert h.cache.shared.exact_leaf_tokens() == 0 and h.cache.evictable_size() == 0
     assert_slots_conserved(h)
 
 
 def test_eviction_frees_leaves_and_owned_nodes_before_exact_radix_nodes():
-    """What is cheapest to lose goes first: a reader's delta leaves and the approximate nodes
+    """What is cheapest to lose goes first: a reader's exact leaves and the approximate nodes
     it owns are evicted before any exact radix node (the owners' paths anchoring the bases)."""
     k = 4
     h = Harness(boundary=k)
@@ -325,7 +325,7 @@ def test_eviction_frees_leaves_and_owned_nodes_before_exact_radix_nodes():
         h.serve(Req(rid, hd + T1 + SUFFIX), row)
     h.serve(Req("a2", a + T1 + T2[:10] + SUFFIX), 3)
     h.serve(Req("b2", b + T1 + T2 + SUFFIX), 4)  # leaves on a's T2[:10], owns T2[10:]
-    leaves, owned = h.cache.shared.delta_tokens(), h.cache.shared.owned_size
+    leaves, owned = h.cache.shared.exact_leaf_tokens(), h.cache.shared.owned_size
     assert leaves == k and owned > leaves
     radix = h.cache.evictable_size() - h.cache.shared.evictable_owned_size()
     assert h.cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted >= 1

@@ -61,7 +61,7 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     assert picks > 0 and reader["kvcmas_reused_factored"] == 0, reader
     assert out["choices"][0]["message"]["content"]
     tree = _tree(server)
-    assert tree["invariants"] == [] and tree["delta_tokens"] == 0, tree
+    assert tree["invariants"] == [] and tree["exact_leaf_tokens"] == 0, tree
     assert tree["factored_tokens"] == picks and tree["factored_bytes"] > 0, tree
     # no overlap scheduler on CPU: its recomputed slots went right after its prefill, and its
     # decode read the picks through the leaves it had just kept

@@ -217,7 +217,7 @@ def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
     """Teacher-forced over the exact computation's continuation, a reader that recomputes its
     borrowed span's first tokens (moved to the front of its extend) agrees with the exact
     computation, and at least as closely as naive reuse. (An explicit per-request boundary
-    bypasses the agent's delta leaves, so both reads start from the owner's KV alone.)"""
+    bypasses the agent's exact leaves, so both reads start from the owner's KV alone.)"""
     tok = tokenizer()
     chat(server, SA, T1)
     chat(server, SB, T1)

@@ -97,19 +97,19 @@ def test_shared_tree_invariants(sequence):
         elif op[0] == "trim_bytes":  # the budget over both types, factors in tokens of 4 bytes
             tree.trim_leaves(op[1], bytes_per_token=4)
             unlocked = [leaf for n in tree.nodes() if n.lock_ref == 0
-                        for leaf in (*n.deltas.values(), *n.factors.values())]
+                        for leaf in (*n.exact_leaves.values(), *n.factors.values())]
             held_tokens = tree.leaf_size + sum(-(-leaf.nbytes() // 4) for n in tree.nodes()
                                                for leaf in n.factors.values())
             assert held_tokens <= op[1] or not unlocked
         elif op[0] == "trim":
             held = {n for locked, _ in locks for n in _path_nodes(locked)}
-            before = {id(n): {a: leaf.slots.tolist() for a, leaf in n.deltas.items()}
+            before = {id(n): {a: leaf.slots.tolist() for a, leaf in n.exact_leaves.items()}
                       for n in held}
             tree.trim_leaves(op[1])
-            unlocked_leaves = sum(n.delta_tokens for n in tree.nodes() if n not in held)
+            unlocked_leaves = sum(n.exact_leaf_tokens for n in tree.nodes() if n not in held)
             assert tree.leaf_size <= op[1] or unlocked_leaves == 0
             for n in held:  # the leaves of nodes a request reads stay as they were
-                assert {a: leaf.slots.tolist() for a, leaf in n.deltas.items()} == before[id(n)]
+                assert {a: leaf.slots.tolist() for a, leaf in n.exact_leaves.items()} == before[id(n)]
         elif op[0] == "evict":
             tree.evict(op[1])
         elif op[0] == "drop":
@@ -127,10 +127,10 @@ def test_shared_tree_invariants(sequence):
             assert not set(got) & set(freed), "a locked slot was freed"
         live = list(tree.nodes())
         assert tree.owned_size == sum(n.owned_tokens for n in live)
-        assert tree.leaf_size == sum(n.delta_tokens for n in live)
+        assert tree.leaf_size == sum(n.exact_leaf_tokens for n in live)
         assert tree.check_invariants() == []
         for n in live:
-            for leaf in n.deltas.values():
+            for leaf in n.exact_leaves.values():
                 assert not set(leaf.slots.tolist()) & set(freed), "a leaf's slot was freed"
         assert 0 <= tree.owned_locked_size <= tree.owned_size
         assert all(n.lock_ref >= 0 for n in live)

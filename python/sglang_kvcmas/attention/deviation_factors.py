@@ -152,7 +152,7 @@ class TokenFactors:
         own = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         return own + -(-self.basis.nbytes() * len(self) // max(1, self.basis.tokens))
 
-    def deltas(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def deviations(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([m, H_kv, d], [m, H_kv, d]) float32: the tokens' K (before RoPE) and V deviations
         at ``layer``."""
         b = self.basis
@@ -288,7 +288,7 @@ class LeafReads:
             return self._layers[layer_id]
         out = None
         if any(bool(f.k[layer_id].any() or f.v[layer_id].any()) for _, _, f in self.parts):
-            ks, vs = zip(*(f.deltas(layer_id) for _, _, f in self.parts))
+            ks, vs = zip(*(f.deviations(layer_id) for _, _, f in self.parts))
             out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
         self._layers[layer_id] = out
         return out

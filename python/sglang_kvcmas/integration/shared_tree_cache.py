@@ -40,7 +40,7 @@ transcript tokens it computed after its borrowed span as an *owned* shared node 
 
 Locks and eviction: a reader locks its radix head path, its shared path (``lock_ref``) and every
 radix anchor on that path, so nothing it reads can be evicted or dropped. Eviction frees the
-cheapest to lose first: unlocked delta leaves and owned (approximate) shared leaves, then the
+cheapest to lose first: unlocked exact leaves and owned (approximate) shared nodes, then the
 radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored on it.
 ``evictable_size``/``protected_size`` include owned shared slots, so SGLang's pool invariant
 (available + evictable + protected + uncached == total) holds.
@@ -419,20 +419,20 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if handle is not None:
             spans, kept = row_spans(req.rid, req.origin_input_ids, handle)
             path = handle.borrowed()
-            corrected = int(path.factored[kept].sum())
-            repositioned = int(path.foreign[kept].sum()) - corrected
+            factored = int(path.factored[kept].sum())
+            repositioned = int(path.foreign[kept].sum()) - factored
             from_leaves = int(path.from_leaf[kept].sum())
             recomputed_borrowed = len(handle.recompute)
         else:
-            repositioned = corrected = from_leaves = recomputed_borrowed = 0
+            repositioned = factored = from_leaves = recomputed_borrowed = 0
         if not getattr(req, "_kvcmas_accounted", False):
             prompt = len(req.origin_input_ids)
-            exact = req.prefix_len - repositioned - corrected
+            exact = req.prefix_len - repositioned - factored
             reuse_accounting.attach(req, reuse_accounting.ReuseRecord(
                 agent=split.agent if split else None, workflow=self.requests.options(req).workflow,
-                prompt_tokens=prompt, reused_exact=exact, reused_factored=corrected,
+                prompt_tokens=prompt, reused_exact=exact, reused_factored=factored,
                 reused_repositioned=repositioned,
-                recomputed=prompt - exact - repositioned - corrected,
+                recomputed=prompt - exact - repositioned - factored,
                 recomputed_borrowed=recomputed_borrowed, exact_from_leaves=from_leaves,
                 kv_bytes_per_token=self.kv_bytes_per_token,
             ))
@@ -660,7 +660,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             self._extra_freed += self.shared.drop_anchor(node)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Free what is cheapest to lose first: the shared tree's unlocked delta leaves (exact
+        """Free what is cheapest to lose first: the shared tree's unlocked exact leaves (exact
         copies a reader re-derives by recomputing a few tokens) and owned nodes (computed over
         borrowed KV: approximate), least recently used first; then SGLang's radix LRU, whose
         nodes are exact (heads, and the owners' paths that anchor the shared bases)."""
@@ -691,8 +691,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             "shared_nodes": len(nodes),
             "shared_tokens": sum(len(n) for n in nodes),
             "shared_owned_tokens": self.shared.owned_size,
-            "delta_tokens": self.shared.delta_tokens(),
-            "delta_bytes": self.shared.delta_nbytes(),
+            "exact_leaf_tokens": self.shared.exact_leaf_tokens(),
+            "exact_leaf_bytes": self.shared.exact_leaf_nbytes(),
             "factored_tokens": sum(len(f) for n in nodes for f in n.factors.values()),
             "factored_bytes": sum(f.nbytes() for n in nodes for f in n.factors.values()),
             "factored_rows_reread": self.rows_reread,

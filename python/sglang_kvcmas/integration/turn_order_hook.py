@@ -60,7 +60,7 @@ def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidat
 
 def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
     """Record on each held request how many wait for its leader this pass (the most seen
-    over its passes): the readers of one new segment, among whom ``recompute_segment_share``
+    over its passes): the readers of one new segment, among whom ``policy.recompute.SEGMENT_SHARE``
     is split (``policy/recompute.py``)."""
     from sglang_kvcmas.integration.agent_requests import READERS_ATTR
 

@@ -259,13 +259,13 @@ def mass_offsets(
     ``mass_fraction`` (of all borrowed) with the largest owner head
     mass that are not already exact — within ``max_fraction`` recomputed.
 
-    Ranking includes the tokens the reader already holds exactly (its delta leaves), so over a
+    Ranking includes the tokens the reader already holds exactly (its exact leaves), so over a
     growing transcript the exact set stays the top share by mass and each turn recomputes only
     the top tokens of what is new.
 
     Args:
         candidates: shared offsets of borrowed tokens that deviate unless exact: foreign ones and
-            ones the reader's delta leaves hold.
+            ones the reader's exact leaves hold.
         mass: the owner's head mass of each candidate (0 where the owner recorded none).
         exact: candidates the reader already holds exactly (never recomputed).
         chosen: offsets already chosen (kept first; never dropped).

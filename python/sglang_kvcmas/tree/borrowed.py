@@ -137,7 +137,7 @@ class BorrowedPath:
             sh = np.full(n, d, dtype=np.int64)
             fo = np.full(n, node.owner != agent or d != 0, dtype=bool)
             fl = np.zeros(n, dtype=bool)
-            leaf = node.deltas.get(agent) if handle.use_leaves else None
+            leaf = node.exact_leaves.get(agent) if handle.use_leaves else None
             if leaf is not None and leaf.reader_start == head + piece.offset and len(leaf):
                 at = leaf.offsets.numpy()
                 inside = (at >= lo) & (at < hi)
@@ -240,7 +240,7 @@ def borrowed_tokens(handle: SharedPrefixHandle) -> list[SlotToken]:
             continue
         shift = head + piece.offset - node.owner_start
         foreign = node.owner != agent or shift != 0
-        leaf = node.deltas.get(agent) if handle.use_leaves else None
+        leaf = node.exact_leaves.get(agent) if handle.use_leaves else None
         own = leaf.lookup() if leaf is not None and leaf.reader_start == (
             head + piece.offset) else {}
         slots, mass = node.slots.tolist(), node.mass().tolist()

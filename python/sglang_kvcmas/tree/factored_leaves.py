@@ -1,6 +1,6 @@
 """Factored leaves on a shared node: a reader agent's recomputed tokens as low-rank factors.
 
-The third leaf type (``policy/leaf_mode.py``: ``factored``). Where an exact leaf
+The second leaf type (``policy/leaf_mode.py``: ``factored``). Where an exact leaf
 (``tree/pool_overrides.py``) holds a token's full K/V in a pool slot, a factored leaf holds the
 token's deviation from the owner's KV as coefficients under its fit's basis
 (``attention.deviation_factors.TokenFactors``): host memory, not pool slots, so the tree counts its

@@ -1,7 +1,7 @@
-"""Exact token overrides held in the serving KV pool: the delta leaf of the serving path.
+"""Exact token overrides held in the serving KV pool: the exact leaf of the serving path.
 
 When a reader agent recomputes some borrowed shared tokens in its own context
-(``policy/recompute.py``), their KV is exact for that agent. Kept as the agent's delta leaf on the
+(``policy/recompute.py``), their KV is exact for that agent. Kept as the agent's exact leaf on the
 shared-tree node, the agent's later turns read those tokens exactly without recomputing them;
 every other token of the node is still the owner's KV, re-positioned::
 

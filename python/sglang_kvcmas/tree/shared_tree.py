@@ -13,7 +13,7 @@ Slot ownership (who frees them) is one of two kinds:
 - **owned** (``anchor is None``): slots computed by a request that itself read borrowed KV, so no
   radix path can hold them. The tree frees them when the node is evicted.
 
-Delta leaves (``deltas``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
+Exact leaves (``exact_leaves``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
 hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
 the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
 the leaf (least recently used first) or its node is evicted. A reader agent's factored leaves
@@ -24,7 +24,7 @@ Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-to
 transcript matches in microseconds, not one Python step per token.
 
 NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
-and their delta leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
+and their exact leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
 
 NOTE: about 600 lines because ``SharedTree`` keeps one set of invariants (node map, lock
@@ -61,7 +61,7 @@ class SharedNode:
         owner: agent id of the owner.
         owner_start: owner position of ``key[0]`` (RoPE position the keys were rotated at).
         anchor: radix node protecting ``slots`` (anchored) or None (the tree owns them).
-        deltas: agent -> delta leaf (:class:`PoolOverrides`) over this node's tokens.
+        exact_leaves: agent -> exact leaf (:class:`PoolOverrides`) over this node's tokens.
         factors: agent -> factored leaf (:class:`FactorLeaf`: low-rank deviations, host
             memory) over this node's tokens.
         head_mass: [len] float32 attention mass each token put on its owner's head in the
@@ -77,7 +77,7 @@ class SharedNode:
     children: dict[int, SharedNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = field(default_factory=time.monotonic)
-    deltas: dict[str, PoolOverrides] = field(default_factory=dict)
+    exact_leaves: dict[str, PoolOverrides] = field(default_factory=dict)
     factors: dict[str, FactorLeaf] = field(default_factory=dict)
     alive: bool = True
     head_mass: torch.Tensor | None = None
@@ -101,18 +101,18 @@ class SharedNode:
     def owns_slots(self) -> bool:
         return self.anchor is None
 
-    def delta_nbytes(self) -> int:
-        return sum(int(d.nbytes()) for d in self.deltas.values())
+    def exact_leaf_nbytes(self) -> int:
+        return sum(int(d.nbytes()) for d in self.exact_leaves.values())
 
     @property
-    def delta_tokens(self) -> int:
-        """Pool slots held by this node's delta leaves."""
-        return sum(len(d) for d in self.deltas.values())
+    def exact_leaf_tokens(self) -> int:
+        """Pool slots held by this node's exact leaves."""
+        return sum(len(d) for d in self.exact_leaves.values())
 
     @property
     def owned_tokens(self) -> int:
         """Pool slots the tree frees when this node goes: its own (if owned) and its leaves'."""
-        return (len(self) if self.owns_slots else 0) + self.delta_tokens
+        return (len(self) if self.owns_slots else 0) + self.exact_leaf_tokens
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class SharedTree:
         self.owned_size = 0
         self.owned_locked_size = 0
         self.leaf_size = 0
-        """Pool slots held by delta leaves (part of ``owned_size``)."""
+        """Pool slots held by exact leaves (part of ``owned_size``)."""
         self.version = getattr(self, "version", 0) + 1
         """Bumped whenever a node is added or removed (and on reset, never going back): a match
         computed at one version holds until the next (splits and leaves change no match
@@ -268,9 +268,9 @@ class SharedTree:
             parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
             segment_start=node.segment_start,
         )
-        parts = {a: d.split(n) for a, d in node.deltas.items()}
-        head.deltas = {a: h for a, (h, _) in parts.items() if len(h)}
-        node.deltas = {a: t for a, (_, t) in parts.items() if len(t)}
+        parts = {a: d.split(n) for a, d in node.exact_leaves.items()}
+        head.exact_leaves = {a: h for a, (h, _) in parts.items() if len(h)}
+        node.exact_leaves = {a: t for a, (_, t) in parts.items() if len(t)}
         halves = {a: f.split(n) for a, f in node.factors.items()}
         head.factors = {a: h for a, (h, _) in halves.items() if len(h)}
         node.factors = {a: t for a, (_, t) in halves.items() if len(t)}
@@ -323,11 +323,11 @@ class SharedTree:
                 raise RuntimeError("dropping a shared node that a request still reads")
             stack.extend(n.children.values())
             n.alive = False
-            for leaf in n.deltas.values():
+            for leaf in n.exact_leaves.values():
                 self.owned_size -= len(leaf)
                 self.leaf_size -= len(leaf)
                 freed.append(leaf.slots)
-            n.deltas = {}
+            n.exact_leaves = {}
             n.factors = {}
             if n.owns_slots:
                 self.owned_size -= len(n)
@@ -373,7 +373,7 @@ class SharedTree:
         freed = 0
         while freed < num_tokens:
             candidates = [(leaf.last_access, 0, n, agent) for n in self._unlocked_nodes()
-                          for agent, leaf in n.deltas.items()]
+                          for agent, leaf in n.exact_leaves.items()]
             candidates += [(n.last_access, 1, n, None) for n in self._evictable_leaves()]
             if not candidates:
                 break
@@ -382,7 +382,7 @@ class SharedTree:
                 if not node.alive:
                     continue
                 if agent is not None:
-                    leaf = node.deltas.pop(agent, None)
+                    leaf = node.exact_leaves.pop(agent, None)
                     if leaf is None:
                         continue
                     self.owned_size -= len(leaf)
@@ -400,13 +400,13 @@ class SharedTree:
     def _unlocked_nodes(self) -> Iterator[SharedNode]:
         return (n for n in self.nodes() if n.lock_ref == 0)
 
-    # ----- delta leaves -----
+    # ----- exact leaves -----
 
     def add_overrides(
         self, node: SharedNode, agent: str, offsets: torch.Tensor, slots: torch.Tensor,
         reader_start: int, bytes_per_token: int = 0,
     ) -> torch.Tensor:
-        """Adopt an agent's exact KV for some of ``node``'s tokens as its delta leaf.
+        """Adopt an agent's exact KV for some of ``node``'s tokens as its exact leaf.
 
         Args:
             offsets: [k] int64 node-local offsets, sorted and distinct.
@@ -419,7 +419,7 @@ class SharedTree:
         """
         if not node.alive or node.parent is None:
             return slots
-        leaf = node.deltas.get(agent)
+        leaf = node.exact_leaves.get(agent)
         if leaf is None:
             leaf = PoolOverrides(torch.empty(0, dtype=torch.int64),
                                  torch.empty(0, dtype=torch.int64), reader_start, bytes_per_token)
@@ -428,7 +428,7 @@ class SharedTree:
         merged, rejected = leaf.merged(offsets.to(torch.int64), slots.to(torch.int64))
         merged.last_access = time.monotonic()
         adopted = len(merged) - len(leaf)
-        node.deltas[agent] = merged
+        node.exact_leaves[agent] = merged
         self.owned_size += adopted
         self.leaf_size += adopted
         if node.lock_ref:
@@ -459,9 +459,9 @@ class SharedTree:
             self.version += 1  # cached walks of this node miss the new tokens
         return added
 
-    def delta_tokens(self) -> int:
-        """Pool slots held by delta leaves (walked; :attr:`leaf_size` is the running count)."""
-        return sum(n.delta_tokens for n in self.nodes())
+    def exact_leaf_tokens(self) -> int:
+        """Pool slots held by exact leaves (walked; :attr:`leaf_size` is the running count)."""
+        return sum(n.exact_leaf_tokens for n in self.nodes())
 
     def indexed_tokens(self) -> int:
         """Tokens the tree indexes: its one copy of every shared transcript (walked)."""
@@ -486,7 +486,7 @@ class SharedTree:
         if excess <= 0:
             return 0
         candidates = sorted([(leaf.last_access, 0, n, agent, leaf) for n in self._unlocked_nodes()
-                             for agent, leaf in n.deltas.items()]
+                             for agent, leaf in n.exact_leaves.items()]
                             + [(leaf.last_access, 1, n, agent, leaf) for n, agent, leaf
                                in factored if n.lock_ref == 0],
                             key=lambda c: c[:2])
@@ -499,7 +499,7 @@ class SharedTree:
                 freed += tokens_of(leaf)
                 dropped += 1
                 continue
-            where.deltas.pop(agent)
+            where.exact_leaves.pop(agent)
             self.owned_size -= len(leaf)
             self.leaf_size -= len(leaf)
             self._free(leaf.slots)
@@ -519,8 +519,8 @@ class SharedTree:
                 stack.extend(n.children.values())
                 yield n
 
-    def delta_nbytes(self) -> int:
-        return sum(n.delta_nbytes() for n in self.nodes())
+    def exact_leaf_nbytes(self) -> int:
+        return sum(n.exact_leaf_nbytes() for n in self.nodes())
 
     def leaf_bytes_by_agent(self) -> dict[str, dict[str, int]]:
         """agent -> bytes of its leaves by type (``exact``: pool slots of its exact leaves;
@@ -531,7 +531,7 @@ class SharedTree:
             return out.setdefault(agent, {"exact": 0, "factored": 0})
 
         for n in self.nodes():
-            for agent, leaf in n.deltas.items():
+            for agent, leaf in n.exact_leaves.items():
                 entry(agent)["exact"] += int(leaf.nbytes())
             for agent, leaf in n.factors.items():
                 entry(agent)["factored"] += int(leaf.nbytes())
@@ -555,7 +555,7 @@ class SharedTree:
             locked += n.owned_tokens if n.lock_ref else 0
             if n.owns_slots:
                 slots.append(n.slots)
-            slots += [leaf.slots for leaf in n.deltas.values()]
+            slots += [leaf.slots for leaf in n.exact_leaves.values()]
             for leaf in n.factors.values():
                 at = leaf.offsets()
                 if at.numel() and (int(at.min()) < 0 or int(at.max()) >= len(n)
@@ -563,7 +563,7 @@ class SharedTree:
                     problems.append("a factored leaf holds an offset twice or off its node")
         if owned != self.owned_size:
             problems.append(f"owned_size {self.owned_size} but nodes own {owned}")
-        leaves = sum(n.delta_tokens for n in self.nodes())
+        leaves = sum(n.exact_leaf_tokens for n in self.nodes())
         if leaves != self.leaf_size:
             problems.append(f"leaf_size {self.leaf_size} but leaves hold {leaves}")
         if locked != self.owned_locked_size:
