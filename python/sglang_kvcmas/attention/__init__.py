@@ -12,7 +12,7 @@ Modules (one noun each):
                      row at a time (the reference for decode)
   ``batched_decode`` the same decode for a whole batch in a few tensor ops per layer (the CPU path)
   ``deviation_factors``   factored leaves: a reader's recomputed tokens kept as low-rank factors of
-                     their deviation from the owner's KV, read as additive terms (and the naive
+                     their deviation from the owner's KV, added to the keys and values read (and the naive
                      reference of such reads)
   ``kernel_reads``   the GPU path: a batch planned once per forward, one delta-kernel launch per
                      layer, factored leaves placed in the kernels' factors

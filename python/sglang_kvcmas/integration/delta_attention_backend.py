@@ -273,8 +273,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                           scaling if scaling is not None else
                                           query.shape[-1] ** -0.5, self._layer_id)
             return output
-        # Re-positioned rows (factored tokens as additive terms): a few batched ops per layer
-        # for all of them.
+        # Re-positioned rows (factored tokens' deviations added to their gathered keys and
+        # values): a few batched ops per layer for all of them.
         plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
         batched_shift_decode(query, k_cache, v_cache, plan, self.shift_rope,
                              scaling if scaling is not None else query.shape[-1] ** -0.5, output,
@@ -310,7 +310,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         return output
 
     def _decode_plan(self, req_to_token, req_pool_indices, seq_lens, rows) -> BatchedDecodePlan:
-        """The batch's re-positioned rows (their factored tokens read as additive terms),
+        """The batch's re-positioned rows (their factored tokens read through their deviations),
         bucketed once per forward and pattern (``attention/batched_decode.py``); every other row
         (plain rows read exactly by SDPA, rows of many owners) is the plan's ``rest``. A row
         whose factors are zero here reads as one without factored leaves."""
