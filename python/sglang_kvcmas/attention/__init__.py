@@ -11,9 +11,9 @@ Modules (one noun each):
   ``shifted_query``  decode that rotates the query per shift instead of every borrowed key, one
                      row at a time (the reference for decode)
   ``batched_decode`` the same decode for a whole batch in a few tensor ops per layer (the CPU path)
-  ``deviation_factors``   factored leaves: a reader's recomputed tokens kept as low-rank factors of
-                     their deviation from the owner's KV, added to the keys and values read (and the naive
-                     reference of such reads)
+  ``deviation_factors``   factored leaves: a reader's recomputed tokens kept as low-rank factors
+                     of their deviation from the owner's KV, added to the keys and values
+                     read (and the naive reference of such reads)
   ``kernel_reads``   the GPU path: a batch planned once per forward, one delta-kernel launch per
                      layer, factored leaves placed in the kernels' factors
   ``triton_delta``   the Triton delta kernels' launchers (``@triton.jit`` code in
