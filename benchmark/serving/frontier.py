@@ -48,8 +48,9 @@ than exact-sparse; the report names, per agent count, the arm with the highest K
 among those meeting the others.
 
 A factored arm also reports ``same_x``: the leaf bytes of the exact arm that keeps the same
-tokens, over its own (``factored8`` against ``exact``). Its reader-alone probe recomputes the whole 10% share over its leaves:
-for ``factored8``, more than its turns did at the defaults' split.
+tokens, over its own (``factored8`` against ``exact``). Its reader-alone probe recomputes the
+whole 10% share over its leaves: for ``factored8``, more than its turns did at the defaults'
+split.
 
     python benchmark/serving/frontier.py --quick   # 16 agents, 4 arms (< 15 min on 2 cores)
     python benchmark/serving/frontier.py           # 3, 8 and 16 agents, every arm (~75 min)

@@ -56,9 +56,10 @@ def _real_sgl_kernel_location() -> str | None:
 def install_sgl_kernel_standin(environ: MutableMapping[str, str] | None = None) -> SglKernelStatus:
     """Make ``import sgl_kernel`` work in this process and its children, if it must.
 
-    Does nothing when a real ``sgl_kernel`` is installed. Otherwise appends the stand-in directory to
-    ``sys.path`` (inherited by spawned processes) and to ``PYTHONPATH`` in ``environ`` (for
-    any other child). Appending, not prepending: a real package always wins. Idempotent.
+    Does nothing when a real ``sgl_kernel`` is installed. Otherwise appends the stand-in
+    directory to ``sys.path`` (inherited by spawned processes) and to ``PYTHONPATH`` in
+    ``environ`` (for any other child). Appending, not prepending: a real package always wins.
+    Idempotent.
 
     Args:
         environ: environment to update; ``os.environ`` by default.

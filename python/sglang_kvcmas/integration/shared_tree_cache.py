@@ -520,9 +520,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Keep the tokens a reader recomputed as its exact leaves on the shared nodes (its later
         turns read them exactly, without recomputing); the row's protected prefix then covers
-        them, and the slots of those a leaf already held are freed at release. Under leaf mode ``factored`` the leaves are the
-        factors its extend made of them, and every recomputed slot is freed: now, with the row
-        re-pointed at the owners' slots read through those leaves
+        them, and the slots of those a leaf already held are freed at release. Under leaf mode
+        ``factored`` the leaves are the factors its extend made of them, and every recomputed
+        slot is freed: now, with the row re-pointed at the owners' slots read through those leaves
         (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may
         still read the row (``rows_in_flight``), :meth:`_rereads` keeps them or some recomputed
         token has no leaf; else at release."""
