@@ -134,7 +134,10 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
     by_agent = p.get("leaf_bytes_by_agent") or {}
     leaf = leaf_bytes_per_agent(by_agent)
     factored = sum(t.get("factored", 0) for t in by_agent.values())
-    peak = p["peak_kv_tokens"] + factored / kv_bytes_per_token
+    # Host memory beside the pool: the stored factors, and the deviations running readers held
+    # expanded (their peak, counted as if it coincided with the pool's: an upper bound).
+    peak = p["peak_kv_tokens"] + (factored + p.get("materialized_leaf_bytes_peak", 0)) \
+        / kv_bytes_per_token
     no = nonowner_ttft(panel, name) if "radix" in panel else {}
     same = same_answers(panel, name) if "radix" in panel else None
     doc_turns = [t for t in p["turns"] if t["round"] > 0]
@@ -165,6 +168,7 @@ def arm_row(panel: dict[str, dict], name: str, kv_bytes_per_token: int) -> dict:
         "ttft_speedup_vs_radix": no["radix"] / no[name] if no else None,
         "kv_vs_ideal": peak / p["one_copy_ideal_tokens"],
         "peak_kv_tokens": p["peak_kv_tokens"], "factored_bytes": factored,
+        "materialized_leaf_bytes_peak": p.get("materialized_leaf_bytes_peak", 0),
         "leaf_bytes_per_agent": statistics.median(leaf) if leaf else 0,
         "computed_tokens": sum(t.get("computed", 0) for t in p["turns"]),
         "recomputed_tokens": sum(t.get("recomputed", 0) for t in doc_turns),

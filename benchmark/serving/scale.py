@@ -287,8 +287,11 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
             "one_copy_ideal_tokens": ideal,
             "flags": flags or [], "fidelity": fidelity, "round1_answers": round1,
             "replayed": replay is not None,
-            "exact_leaf_tokens": stats.get("exact_leaf_tokens"), "exact_leaf_bytes": stats.get("exact_leaf_bytes"),
+            "exact_leaf_tokens": stats.get("exact_leaf_tokens"),
+            "exact_leaf_bytes": stats.get("exact_leaf_bytes"),
             "leaf_bytes_by_agent": stats.get("leaf_bytes_by_agent"),
+            "materialized_leaf_bytes_peak": (stats.get("materialized_leaf_bytes") or {}).get(
+                "peak", 0),
             "turns": [turn_record(t) for t in turns],
             "doc_tokens": doc_tokens, "agents": agents, "pool_tokens": pool}
 

@@ -245,3 +245,24 @@ def test_extend_factors_the_kept_recomputed_pairs_and_reads_them_exact():
         want = torch.einsum("phr,hdr->phd", *factor_deviation(dev, rank))
         torch.testing.assert_close(got, want)
         assert (got - dev).norm() < dev.norm()  # rank 8 of 20 tokens: part of it, the best part
+
+
+def test_materialized_deviations_are_counted_while_their_row_lives():
+    """A row's deviations are expanded once per layer and kept; the process-wide count holds
+    their bytes while the row lives and gives them back when it goes."""
+    import gc
+
+    from sglang_kvcmas.attention.deviation_factors import LeafReads, MaterializedBytes
+
+    f = _factors(layers=3, m=5, hkv=2, d=8, r=2, seed=3)
+    before = MaterializedBytes.now
+    reads = LeafReads([(torch.arange(5), torch.arange(5), f)])
+    first = reads.layer(1)
+    assert reads.layer(1) is first  # kept, not expanded again
+    reads.layer(0)
+    held = 2 * (2 * 5 * 2 * 8 * 4)  # two layers of K and V, [5, 2, 8] float32 each
+    assert reads.materialized_nbytes() == held == MaterializedBytes.now - before
+    assert MaterializedBytes.peak >= MaterializedBytes.now
+    del reads, first
+    gc.collect()
+    assert MaterializedBytes.now == before

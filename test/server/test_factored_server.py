@@ -70,6 +70,9 @@ def test_a_reader_keeps_factored_leaves_and_reads_through_them(server):
     assert tree["peak_held_tokens"] > 0, tree
     assert any(b["factored"] == tree["factored_bytes"]
                for b in tree["leaf_bytes_by_agent"].values())
+    # its decode held the picks' deviations expanded, and gave them back when it finished
+    held = tree["materialized_leaf_bytes"]
+    assert held["peak"] > 0 and held["now"] == 0, held
     again = chat(server, SB, T2 + " Once more.")
     used = again["usage"]["prompt_tokens_details"]
     # the picks are held as factored leaves: read through them, not recomputed again (the

@@ -40,6 +40,7 @@ Pure torch; no SGLang import.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -251,6 +252,25 @@ class TokenDeltas:
         return k, v
 
 
+class MaterializedBytes:
+    """Bytes of factored deviations held materialized by live rows (:meth:`LeafReads.layer`),
+    now and at their peak, in this process: host memory beside the KV pool and the stored
+    factors, which ``/server_info`` reports (``materialized_leaf_bytes``)."""
+
+    now = 0
+    peak = 0
+
+    @classmethod
+    def add(cls, n: int) -> None:
+        cls.now += n
+        cls.peak = max(cls.peak, cls.now)
+
+    @classmethod
+    def release(cls, held: list[int]) -> None:
+        cls.now -= held[0]
+        held[0] = 0
+
+
 class LeafReads:
     """A row's tokens read through its agent's factored leaves.
 
@@ -265,6 +285,8 @@ class LeafReads:
         self.rows = torch.cat([p[0] for p in self.parts]) if self.parts else empty
         self.positions = torch.cat([p[1] for p in self.parts]) if self.parts else empty
         self._layers: dict[int, TokenDeltas | None] = {}
+        self._held = [0]  # bytes materialized, released when the row is dropped
+        weakref.finalize(self, MaterializedBytes.release, self._held)
 
     def __len__(self) -> int:
         return int(self.rows.numel())
@@ -290,13 +312,15 @@ class LeafReads:
         if any(bool(f.k[layer_id].any() or f.v[layer_id].any()) for _, _, f in self.parts):
             ks, vs = zip(*(f.deviations(layer_id) for _, _, f in self.parts))
             out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
+            n = out.k.numel() * out.k.element_size() + out.v.numel() * out.v.element_size()
+            self._held[0] += n
+            MaterializedBytes.add(n)
         self._layers[layer_id] = out
         return out
 
     def materialized_nbytes(self) -> int:
         """Bytes of the deviations :meth:`layer` holds now."""
-        return sum(t.k.numel() * t.k.element_size() + t.v.numel() * t.v.element_size()
-                   for t in self._layers.values() if t is not None)
+        return self._held[0]
 
 
 @dataclass(frozen=True)

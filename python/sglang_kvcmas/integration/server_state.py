@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import sglang_kvcmas
+from sglang_kvcmas.attention.deviation_factors import MaterializedBytes
 from sglang_kvcmas.integration import turn_order_hook
 
 INTERNAL_STATE_TARGET = (
@@ -26,8 +27,9 @@ STATE_KEY = "kvcmas"
 
 def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
     """The ``kvcmas`` entry for one scheduler's tree cache: its class, the KV pool's slots
-    (``pool``), and with sharing on the shared tree's sizes, the leaders in flight, faults and
-    any bookkeeping drift (``invariants``, empty when consistent)."""
+    (``pool``), and with sharing on the shared tree's sizes, the leaders in flight, faults, the
+    factored deviations running rows hold materialized (``materialized_leaf_bytes``: now and
+    peak) and any bookkeeping drift (``invariants``, empty when consistent)."""
     cls = type(tree_cache)
     out: dict[str, Any] = {
         "tree_cache_class": f"{cls.__module__}.{cls.__qualname__}",
@@ -44,6 +46,8 @@ def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
                               "held_back": turn_order_hook.held_count(),
                               "faults": tree_cache.faults,
                               "namespaces_without_sharing": len(tree_cache.broken_namespaces),
+                              "materialized_leaf_bytes": {"now": MaterializedBytes.now,
+                                                          "peak": MaterializedBytes.peak},
                               "invariants": shared.check_invariants()}
     return out
 
