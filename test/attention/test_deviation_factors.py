@@ -263,6 +263,10 @@ def test_materialized_deviations_are_counted_while_their_row_lives():
     held = 2 * (2 * 5 * 2 * 8 * 4)  # two layers of K and V, [5, 2, 8] float32 each
     assert reads.materialized_nbytes() == held == MaterializedBytes.now - before
     assert MaterializedBytes.peak >= MaterializedBytes.now
+    reads.release()  # the request is done: given back at once
+    assert reads.materialized_nbytes() == 0 and MaterializedBytes.now == before
+    reads.layer(2)  # read again (a stale plan): expanded again, and counted
+    assert MaterializedBytes.now > before
     del reads, first
-    gc.collect()
+    gc.collect()  # or given back when the row goes
     assert MaterializedBytes.now == before

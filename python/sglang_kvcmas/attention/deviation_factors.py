@@ -318,6 +318,12 @@ class LeafReads:
         self._layers[layer_id] = out
         return out
 
+    def release(self) -> None:
+        """Drop the expanded deviations now (the request is done; a batch plan of its last step
+        may still hold this object): a later read expands them again."""
+        self._layers.clear()
+        MaterializedBytes.release(self._held)
+
     def materialized_nbytes(self) -> int:
         """Bytes of the deviations :meth:`layer` holds now."""
         return self._held[0]

@@ -649,6 +649,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if slots is not None:
             self._free_slots(slots)
             req._kvcmas_release_slots = None
+        leaves = _row_leaves(req)
+        if leaves is not None and leaves.reads is not None:
+            leaves.reads.release()  # the last batch's plan may still hold the row
         req.kvcmas_row = None
         self.pending_owners.pop(req.rid, None)
 
