@@ -669,3 +669,46 @@ def test_requests_that_never_reach_release_leave_nothing_behind():
         assert requests.split(waiting) is not None and not requests.wants_exact(waiting)
     after = {k: len(v) for k, v in vars(h.cache).items() if isinstance(v, (dict, set, list))}
     assert after == sizes
+
+
+def test_first_requests_wait_for_the_leader_while_their_heads_are_prefilled(monkeypatch):
+    """Three agents open on the same transcript with none of their heads cached. Unmarked,
+    nobody waits (none could borrow); marked ``kvcmas_head_first`` (their heads are being
+    prefilled on their own), b and c wait for a, and once their heads and a's transcript are
+    cached they borrow it."""
+    from sglang_kvcmas.integration import turn_order_hook
+
+    h = Harness()
+    monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    a, b, c = head(50, 20), head(60, 8), head(70, 9)
+    firsts = [Req(f"{n}1", x + T1 + SUFFIX) for n, x in (("a", a), ("b", b), ("c", c))]
+    scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=list(firsts))
+    seen = []
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen == [["a1", "b1", "c1"]]  # no head cached and none coming: nobody waits
+    marked = [Req(f"{n}2", x + T1 + SUFFIX) for n, x in (("a", a), ("b", b), ("c", c))]
+    for req, x in zip(marked, (a, b, c)):
+        req.sampling_params.custom_params = {"kvcmas_head_len": len(x),
+                                             "kvcmas_head_first": True}
+    scheduler.waiting_queue = list(marked)
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen[-1] == ["a2"] and [r.rid for r in scheduler.waiting_queue] == ["b2", "c2", "a2"]
+    h.serve(marked[0], 0)  # the leader computes the transcript
+    scheduler.waiting_queue = marked[1:]
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen[-1] == []  # the transcript is there, their heads not yet: they wait for them
+    for row, x in enumerate((b, c), start=1):  # the head requests
+        head_req = Req(f"head{row}", x)
+        head_req.sampling_params.custom_params = {"kvcmas_head_len": len(x),
+                                                  "kvcmas_shared_end": len(x),
+                                                  "kvcmas_exact": True}
+        h.serve(head_req, row)
+    turn_order_hook.turn_order_around(lambda s: seen.append([r.rid for r in s.waiting_queue]),
+                                      scheduler)
+    assert seen[-1] == ["b2", "c2"]
+    h.serve(marked[1], 3)
+    assert marked[1].customized_info["kvcmas_reuse"][0]["reused_repositioned"] > 0  # a's
+    assert_slots_conserved(h)

@@ -3,7 +3,9 @@
 An AROUND hook on ``Scheduler._get_new_batch_prefill_raw``: before SGLang builds a prefill batch,
 the requests the policy defers are taken out of ``waiting_queue``; after, they are put back at
 its front, unchanged. Nothing else in the scheduler changes. Active only when the tree cache is
-:class:`KvcmasSharedTreeCache` with sharing on. Leaders are the exact owners in flight.
+:class:`KvcmasSharedTreeCache` with sharing on. Leaders are the exact owners in flight. A request
+whose head is not cached waits only when its head is being prefilled on its own
+(``head_first.py``); otherwise it could not borrow after the wait.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnLeader, plan_turns
+from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnLeader, TurnPlan, plan_turns
 
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
+
+HEAD_WAIT_S = 10.0
+"""Longest a request waits for its own head request (``head_first.py``) once the transcript it
+would borrow is there; past it, it computes its head itself (and the transcript with it)."""
 
 _held_since: dict[str, float] = {}
 """rid -> when the hook first held the request back. The wait bound counts from there, not from
@@ -38,24 +44,42 @@ def held_count() -> int:
     return len(_held_since)
 
 
-def _candidates(cache: Any, waiting: list[Any], now: float) -> list[TurnCandidate]:
-    out = []
+def _candidates(cache: Any, waiting: list[Any], now: float,
+                ) -> tuple[list[TurnCandidate], dict[str, int]]:
+    """The waiting agent requests as the policy sees them, and those whose head is being
+    prefilled on its own (``head_first.py``) and not cached yet: rid -> shared tokens the tree
+    holds for them."""
+    out, head_pending = [], {}
     for req in waiting:
         split = cache.requests.split(req)
         if split is None or cache.requests.wants_exact(req):
             continue  # not an agent request, or asked not to borrow: never held back
         exact = cache.radix_peek(req, split.shared_end)  # its own exact prefix
-        if exact < split.head_len:
-            continue  # its head is not cached: it cannot borrow anyway
         ns = cache.requests.namespace(req)
         if ns in cache.broken_namespaces:
             continue  # sharing is off there: nothing to wait for
+        available = cache.shared_available(req)
+        if exact < split.head_len:
+            if not cache.requests.options(req).head_first:
+                continue  # its head is not cached: it cannot borrow anyway
+            head_pending[req.rid] = available
+            exact = split.head_len
         out.append(
             TurnCandidate(req.rid, ns, split.agent, cache.requests.shared_tokens(req),
-                          cache.shared_available(req), now - _held_since.get(req.rid, now),
+                          available, now - _held_since.get(req.rid, now),
                           exact - split.head_len)
         )
-    return out
+    return out, head_pending
+
+
+def _waiting_for_heads(head_pending: dict[str, int], plan: TurnPlan, min_gain: int,
+                       now: float) -> dict[str, str]:
+    """Requests the plan lets go although their head is not cached yet while the tree already
+    holds enough of their transcript to borrow: they wait for their head request (rid -> itself),
+    at most :data:`HEAD_WAIT_S`."""
+    return {rid: rid for rid, available in head_pending.items()
+            if rid not in plan.deferred and available >= min_gain
+            and now - _held_since.get(rid, now) < HEAD_WAIT_S}
 
 
 def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
@@ -88,11 +112,14 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         del _held_since[rid]
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
     try:
-        candidates = _candidates(cache, waiting, now)
+        candidates, head_pending = _candidates(cache, waiting, now)
         views = {id(c.shared) for c in candidates} | {id(p.shared) for p in in_flight}
         for pair in [p for p in _prefix_memo if p[0] not in views or p[1] not in views]:
             del _prefix_memo[pair]
         plan = plan_turns(candidates, in_flight, config, _prefix_memo)
+        heads = _waiting_for_heads(head_pending, plan, config.min_gain, now)
+        if heads:
+            plan = TurnPlan(plan.deferred | frozenset(heads), {**plan.leader_of, **heads})
     except Exception:  # our bug must not take the scheduler down: nobody waits this pass
         cache.faults += 1
         logger.exception("sglang-kvcmas: turn order failed; this pass holds nobody back")

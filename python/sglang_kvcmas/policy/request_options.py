@@ -20,6 +20,9 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
                                         given wins): see ``policy/spend_budget.py``
 ``kvcmas_budget_enforce``: bool         refuse the workflow's further turns once its budget
                                         is spent or forecast to be (needs a workflow)
+``kvcmas_head_first``: bool             set by the server only (``integration/head_first.py``):
+                                        the agent's head is being prefilled on its own, so the
+                                        request may wait to borrow (a client's is refused)
 ``kvcmas_<knob>``                       a per-request knob of ``config.ServingConfig``
                                         (``kvcmas_recompute_boundary``, ...)
 ======================================  ==========================================================
@@ -52,6 +55,7 @@ WORKFLOW_FIELD = "kvcmas_workflow"
 BUDGET_TOKENS_FIELD = "kvcmas_budget_tokens"
 BUDGET_ENFORCE_FIELD = "kvcmas_budget_enforce"
 READ_LEAVES_FIELD = "kvcmas_read_leaves"
+HEAD_FIRST_FIELD = "kvcmas_head_first"
 WORKFLOW_HEADER = "x-kvcmas-workflow"
 """HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
 server); same meaning as ``custom_params.kvcmas_workflow``."""
@@ -62,7 +66,7 @@ MAX_NAME_CHARS = 128
 """Longest agent or workflow name: names are echoed in usage and logs."""
 
 _OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD,
-               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD, READ_LEAVES_FIELD)
+               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD, READ_LEAVES_FIELD, HEAD_FIRST_FIELD)
 
 
 class RequestOptionError(ValueError):
@@ -83,6 +87,7 @@ class RequestOptions:
         budget_enforce: whether to enforce it, or None (not given).
         knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
         read_leaves: read the agent's leaves, or None (not given: only without ``knobs``).
+        head_first: the server is prefilling the agent's head on its own (set by the server).
     """
 
     agent: str | None = None
@@ -94,6 +99,7 @@ class RequestOptions:
     budget_enforce: bool | None = None
     knobs: tuple[tuple[str, Any], ...] = ()
     read_leaves: bool | None = None
+    head_first: bool = False
 
     @classmethod
     def parse(cls, custom_params: Any) -> RequestOptions:
@@ -125,6 +131,7 @@ class RequestOptions:
             budget_tokens = _field(ours, BUDGET_TOKENS_FIELD, int, low=1)
             budget_enforce = _field(ours, BUDGET_ENFORCE_FIELD, bool)
             read_leaves = _field(ours, READ_LEAVES_FIELD, bool)
+            head_first = bool(_field(ours, HEAD_FIRST_FIELD, bool))
             knobs = tuple((k.name, k.parse(ours[f], f"custom_params.{f}"))
                           for f, k in BY_REQUEST_FIELD.items() if f in ours)
         except ConfigError as e:
@@ -146,7 +153,8 @@ class RequestOptions:
                                      f"{WORKFLOW_HEADER} header)")
         return cls(agent=agent, head_len=head_len, shared_end=shared_end, exact=exact,
                    workflow=workflow, budget_tokens=budget_tokens,
-                   budget_enforce=budget_enforce, knobs=knobs, read_leaves=read_leaves)
+                   budget_enforce=budget_enforce, knobs=knobs, read_leaves=read_leaves,
+                   head_first=head_first)
 
     @classmethod
     def lenient(cls, custom_params: Any) -> RequestOptions | None:

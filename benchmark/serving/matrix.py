@@ -1,0 +1,425 @@
+"""The workload matrix: whole multi-agent workflows, our sharing server against radix, end to end.
+
+Every arm is one server of the same binary, run one at a time (they never compete for cores),
+each serving the same workloads through SGLang's OpenAI chat route, streamed, the way a client
+library would: each agent keeps its own conversation (its system prompt, the shared messages,
+its own answers sent back as assistant messages), the agents of a round answer concurrently and
+the workflows run concurrently.
+
+Workloads (``--workloads``; each with ``--flows`` concurrent workflows and ``--answer`` tokens):
+
+- ``panel``: prefill-heavy. ``--agents`` reviewers, each with its own system prompt, review one
+  source file of ``--doc-tokens`` tokens (Python's own standard library, one file per workflow);
+  round 2 reads every review and gives a ship / fix verdict. Every workflow has its own
+  reviewers.
+- ``recurring``: the panel with the same reviewers in every workflow (agents that recur across
+  concurrent workflows).
+- ``debate``: decode-heavy. Three agents answer a GSM8K question over three rounds, each round
+  reading the others' previous answers.
+- ``chain``: planner -> solver -> critic, twice, each step reading the transcript so far.
+
+Arms (``--arms``): ``radix`` (SGLang's radix cache on its own attention backend), ``kvcmas``
+(sharing, the defaults), ``kvcmas_exact`` (sharing, ``--kvcmas-leaf-mode exact``) and
+``radix_delta`` (SGLang's radix cache on our attention backend: which part of a gain is the
+kernel). Per arm and workload: makespan, output tokens/s, median TTFT by round and of non-owner
+turns (turns that borrowed in the ``kvcmas`` arm, compared on the same turns), decode tokens/s
+of turns that borrowed nothing (``plain``) and of those that did (``reader``), peak KV (pool
+slots held, sampled from ``/metrics``, and the tree cache's own peak mark) in MiB including host
+memory leaf bytes, and same answer as radix (turn text, and final answers).
+
+    python benchmark/serving/matrix.py --quick      # panel and debate, every arm, one run
+    python benchmark/serving/matrix.py --workloads panel,recurring,debate,chain \
+        --answer 64 --flows 8 --runs 3
+
+Writes ``results/matrix[_quick][_<model>].json`` and prints one table and a ``HEADLINE`` line
+(ratios radix / ours for time, ours / radix for KV, medians over ``--runs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmark.model_arg import add_model_arg, model_from_args
+from benchmark.serving.head_to_head import KvSampler
+from benchmark.serving.server_arms import ArmServer, run_header, shared_tree_stats
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "radix": ("radix", []),
+    "kvcmas": ("kvcmas", []),
+    "kvcmas_exact": ("kvcmas", ["--kvcmas-leaf-mode", "exact"]),
+    "radix_delta": ("radix", ["--attention-backend", "kvcmas_delta"]),
+}
+"""Arm -> (server arm of ``server_arms.ARMS``, flags added)."""
+REVIEWERS = ("security reviewer", "performance engineer", "API designer", "test engineer",
+             "maintainer", "documentation writer", "newcomer", "release manager",
+             "static-analysis expert", "concurrency expert", "accessibility reviewer",
+             "data engineer", "SRE", "style reviewer", "architect", "product manager")
+DEBATERS = ("solver", "skeptic", "judge")
+CHAIN = ("planner", "solver", "critic")
+SOURCES = ("textwrap", "shlex", "fnmatch", "glob", "bisect", "heapq", "difflib", "calendar",
+           "string", "base64", "csv", "gettext", "tokenize", "ipaddress", "fractions",
+           "statistics")
+"""Standard-library modules whose source the panels review (one per workflow)."""
+
+
+def say(text: str) -> None:
+    print(f"[matrix] {text}", file=sys.stderr, flush=True)
+
+
+# ----- workloads: who says what, round by round -----
+
+
+@dataclass
+class Agent:
+    """One agent of one workflow: its conversation so far (OpenAI chat messages)."""
+
+    flow: int
+    name: str
+    messages: list[dict]
+
+
+@dataclass
+class Turn:
+    """One streamed chat completion."""
+
+    flow: int
+    round: int
+    agent: str
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    borrowed: int = 0
+    recomputed: int = 0
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens after the first / time from first to last token."""
+        span = self.latency_s - self.ttft_s
+        return (self.completion_tokens - 1) / span if self.completion_tokens > 1 and span > 0 \
+            else None
+
+
+def source_doc(tok, module: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of a standard-library module's source, cut at a line."""
+    text = inspect.getsource(__import__(module))
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(ids) < tokens:
+        raise ValueError(f"{module}.py holds {len(ids)} tokens, {tokens} asked")
+    return tok.decode(ids[:tokens]).rsplit("\n", 1)[0]
+
+
+def system(role: str, task: str) -> str:
+    return f"You are the {role}. {task}"
+
+
+@dataclass
+class Workload:
+    """A workload's shape: ``rounds(flow_agents, answers)`` gives each round's speakers and the
+    user message each appends (the driver adds answers back as assistant messages)."""
+
+    name: str
+    flows: int
+    answer: int
+    rounds: int
+    agents: list[list[Agent]] = field(default_factory=list)
+
+
+def build(name: str, tok, flows: int, answer: int, agents: int, doc_tokens: int) -> Workload:
+    """The agents of ``flows`` workflows of workload ``name``, with their opening messages."""
+    from sglang_kvcmas_examples.datasets import gsm8k
+
+    w = Workload(name, flows, answer, rounds=2 if name in ("panel", "recurring") else 3)
+    for f in range(flows):
+        if name in ("panel", "recurring"):
+            roles = (REVIEWERS[:agents] if name == "recurring" else
+                     [REVIEWERS[(f * agents + a) % len(REVIEWERS)] for a in range(agents)])
+            doc = source_doc(tok, SOURCES[f % len(SOURCES)], doc_tokens)
+            opening = (f"Review this source file.\n\n```python\n{doc}\n```\n\nGive the most "
+                       "important problem you see from your role, then a verdict: ship or fix.")
+            task = "You review code in a team and answer in a few sentences."
+        elif name == "debate":
+            roles = list(DEBATERS)
+            opening = (f"Question: {gsm8k()[f].question}\n\nReason step by step and end with "
+                       "'Answer: <number>'.")
+            task = "You solve math word problems in a team of three, reasoning step by step."
+        elif name == "chain":
+            roles = list(CHAIN)
+            opening = (f"Task: {gsm8k()[100 + f].question}\n\nThe planner plans, the solver "
+                       "solves, the critic checks. Speak only for your role.")
+            task = "You work in a planner / solver / critic chain on math word problems."
+        else:
+            raise ValueError(f"unknown workload {name!r}")
+        w.agents.append([Agent(f, r, [{"role": "system", "content": system(r, task)},
+                                      {"role": "user", "content": opening}]) for r in roles])
+    return w
+
+
+def speakers(w: Workload, rnd: int) -> list[list[int]]:
+    """Per step of round ``rnd``, the agents (indices) that answer at once."""
+    n = len(w.agents[0])
+    return [[a] for a in range(n)] if w.name == "chain" else [list(range(n))]
+
+
+def after_step(w: Workload, flow: list[Agent], rnd: int, spoke: list[int],
+               answers: dict[int, str]) -> None:
+    """Append what the step's answers mean to every agent's conversation."""
+    for a in spoke:
+        flow[a].messages.append({"role": "assistant", "content": answers[a]})
+    if w.name == "chain":
+        said = f"The {flow[spoke[0]].name} said:\n{answers[spoke[0]]}"
+        for a, agent in enumerate(flow):
+            if a not in spoke:
+                agent.messages.append({"role": "user", "content": said})
+            else:
+                agent.messages.append({"role": "user", "content": "Go on."})
+        return
+    others = "\n".join(f"- The {flow[a].name}: {answers[a]}" for a in spoke)
+    ask = ("Give your final verdict, ship or fix, in one sentence." if w.name != "debate"
+           else "Reconsider your reasoning and end with 'Answer: <number>'.")
+    for agent in flow:
+        agent.messages.append({"role": "user", "content": f"The team said:\n{others}\n\n{ask}"})
+
+
+# ----- the client -----
+
+
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, workflow: str) -> dict:
+    """One streamed chat completion: text, TTFT, latency, usage."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "X-KVCMAS-Workflow": workflow})
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(piece)
+            usage = chunk.get("usage") or usage
+    latency = time.perf_counter() - t0
+    return {"text": "".join(text), "ttft_s": ttft if ttft is not None else latency,
+            "latency_s": latency, "usage": usage}
+
+
+def run_flow(url: str, model: str, w: Workload, f: int, tag: str) -> list[Turn]:
+    flow, turns = w.agents[f], []
+    for rnd in range(w.rounds):
+        for spoke in speakers(w, rnd):
+            with ThreadPoolExecutor(len(spoke)) as pool:
+                outs = list(pool.map(lambda a: chat(url, model, list(flow[a].messages),
+                                                    w.answer, f"{tag}-{w.name}-{f}"), spoke))
+            answers = {}
+            for a, out in zip(spoke, outs):
+                usage = out["usage"]
+                details = usage.get("prompt_tokens_details") or {}
+                borrowed = int(details.get("kvcmas_reused_repositioned") or 0) + int(
+                    details.get("kvcmas_reused_factored") or 0)
+                turns.append(Turn(f, rnd, flow[a].name, out["ttft_s"], out["latency_s"],
+                                  int(usage.get("prompt_tokens") or 0),
+                                  int(usage.get("completion_tokens") or 0), out["text"],
+                                  borrowed, int(details.get("kvcmas_recomputed_borrowed") or 0)))
+                answers[a] = " ".join(out["text"].split())
+            after_step(w, flow, rnd, spoke, answers)
+    return turns
+
+
+def leaf_marks(url: str) -> tuple[int, int]:
+    """The shared tree's host-memory leaf bytes (factored leaves now, plus the peak of their
+    deviations materialized for running readers) and its peak of pool slots held, from
+    ``/server_info`` (both 0 for a stock server). The tree's marks are the server's own peaks,
+    so a workload after another on one server reports the larger of the two."""
+    stats = shared_tree_stats(url)
+    leaf = sum(sum(v.values()) for v in (stats.get("leaf_bytes_by_agent") or {}).values())
+    exact = int(stats.get("exact_leaf_bytes") or 0)  # pool slots: counted as held tokens
+    materialized = int((stats.get("materialized_leaf_bytes") or {}).get("peak") or 0)
+    return leaf - exact + materialized, int(stats.get("peak_held_tokens") or 0)
+
+
+def run_arm(arm: str, model, workloads: list[Workload], pool: int, out: Path) -> dict:
+    """One server; each workload's flows at once, the workloads one after another."""
+    server_arm, flags = ARMS[arm]
+    result: dict = {}
+    with ArmServer(server_arm, out / f"matrix_{arm}.log",
+                   [*model.server_args, "--max-total-tokens", str(pool), *flags]) as server:
+        name = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=60).read())
+        served = name["data"][0]["id"]
+        chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
+        for w in workloads:
+            kv = KvSampler(server.url)
+            kv.start()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(w.flows) as pool_:
+                flows = list(pool_.map(lambda f, w=w: run_flow(server.url, served, w, f, arm),
+                                       range(w.flows)))
+            makespan = time.perf_counter() - t0
+            held = kv.stop()
+            leaf_bytes, marked = leaf_marks(server.url)
+            turns = [t for flow in flows for t in flow]
+            kv_tokens = max(held, marked)
+            result[w.name] = {
+                "makespan_s": makespan, "turns": [asdict(t) for t in turns],
+                "output_tps": sum(t.completion_tokens for t in turns) / makespan,
+                "peak_kv_tokens": kv_tokens, "peak_leaf_bytes": leaf_bytes,
+                "peak_kv_mib": (kv_tokens * model.kv_bytes_per_token + leaf_bytes) / 2**20,
+            }
+            say(f"{arm} {w.name}: makespan {makespan:.1f} s, "
+                f"{result[w.name]['output_tps']:.1f} tok/s, peak KV "
+                f"{result[w.name]['peak_kv_mib']:.1f} MiB")
+            for flow in w.agents:  # the next arm starts from the opening messages again
+                for agent in flow:
+                    del agent.messages[2:]
+    return result
+
+
+# ----- the report -----
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
+    """Ratios of ``ours`` against radix on one workload (time: radix / ours; KV: ours / radix),
+    TTFT by round, decode of plain and reader turns, and same answers."""
+    radix, mine = arms["radix"][workload], arms[ours][workload]
+    key = lambda t: (t["flow"], t["round"], t["agent"])
+    rt = {key(t): t for t in radix["turns"]}
+    readers = [t for t in mine["turns"] if t["borrowed"]]
+    plain = [t for t in mine["turns"] if not t["borrowed"]]
+    tps = lambda t: Turn(**t).decode_tps
+    rounds = sorted({t["round"] for t in mine["turns"]})
+    last = max(rounds)
+    finals = [(t["text"] == rt[key(t)]["text"]) for t in mine["turns"] if t["round"] == last]
+    nonowner_ours = _median([t["ttft_s"] for t in readers])
+    nonowner_radix = _median([rt[key(t)]["ttft_s"] for t in readers])
+    return {
+        "makespan_ratio": radix["makespan_s"] / mine["makespan_s"],
+        "output_tps_ratio": mine["output_tps"] / radix["output_tps"],
+        "kv_ratio": mine["peak_kv_mib"] / radix["peak_kv_mib"],
+        "ttft_ratio_nonowner": (nonowner_radix / nonowner_ours
+                                if nonowner_ours and nonowner_radix else None),
+        "ttft_by_round": {r: [_median([t["ttft_s"] for t in radix["turns"] if t["round"] == r]),
+                              _median([t["ttft_s"] for t in mine["turns"] if t["round"] == r])]
+                          for r in rounds},
+        "plain_decode_ratio": (_median([tps(t) for t in plain])
+                               / _median([tps(rt[key(t)]) for t in plain])
+                               if plain and _median([tps(t) for t in plain]) else None),
+        "reader_decode_vs_plain": (_median([tps(t) for t in readers])
+                                   / _median([tps(t) for t in plain])
+                                   if readers and plain else None),
+        "same_turns": sum(t["text"] == rt[key(t)]["text"] for t in mine["turns"]),
+        "turns": len(mine["turns"]),
+        "same_final": sum(finals), "finals": len(finals),
+        "readers": len(readers),
+    }
+
+
+def fmt(x: float | None, d: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{d}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="panel (4 flows x 4 reviewers, 1.7k-token file, 96-token answers) and "
+                        "debate (8 flows, 256-token answers), every arm, one run")
+    p.add_argument("--workloads", default="panel,debate")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--flows", type=int, default=4)
+    p.add_argument("--agents", type=int, default=4, help="reviewers per panel (2..16)")
+    p.add_argument("--doc-tokens", type=int, default=1700)
+    p.add_argument("--answer", type=int, default=96, help="answer tokens (debate: x2.67)")
+    p.add_argument("--pool", type=int, default=40000, help="--max-total-tokens of every arm")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    add_model_arg(p)
+    args = p.parse_args(argv)
+    model = model_from_args(p, args)
+    tok = model.tokenizer()
+    arms = [a for a in args.arms.split(",") if a]
+    if "radix" not in arms or any(a not in ARMS for a in arms):
+        p.error(f"--arms must include radix and name only {', '.join(ARMS)}")
+    names = [w for w in args.workloads.split(",") if w]
+    if args.quick:
+        names, args.flows, args.agents, args.doc_tokens, args.answer = (
+            ["panel", "debate"], 4, 4, 1700, 96)
+
+    def workloads() -> list[Workload]:
+        out = []
+        for n in names:
+            flows = 8 if args.quick and n == "debate" else args.flows
+            answer = 256 if args.quick and n == "debate" else args.answer
+            out.append(build(n, tok, flows, answer, args.agents, args.doc_tokens))
+        return out
+
+    out = args.out or model.named(RESULTS / f"matrix{'_quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for run in range(args.runs):
+        per_arm = {}
+        for arm in arms:
+            say(f"run {run + 1}/{args.runs}: arm {arm}")
+            per_arm[arm] = run_arm(arm, model, workloads(), args.pool, out.parent)
+        runs.append({"arms": per_arm, "compare": {
+            arm: {w: compare(per_arm, w, arm) for w in names} for arm in arms if arm != "radix"}})
+        out.write_text(json.dumps({**run_header("benchmark/serving/matrix.py", argv, model),
+                                   "runs": runs}, indent=1))
+    med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
+    print(f"{'arm':<13} {'workload':<10} {'makespan':>9} {'out tok/s':>9} {'TTFT':>6} "
+          f"{'KV':>6} {'plain dec':>9} {'rd/plain':>8} {'same':>9} {'final':>7}")
+    for arm in arms:
+        if arm == "radix":
+            continue
+        for w in names:
+            c = runs[-1]["compare"][arm][w]
+            print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'output_tps_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'ttft_ratio_nonowner')):>5}x "
+                  f"{fmt(med(arm, w, 'kv_ratio')):>5}x {fmt(med(arm, w, 'plain_decode_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'reader_decode_vs_plain')):>7}x "
+                  f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_final']:>3}/{c['finals']:<3}")
+    if "kvcmas" in arms:
+        ours = lambda k: [med("kvcmas", w, k) for w in names]
+        spans = ours("makespan_ratio")
+        head = {
+            "plain_decode_ratio": _median(ours("plain_decode_ratio")),
+            "reader_decode_ratio": _median(ours("reader_decode_vs_plain")),
+            "min_makespan_ratio": min(spans),
+            "panel_makespan_ratio": med("kvcmas", "panel", "makespan_ratio")
+            if "panel" in names else None,
+            "debate_makespan_ratio": med("kvcmas", "debate", "makespan_ratio")
+            if "debate" in names else None,
+            "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
+            "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
+        }
+        print("HEADLINE " + " ".join(f"{k}={fmt(v)}" for k, v in head.items()))
+    say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
