@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sglang_kvcmas.lora.grouped_ops import AdapterGroups, lora_a, lora_b  # noqa: E402
+from sglang_kvcmas.lora.grouped_ops import AdapterGroups, lora_a, lora_b
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30
 RANKS = [8, 8, 8, 24]  # planner, solver, critic, the centroid (their summed rank)

@@ -32,9 +32,9 @@ import torch
 import triton
 from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch
-from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas.attention.triton_delta import delta_decode_triton, delta_extend_triton
+from sglang_kvcmas_lab.attention.reference import reader_kv
 
 H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention (the grid varies H_KV and D)
 DTYPE = torch.bfloat16

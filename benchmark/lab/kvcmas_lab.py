@@ -17,7 +17,7 @@ tokens, TTFT, recomputed tokens and bytes held (bases + leaves + correction stat
     python benchmark/lab/kvcmas_lab.py --quick          # debate 3 x 3, 128-token answers; HEADLINE
     python benchmark/lab/kvcmas_lab.py --workload both --instances 3 --rounds 3 --agents 4
 
-``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): every
+``--model-path`` (``model_arg``; Llama or Qwen2 with a ChatML template): every
 method runs on that model; records name it, and the result files get ``_<model>`` for a model
 other than the embedded one.
 """
@@ -28,33 +28,25 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import (  # noqa: E402
+from sglang_kvcmas_bench.lab.records import (
     JsonlWriter,
-    Reference,
     TurnMetrics,
-    encode,
-    fidelity_bundle,
     format_table,
-    load_lab_model,
     plot_methods,
     summarize,
 )
-from kvcmas_workloads import END, SUFFIX, Workload, debate, reviewer_chain  # noqa: E402
-
-from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
-from sglang_kvcmas_lab.correction.fidelity import kv_relative_error  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import fidelity_bundle, load_lab_model
+from sglang_kvcmas_bench.lab.transcripts import Transcript, make_transcript
+from sglang_kvcmas_bench.lab.workloads import debate, reviewer_chain
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder
+from sglang_kvcmas_lab.correction.fidelity import kv_relative_error
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
 CHOICE = {"estimator": "sparse", "rho": 0.25, "score": "attn", "num_first": 4}
 
@@ -103,61 +95,6 @@ DENSE_BUILDS = ("no_sharing", "prefix_caching", "kvcomm", "oracle")
 def is_stateful(reg: str, kw: dict) -> bool:
     """Methods whose state carries across workflow instances (replayed on history instances)."""
     return reg == "kvcomm" or (reg == "kvcmas" and kw.get("estimator") == "online")
-
-
-# ---- transcript (method independent) ------------------------------------------------------
-@dataclass
-class Turn:
-    """One planned turn with its dense reference. seg_ids: ids of every shared segment in the
-    prompt (index 0 = the task); suffix_ids; answer segment ids (suffix + answer + end)."""
-
-    agent: str
-    round: int
-    seg_ids: list[torch.Tensor]
-    suffix_ids: torch.Tensor
-    answer_seg: torch.Tensor
-    ref: Reference
-
-
-@dataclass
-class Transcript:
-    workload: Workload
-    heads: dict[str, torch.Tensor]
-    turns: list[Turn] = field(default_factory=list)
-
-
-def make_transcript(model: RefLlama, tok, wl: Workload, answer_tokens: int, cont_tokens: int,
-                    log) -> Transcript:
-    """Dense (no sharing) generation of every turn: prompts, references and answers."""
-    from common import make_reference
-
-    heads = {a: encode(tok, wl.head_text(a)) for a in wl.agents}
-    task = encode(tok, wl.task_segment_text())
-    suffix = encode(tok, SUFFIX)
-    end = encode(tok, END)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    for a in wl.agents:  # tokenization must compose at our segment boundaries
-        full = encode(tok, wl.head_text(a) + wl.task_segment_text() + SUFFIX)
-        assert torch.equal(full, torch.cat([heads[a], task, suffix])), "boundary merge"
-    tr = Transcript(wl, heads)
-    segs = [task]
-    for i, plan in enumerate(wl.turns):
-        prompt = torch.cat([heads[plan.agent], *segs, suffix])
-        t0 = time.perf_counter()
-        ref = make_reference(model, prompt, max(cont_tokens, answer_tokens))
-        cont = ref.greedy_ids
-        ans = cont[:answer_tokens]
-        if im_end in ans:
-            ans = ans[: ans.index(im_end)]
-        ref = Reference(ref.cache, ref.last_logits, ref.cont_ids[:cont_tokens],
-                        ref.tf_logits[:cont_tokens], cont[:cont_tokens])
-        seg = torch.cat([suffix, torch.tensor(ans, dtype=torch.long), end])
-        tr.turns.append(Turn(plan.agent, plan.round, list(segs), suffix, seg, ref))
-        segs.append(seg)
-        log(f"  [{wl.name}#{wl.instance}] turn {i} {plan.agent}: prompt {prompt.numel()} tok, "
-            f"answer {len(ans)} tok ({time.perf_counter() - t0:.1f}s): "
-            f"{tok.decode(ans[:24])!r}...")
-    return tr
 
 
 # ---- replay one method over a transcript ------------------------------------------------

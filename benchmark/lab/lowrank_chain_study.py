@@ -38,14 +38,9 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.delta_growth_study import kl, probe_layers  # noqa: E402
-from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import head_mass, kl, probe_layers
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORCED = 16
@@ -76,9 +71,9 @@ def main() -> int:
     args.out = args.out or bench.named(RESULTS / "lowrank_chain_study")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
     from sglang_kvcmas_examples.datasets import essays
+    from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ ceiling of any selector).
 
     python benchmark/lab/owner_mass_study.py [--cases 6] [--model-path NAME]
 
-``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): the model
+``--model-path`` (``model_arg``; Llama or Qwen2 with a ChatML template): the model
 studied (``mass_sub`` probes the layers of ``PROBE_LAYERS`` it has); records and the summary
 name it, and the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
@@ -31,20 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
-
-from benchmark.lab.common import (  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import (
     load_lab_model,
     make_reference,
     teacher_forced_logits,
 )
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "owner_mass_study"

@@ -16,34 +16,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import JsonlWriter, make_reference  # noqa: E402
-from precache_lab import (  # noqa: E402
+from sglang_kvcmas.adapters import ROLES
+from sglang_kvcmas.adapters.role_data import TURN_OPENER
+from sglang_kvcmas_bench.lab.precache_setup import (
     ADAPTERS_ARE_EMBEDDED,
     build_transcript,
     cached_transcript,
-    encode,
     fidelity,
     load,
 )
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.adapters import ROLES  # noqa: E402
-from sglang_kvcmas.adapters.role_data import TURN_OPENER  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_forward import AgentModel  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
-from sglang_kvcmas_lab.correction.precache_base import create_lora_method  # noqa: E402
-from sglang_kvcmas_lab.correction.precache_drift import drift_pass  # noqa: E402
-from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas_bench.lab.records import JsonlWriter
+from sglang_kvcmas_bench.lab.reference import encode, make_reference
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_examples.datasets import gsm8k
+from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel
+from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT
+from sglang_kvcmas_lab.correction.precache_base import create_lora_method
+from sglang_kvcmas_lab.correction.precache_drift import drift_pass
 
 MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values", "adapters"),
          ("own", "adapters"), ("own", "own")]

@@ -41,13 +41,8 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.delta_growth_study import FORCED, kl, probe_layers  # noqa: E402
-from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import FORCED, head_mass, kl, probe_layers
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8)

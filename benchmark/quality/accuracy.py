@@ -49,15 +49,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.quality import tasks  # noqa: E402
-from benchmark.quality.sandbox import isolation  # noqa: E402
-from benchmark.quality.stats import paired_diff  # noqa: E402
-from benchmark.serving.head_to_head import stream_generate  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from sglang_kvcmas_bench import accuracy_tasks as tasks
+from sglang_kvcmas_bench.paired_stats import paired_diff
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.sandbox import isolation
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_calls import stream_generate
 
 ARMS = ("no_cache", "radix", "kvcmas")
 QUICK_ARMS = ("radix", "kvcmas")
@@ -331,9 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency is None:
         args.concurrency = args.items * len(args.tasks) if args.quick else 32
 
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     folder = resolve_model_path(args.model_path)
     given = args.model_path or "embedded"

@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import shlex
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.recompute_fidelity import generate  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, run_header  # noqa: E402
-from sglang_kvcmas_examples import datasets  # noqa: E402
-from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
-from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
+from sglang_kvcmas.server.options import parse_launcher_args
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.server_arms import ArmServer, run_header
+from sglang_kvcmas_bench.server_calls import generate
+from sglang_kvcmas_examples import datasets
 
 OUT = Path(__file__).resolve().parent / "results"
 HEADS = ("You are Ada, a careful mathematician who checks every step and states the final "

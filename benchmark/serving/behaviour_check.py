@@ -13,7 +13,7 @@ agent, recomputed; the correction label) and its greedy output token ids.
 after a change that must not change behaviour (a refactor): both records must match exactly.
 Accounting fields are read under their current and earlier names (``reuse_records.py``;
 ``borrowed`` = every token read from another context, re-positioned or corrected).
-``--model-path`` (``benchmark/model_arg.py``): the served model; the record names it, and the
+``--model-path`` (``model_arg``): the served model; the record names it, and the
 default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -28,13 +28,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.reuse_records import normalized, of_meta
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.workflows import debate, reviewer_chain
 
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.reuse_records import normalized, of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
-from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "behaviour_check.json"
@@ -51,10 +50,9 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
 def record(url: str, max_new: int, n_debates: int, n_chains: int,
            model_folder: Path | None = None) -> list[dict]:
     """Every turn's record (``model_folder``: the served model's, default the embedded one)."""
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from sglang_kvcmas_examples.datasets import gsm8k
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_folder or resolve_model_path(None)))
     items = gsm8k()

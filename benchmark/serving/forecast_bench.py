@@ -63,10 +63,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
-
-from sglang_kvcmas.policy import spend_forecast as sf  # noqa: E402
+from sglang_kvcmas.policy import spend_forecast as sf
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POINTS = (0.25, 0.5, 0.75)

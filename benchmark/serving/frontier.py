@@ -75,16 +75,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.scale import (  # noqa: E402
-    fmt, leaf_bytes_per_agent, nonowner_ttft, panel_arm, same_answers,
+from sglang_kvcmas.policy.recompute import RecomputeConfig
+from sglang_kvcmas.server.options import parse_launcher_args
+from sglang_kvcmas_bench.figures import fmt
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.review_panel import (
+    leaf_bytes_per_agent,
+    nonowner_ttft,
+    panel_arm,
+    same_answers,
 )
-from benchmark.serving.server_arms import run_header  # noqa: E402
-from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
-from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
+from sglang_kvcmas_bench.server_arms import run_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARM = "factored4"

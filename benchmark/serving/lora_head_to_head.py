@@ -81,12 +81,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -97,23 +94,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import (  # noqa: E402
-    KvSampler,
-    pct,
-    replay_steps,
-    stream_generate,
-)
-from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
-from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
-from benchmark.serving.server_arms import COMMON_FLAGS, shared_tree_stats  # noqa: E402
-from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
-from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
+from sglang_kvcmas.server.process import ServerProcess, free_port
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.figures import pct
+from sglang_kvcmas_bench.forced_reads import forced, kl_on_support
+from sglang_kvcmas_bench.kv_sampler import KvSampler
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
+from sglang_kvcmas_bench.scheduler_profile import report as profile_report
+from sglang_kvcmas_bench.server_arms import COMMON_FLAGS, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import stream_generate
+from sglang_kvcmas_bench.workload_runs import replay_steps
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
 DEFAULT_MODE = "rebase"
@@ -561,9 +554,8 @@ def main() -> int:
     lora_flags = ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
     user_flags = shlex.split(KVCMAS_BENCH_SERVER_ARGS.get())  # e.g. --device cuda; last: they win
     tok = model.tokenizer()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    commit = provenance.commit()
+    machine = provenance.machine()
     t_start = time.perf_counter()
     runs: dict[str, tuple] = {}
     fid: dict[str, dict] = {}

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 import requests
-
-from sglang_kvcmas_examples import datasets
 from sglang_kvcmas.models.resolve import resolve_model_path
 from sglang_kvcmas.server.process import ServerProcess
+from sglang_kvcmas_examples import datasets
 
 SYSTEM_A = "You are Ada, a careful mathematician. Solve problems step by step."
 SYSTEM_B = "You are Ben, a skeptical reviewer. Check every step of the reasoning you read."

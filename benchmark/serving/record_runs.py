@@ -57,19 +57,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.quality.sandbox import run_python  # noqa: E402
-from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     examples_fail, humaneval_examples, humaneval_passes,
-                                     printed_number, same_number)
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
-from sglang_kvcmas_examples import fanout  # noqa: E402
-from sglang_kvcmas.server.process import free_port  # noqa: E402
+from sglang_kvcmas.server.process import free_port
+from sglang_kvcmas_bench.accuracy_tasks import (
+    GSM8K_DEBATERS,
+    code_block,
+    examples_fail,
+    gsm8k_flow,
+    humaneval_examples,
+    humaneval_passes,
+    printed_number,
+    same_number,
+)
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.sandbox import run_python
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_examples import fanout
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("debate", "review", "panel", "fanout")

@@ -19,7 +19,7 @@ Summary::
     python benchmark/serving/reliability.py --quick      # < 10 min on 2 cores
     python benchmark/serving/reliability.py              # the storm at 64 workflows
 
-``--model-path`` (``benchmark/model_arg.py``): the model served (or, with ``--url``, the one the
+``--model-path`` (``model_arg``): the model served (or, with ``--url``, the one the
 running server serves: its tokenizer builds the prompts); ``reliability.json`` names it, and the
 default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 
@@ -34,25 +34,20 @@ import argparse
 import json
 import math
 import random
-import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.debate_prompts import Prompts
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import Reply, call, raw_stream
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "reliability"
@@ -63,54 +58,6 @@ def say(text: str) -> None:
 
 
 # ----- HTTP without raising -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Reply:
-    status: int | None  # None: no HTTP answer (connection error, timeout)
-    body: str
-
-    def json(self) -> dict:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return {}
-
-
-def call(url: str, path: str, body: dict | None = None, headers: dict | None = None,
-         timeout: float = 300.0) -> Reply:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Reply(r.status, r.read().decode(errors="replace"))
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, e.read().decode(errors="replace"))
-    except (urllib.error.URLError, OSError) as e:
-        return Reply(None, str(e))
-
-
-def raw_stream(url: str, body: dict, drop_after_chunks: int | None) -> int:
-    """POST a streamed request over a raw socket and close it after ``drop_after_chunks`` SSE
-    chunks (0: before the first; None: read to the end). Returns the chunks seen."""
-    u = urlparse(url)
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((u.hostname, u.port), timeout=300)
-    path = "/v1/chat/completions" if "messages" in body else "/generate"
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json"
-                 f"\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                 + payload)
-    seen, buf = 0, b""
-    try:
-        while drop_after_chunks is None or seen < drop_after_chunks:
-            data = sock.recv(4096)
-            if not data:
-                break
-            buf += data
-            seen = buf.count(b"data:")
-    finally:
-        sock.close()
-    return seen
 
 
 # ----- outcome bookkeeping --------------------------------------------------------------------
@@ -181,37 +128,6 @@ def settle(url: str, cat: Category, timeout_s: float = 120.0) -> None:
 
 
 # ----- prompts --------------------------------------------------------------------------------
-
-class Prompts:
-    """ChatML prompts of the debate agents over a transcript, as token ids."""
-
-    def __init__(self, model_folder: Path | None = None) -> None:
-        """``model_folder``: the served model's HF folder (default: the embedded model's)."""
-        from transformers import AutoTokenizer
-
-        from sglang_kvcmas_examples.datasets import gsm8k
-        from sglang_kvcmas.models.resolve import resolve_model_path
-
-        folder = model_folder or resolve_model_path(None)
-        self.tok = AutoTokenizer.from_pretrained(str(folder))
-        self.questions = [it.question for it in gsm8k()[:200]]
-        self.agents = list(DEBATERS)
-
-    def ids(self, agent: str, transcript: str) -> list[int]:
-        msgs = [{"role": "system", "content": DEBATERS[agent]},
-                {"role": "user", "content": transcript}]
-        out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
-
-    def filler(self, n_tokens: int, seed: int) -> str:
-        """A transcript of about ``n_tokens`` tokens of real text."""
-        rng = random.Random(seed)
-        parts, total = [], 0
-        while total < n_tokens:
-            q = rng.choice(self.questions)
-            parts.append(q)
-            total += len(self.tok.encode(q, add_special_tokens=False))
-        return "\n\n".join(parts)
 
 
 def generate_body(ids: list[int], max_new: int = 8, custom: dict | None = None, rid: str = "",

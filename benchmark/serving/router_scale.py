@@ -53,7 +53,7 @@ Final line::
 
 Writes ``results/router_scale[_quick][_pinned].json`` (every arm summarized, placement, the kill
 run's counts) and the servers' logs under ``--out`` (default ``/tmp/<that name>``). ``--model-path``
-(``benchmark/model_arg.py``) serves one model on every server; the JSON names it, and its name
+(``model_arg``) serves one model on every server; the JSON names it, and its name
 gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -63,9 +63,7 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -77,16 +75,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import build_workflows  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ARMS, COMMON_FLAGS, ArmServer  # noqa: E402
-from benchmark.serving.workflows import Workflow, debate  # noqa: E402
-from sglang_kvcmas.server.cluster import Cluster, RouterSettings, workflow_headers  # noqa: E402
+from sglang_kvcmas.server.cluster import Cluster, RouterSettings, workflow_headers
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, ArmServer
+from sglang_kvcmas_bench.workflows import Workflow, debate
+from sglang_kvcmas_bench.workload_runs import build_workflows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_TOKENS = 40000
@@ -497,9 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     flows_n = args.debates + args.chains
     thr = arms["kvcmas_x1"]["makespan_s"] / arms["kvcmas_x2"]["makespan_s"]
     thr_radix = arms["radix_x1"]["makespan_s"] / arms["radix_x2"]["makespan_s"]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    commit = provenance.commit()
+    machine = provenance.machine()
     record = {
         "command": "python benchmark/serving/router_scale.py " + " ".join(sys.argv[1:] if argv
                                                                            is None else argv),

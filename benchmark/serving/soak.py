@@ -17,7 +17,7 @@ The slope is a least-squares fit of total resident memory against time over the 
 
     python benchmark/serving/soak.py --minutes 30 [--model-path NAME]
 
-``--model-path`` (``benchmark/model_arg.py``): the served model; every sample names it, and the
+``--model-path`` (``model_arg``): the served model; every sample names it, and the
 default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -31,13 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.reliability import Prompts, call, raw_stream  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
-from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
+from sglang_kvcmas_bench.debate_prompts import Prompts
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import call, raw_stream
+from sglang_kvcmas_bench.workflows import debate, reviewer_chain
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "soak"

@@ -12,7 +12,7 @@ on shared 2-core machines are noisy; compare configurations measured in one run.
 
     python benchmark/serving/throughput.py --threads 1 2 --out benchmark/serving/results/throughput.jsonl
 
-``--model-path`` (``benchmark/model_arg.py``): the served model; records name it, and the default
+``--model-path`` (``model_arg``): the served model; records name it, and the default
 ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -31,12 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.server.process import ServerProcess  # noqa: E402
+from sglang_kvcmas.server.process import ServerProcess
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.jsonl"
 

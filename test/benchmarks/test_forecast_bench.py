@@ -8,11 +8,10 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from helpers.bench_scripts import load_script
+from sglang_kvcmas.policy import spend_forecast as sf
 
-from benchmark.serving import forecast_bench as fb  # noqa: E402
-from sglang_kvcmas.policy import spend_forecast as sf  # noqa: E402
+fb = load_script("benchmark/serving/forecast_bench.py")
 
 
 def test_in_flight_is_rebuilt_from_send_and_finish_times():
