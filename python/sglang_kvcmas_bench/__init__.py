@@ -5,6 +5,7 @@ only this package, the other packages under ``python/`` and third-party ones; no
 another. A module here has one job:
 
 - ``model_arg``: ``--model-path`` for every benchmark, and the model part of result names;
+- ``results``: a result file written together with its row in its folder's index;
 - ``provenance``: the checkout, its commit, the machine;
 - ``server_arms``, ``server_calls``, ``kv_sampler``, ``scheduler_profile``: boot one server per
   arm, call it over HTTP, sample its peak KV, profile its scheduler;
@@ -17,5 +18,6 @@ another. A module here has one job:
 - ``kernel_timing``: CPU kernel timing and reader rows;
 - ``lab``: the labs' reference forward, records, workloads and probes.
 
-Imports nothing at package level.
+Imports nothing at package level: ``results`` and ``provenance`` need only the standard library
+(the GPU check's micro-benchmark imports them on a machine with PyTorch and Triton alone).
 """
