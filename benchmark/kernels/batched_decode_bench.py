@@ -48,6 +48,7 @@ from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
 from sglang_kvcmas.attention.spans import KeyShifts
 from sglang_kvcmas_bench.kernel_timing import row_shifts, timed
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from torch.nn.functional import scaled_dot_product_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -137,8 +138,14 @@ def main() -> int:
                   f"{t['batched']:>8.0f} {t['leaves']:>8.0f} {t['plan']:>7.0f}  plain/per_row "
                   f"{t['plain'] / t['per_row']:.2f}  plain/batched {t['plain'] / t['batched']:.2f}"
                   f"  plain/leaves {t['plain'] / t['leaves']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ratios = [r["plain_us"] / r["batched_us"] for r in records]
+    record(args.out, "".join(json.dumps(r) + "\n" for r in records),
+           what=f"a batch of reader rows' decode per layer call ({model.name} heads; rows "
+                f"{', '.join(map(str, args.rows))} of {', '.join(map(str, args.n_kv))} keys, "
+                f"{args.owners} owners, a leaf every {args.leaf_every} borrowed tokens, rank "
+                f"{args.leaf_rank}, 1 thread): plain per-row SDPA (radix), the per-row query "
+                f"rotation, the batched read, and the batched read with factored leaves; "
+                f"plain/batched {min(ratios):.2f}-{max(ratios):.2f}")
     return 0
 
 

@@ -37,6 +37,7 @@ from sglang_kvcmas.attention.delta_batch import (
 )
 from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention
 from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta
 
@@ -231,10 +232,16 @@ def main() -> None:
                     flush=True,
                 )
     stem = model.named(Path("delta_attention_bench")).name
-    jsonl = args.out / f"{stem}.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot(records, args.out / f"{stem}.png")
-    print(f"wrote {jsonl} and {args.out / f'{stem}.png'}")
+    about = (f"reading KV through deltas against plain attention on CPU (1 thread, {model.name} "
+             f"shapes, {NUM_AGENTS} agents): decode and extend, "
+             f"{', '.join(map(str, args.lengths))} "
+             f"tokens, ranks {', '.join(map(str, args.ranks))}, {args.repeats} repeats")
+    jsonl = record(args.out / f"{stem}.jsonl", "".join(json.dumps(r) + "\n" for r in records),
+                   what=f"{about}: per configuration the plain, torch-reference and planned "
+                        f"times and their median ratios")
+    png = record(args.out / f"{stem}.png", lambda p: plot(records, p),
+                 what=f"its plot: the ratios ({about})")
+    print(f"wrote {jsonl} and {png}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from sglang_kvcmas_bench.lab.reference import fidelity_bundle, load_lab_model
 from sglang_kvcmas_bench.lab.transcripts import Transcript, make_transcript
 from sglang_kvcmas_bench.lab.workloads import debate, reviewer_chain
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder
 from sglang_kvcmas_lab.correction.fidelity import kv_relative_error
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
@@ -312,8 +313,8 @@ def main(argv=None) -> int:
                          "(--quick: its QUICK_METHODS subset unless given)")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is faster than 2 on a shared 2-core machine")
-    ap.add_argument("--out",
-                    default=str(Path(__file__).resolve().parent / "results" / "kvcmas_lab"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder of kvcmas_lab[_quick][_<model>].{jsonl,png} (default: results/)")
     add_model_arg(ap)
     args = ap.parse_args(argv)
     bench_model = model_from_args(ap, args, lab=True)
@@ -403,22 +404,30 @@ def main(argv=None) -> int:
         print(f"\n[{wname}] non-owner turns:\n" + format_table(s, COLUMNS, order=labels))
     print_breakdowns(records, labels)
     print_turn_recovery(records, labels)
-    plot_methods(nonowner, out_dir / f"{stem}.png",
-                 panels=[("ttft_speedup", "kl_recovered", "fidelity vs speed (non-owner turns)"),
-                         ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
-                 title=f"KVCMAS lab: "
-                       f"{'SmolLM2-135M' if bench_model.is_embedded else bench_model.name} "
-                       "fp32, CPU")
+    about = (f"KVCMAS lab, {args.workload} workload ({bench_model.name}), methods "
+             f"{', '.join(labels)}")
+
+    def png(path: Path) -> None:
+        plot_methods(nonowner, path,
+                     panels=[("ttft_speedup", "kl_recovered",
+                              "fidelity vs speed (non-owner turns)"),
+                             ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
+                     title=f"KVCMAS lab: "
+                           f"{'SmolLM2-135M' if bench_model.is_embedded else bench_model.name} "
+                           "fp32, CPU")
+
+    record(out_dir / f"{stem}.png", png,
+           what=f"its plot: fidelity against speed and bytes held, non-owner turns ({about})")
     main_wl = "debate" if args.workload in ("debate", "both") else "chain"
     s = summarize(records, where=lambda r: not r["is_owner_turn"] and r["workload"] == main_wl)
     add_derived(s)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     log(f"done; records in {jsonl}; process CPU time {time.process_time() - c_start:.0f}s "
         f"(~ wall time on an idle machine, 1 thread), load average {load}")
-    if all(m in s for m in ("kvcmas", "naive", "no_sharing", "kvcomm")):
-        print(headline(s))
-    else:
-        print("HEADLINE unavailable: needs kvcmas, naive, no_sharing and kvcomm")
+    line = (headline(s) if all(m in s for m in ("kvcmas", "naive", "no_sharing", "kvcomm"))
+            else "HEADLINE unavailable: needs kvcmas, naive, no_sharing and kvcomm")
+    record(jsonl, None, what=f"{about}: one record per method and turn; `{line}`")
+    print(line)
     return 0
 
 

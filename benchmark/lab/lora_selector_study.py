@@ -64,6 +64,7 @@ from sglang_kvcmas_bench.lab.reference import (
     teacher_forced_logits,
 )
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_examples.datasets import gsm8k
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced
 from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward
@@ -337,7 +338,10 @@ def main() -> None:
     text = (f"# command: {command}\nmodel {model.name}; {args.shape}; {args.questions} "
             f"question(s)\n"
             + summarize(records))
-    out.with_suffix(".txt").write_text(text + "\n")
+    about = (f"LoRA readers' picks by selector and budget ({model.name}, {args.shape}, "
+             f"{args.questions} question(s), {len(points)} read points)")
+    record(out.with_suffix(".jsonl"), None, what=f"{about}: one record per point and selector")
+    record(out.with_suffix(".txt"), text + "\n", what=f"{about}: the summary", command=command)
     print(text)
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from sglang_kvcmas_bench.lab.probes import head_mass, kl, probe_layers
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -209,12 +210,16 @@ def main() -> int:
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
     text_out = "\n".join(lines)
     print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_name(args.out.name + ".txt").write_text(text_out + "\n")
-    args.out.with_name(args.out.name + ".json").write_text(json.dumps(
+    about = (f"a low-rank correction chained along a workflow against one fitted per turn "
+             f"({bench.name}): " + ", ".join(f"{v} {x:.3f}" for v, x in mean.items())
+             + " KL recovered over turns 2..")
+    record(args.out.with_name(args.out.name + ".txt"), text_out + "\n",
+           what=f"{about}; per turn KL recovered and K/V residuals")
+    record(args.out.with_name(args.out.name + ".json"), json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "mean": mean},
-        indent=1))
-    plot(rows, variants, args.out.with_name(args.out.name + ".png"))
+        indent=1), what=f"its rows per turn ({about})")
+    record(args.out.with_name(args.out.name + ".png"), lambda p: plot(rows, variants, p),
+           what=f"its plot ({about})")
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from sglang_kvcmas_bench.lab.probes import head_mass
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -173,8 +174,9 @@ def main() -> int:
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
     text = "\n".join(lines)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    record(args.out, text + "\n",
+           what="the affine low-rank estimator once served, offline on every token: residual "
+                "deviation of the tokens not recomputed, by estimator and selection")
     return 0
 
 

@@ -37,6 +37,7 @@ from sglang_kvcmas_bench.lab.reference import (
     teacher_forced_logits,
 )
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.workflows import DEBATERS
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate
@@ -183,11 +184,11 @@ def main() -> int:
                  "benchmark/lab/owner_mass_study.py " + " ".join(sys.argv[1:]))
     text = "\n".join(lines)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text(text + "\n")
-    with args.out.with_suffix(".jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    about = (f"whether the owner's own head mass picks the shared tokens that deviate most for "
+             f"a reader, by selector and budget ({bench_model.name}, {len(rows)} cases)")
+    record(args.out.with_suffix(".txt"), text + "\n", what=f"{about}: the summary table")
+    record(args.out.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows),
+           what=f"its records, one per case ({about})")
     return 0
 
 

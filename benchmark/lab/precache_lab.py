@@ -65,6 +65,7 @@ from sglang_kvcmas_bench.lab.records import (
 )
 from sglang_kvcmas_bench.lab.reference import encode, make_reference
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_examples.datasets import gsm8k
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced
 from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER
@@ -180,7 +181,9 @@ def main() -> None:
                     help="skip timing and throughput (exploring accuracy; no HEADLINE)")
     # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "precache_lab"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder of precache_lab_<config>[_quick].{jsonl,txt,png} (default: "
+                         "results/); the no-sharing transcript is kept in its precache_lab/")
     add_model_arg(ap)
     args = ap.parse_args()
     model = model_from_args(ap, args, embedded_only=ADAPTERS_ARE_EMBEDDED)
@@ -201,7 +204,7 @@ def main() -> None:
 
     lora, tok = load(args.config, model)
     items = gsm8k()[args.first_question : args.first_question + args.questions]
-    segs = cached_transcript(out_dir, args, lambda: build_transcript(
+    segs = cached_transcript(out_dir / "precache_lab", args, lambda: build_transcript(
         lora, tok, [it.question for it in items], args.max_message, args.max_tokens))
     all_ids = torch.cat([s.ids for s in segs])
     log(f"transcript: {len(segs)} segments, {all_ids.numel()} tokens")
@@ -279,20 +282,28 @@ def main() -> None:
             "background_median_s"]
     table = format_table(summary, cols, order=list(methods))
     print(table)
-    (out_dir / f"precache_lab_{tag}.txt").write_text(table + "\n")
-    plot_methods(summary, out_dir / f"precache_lab_{tag}.png",
-                 panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
-                         ("bytes_ratio", "top1", "top-1 vs bytes saved")],
-                 title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)")
+    about = (f"PReCache lab, {args.config} adapters, {args.questions} question(s), "
+             f"{all_ids.numel()}-token transcript, methods {', '.join(methods)}")
+    record(out_dir / f"precache_lab_{tag}.png", lambda p: plot_methods(
+        summary, p, panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
+                            ("bytes_ratio", "top1", "top-1 vs bytes saved")],
+        title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)"),
+        what=f"its plot: accuracy against TTFT and top-1 against bytes saved ({about})")
     if args.fidelity_only:
+        record(out_dir / f"precache_lab_{tag}.txt", table + "\n", what=f"{about}: the table")
+        record(writer.path, None, what=f"{about}: one record per read, the summaries")
         return
     sharing = {k: v for k, v in summary.items() if k not in NON_SHARING and v["bytes_ratio"] >= 2}
     best = max(sharing, key=lambda k: (round(sharing[k]["kl_recovered"], 3),
                                        sharing[k]["ttft_speedup"]))
     b = summary[best]
     log(f"run time {time.perf_counter() - t_start:.0f} s")
-    print(f"HEADLINE method={best} top1={b['top1']:.3f} kl_recovered={b['kl_recovered']:.3f} "
-          f"ttft_speedup={b['ttft_speedup']:.2f} bytes_ratio={b['bytes_ratio']:.2f}")
+    line = (f"HEADLINE method={best} top1={b['top1']:.3f} kl_recovered={b['kl_recovered']:.3f} "
+            f"ttft_speedup={b['ttft_speedup']:.2f} bytes_ratio={b['bytes_ratio']:.2f}")
+    record(out_dir / f"precache_lab_{tag}.txt", table + "\n" + line + "\n",
+           what=f"{about}: the table; `{line}`")
+    record(writer.path, None, what=f"{about}: one record per read, the summaries; `{line}`")
+    print(line)
 
 
 if __name__ == "__main__":

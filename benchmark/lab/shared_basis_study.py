@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from sglang_kvcmas_bench.lab.probes import FORCED, head_mass, kl, probe_layers
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8)
@@ -230,10 +231,13 @@ def main() -> int:
                  f"run time {time.perf_counter() - t0:.0f} s")
     text_out = "\n".join(lines)
     print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text(text_out + "\n")
+    about = (f"where a factored leaf's basis should live: per fit, carried along an agent's "
+             f"turns, or shared ({bench.name}): KL recovered, residual and bytes by variant "
+             f"and rank")
+    record(args.out.with_suffix(".txt"), text_out + "\n", what=f"{about}: the table")
     result |= {"mean": mean, "residual": resid, "seconds": round(time.perf_counter() - t0, 1)}
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    record(args.out.with_suffix(".json"), json.dumps(result, indent=1) + "\n",
+           what=f"its rows ({about})")
     return 0
 
 

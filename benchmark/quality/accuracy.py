@@ -51,6 +51,7 @@ from pathlib import Path
 
 from sglang_kvcmas_bench import accuracy_tasks as tasks
 from sglang_kvcmas_bench.paired_stats import paired_diff
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.sandbox import isolation
 from sglang_kvcmas_bench.server_arms import ArmServer
@@ -167,9 +168,11 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
                     f"a rerun retries it")
                 return
             with lock:
-                with path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
                 done[rec["key"]] = rec
+                record(path, json.dumps(rec) + "\n", append=True,
+                       what=f"the {arm.replace('_', '-')} arm's per-item records "
+                            f"({len(done)} items; appended as items finish, a rerun skips "
+                            f"those already there)")
                 mine = [r for r in done.values() if (r["task"], r["item"]) in set(wanted)]
                 acc = {t: [r["correct"] for r in mine if r["task"] == t] for t in args.tasks}
                 running = "  ".join(f"{t} {sum(v)}/{len(v)}" for t, v in acc.items() if v)
@@ -346,15 +349,21 @@ def main(argv: list[str] | None = None) -> int:
             run_arm(arm, args, tok, wanted)
     s = summarize(args, wanted)
     s["command"] = " ".join(["python", *sys.argv])
-    (args.out / f"{args.prefix}.json").write_text(json.dumps(s, indent=1) + "\n")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         print(f"# {s['command']}")
         print_summary(s)
         print(headline(s))
-    (args.out / f"{args.prefix}.txt").write_text(buf.getvalue())
+    about = (f"{args.model_name}, {args.items} items per task ({', '.join(args.tasks)}), arms "
+             f"{', '.join(args.arms)}")
+    record(args.out / f"{args.prefix}.txt", buf.getvalue(),
+           what=f"{about}: accuracy per arm and task, the paired difference with its 95% "
+                f"interval, same final answer, non-owner TTFT: `{headline(s)}`")
+    record(args.out / f"{args.prefix}.json", json.dumps(s, indent=1) + "\n",
+           what=f"its summary, machine-readable ({about})")
+    record(args.out / f"{args.prefix}.png", lambda p: plot(s, p),
+           what=f"its plot: accuracy per arm and task ({about})")
     print(buf.getvalue(), end="")
-    plot(s, args.out / f"{args.prefix}.png")
     return 0
 
 

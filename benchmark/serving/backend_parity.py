@@ -27,6 +27,7 @@ from pathlib import Path
 from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
 from sglang_kvcmas.server.options import parse_launcher_args
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer, run_header
 from sglang_kvcmas_bench.server_calls import generate
 from sglang_kvcmas_examples import datasets
@@ -115,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     headline = (f"PARITY backends={','.join(backends)} same_tokens={same}/{n} "
                 f"max_logprob_diff={worst:.2e} reader_reused_repositioned={reader}")
     path = model.out_or_named(args.out, OUT / "backend_parity.json")
-    path.write_text(json.dumps({**run_header("benchmark/serving/backend_parity.py", argv, model),
-                                "results": results, "comparison": comparison,
-                                "headline": headline}, indent=1))
+    record(path, json.dumps({**run_header("benchmark/serving/backend_parity.py", argv, model),
+                             "results": results, "comparison": comparison,
+                             "headline": headline}, indent=1),
+           what=f"sharing over SGLang's attention backends against the first, one server at a "
+                f"time, {len(prompts)} turns ({model.name}): `{headline}`")
     print(json.dumps(comparison, indent=1))
     print(headline)
 

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import normalized, of_meta
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.workflows import debate, reviewer_chain
@@ -47,7 +48,7 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
         return json.loads(r.read())
 
 
-def record(url: str, max_new: int, n_debates: int, n_chains: int,
+def record_turns(url: str, max_new: int, n_debates: int, n_chains: int,
            model_folder: Path | None = None) -> list[dict]:
     """Every turn's record (``model_folder``: the served model's, default the embedded one)."""
     from sglang_kvcmas.models.resolve import resolve_model_path
@@ -130,15 +131,21 @@ def main() -> int:
                             capture_output=True, text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with ArmServer("kvcmas", args.out.with_suffix(".log"), model.server_args) as server:
+    log = args.out.parent / args.out.stem / "server.log"  # a folder beside: not a result
+    with ArmServer("kvcmas", log, model.server_args) as server:
         print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
               flush=True)
-        turns = record(server.url, args.max_new_tokens, args.debates, args.chains, model.folder)
-    args.out.write_text(json.dumps({
+        turns = record_turns(server.url, args.max_new_tokens, args.debates, args.chains,
+                             model.folder)
+    record(args.out, json.dumps({
         "commit": commit, "machine": platform.node(), "model": model.name,
         "max_new_tokens": args.max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
-        "turns": turns}, indent=1))
+        "turns": turns}, indent=1),
+        what=f"per-turn reuse accounting and greedy output ids of {args.debates} debates + "
+             f"{args.chains} chains ({args.max_new_tokens}-token answers, {model.name}), "
+             f"replayed one turn at a time: {len(turns)} turns, "
+             f"{time.perf_counter() - t0:.0f} s (`--compare A B` diffs two)")
     print(f"[behaviour] {len(turns)} turns in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0
 

@@ -49,6 +49,7 @@ from sglang_kvcmas_bench.forced_reads import config_name, parse_config
 from sglang_kvcmas_bench.kv_ideal import KV_BYTES_PER_TOKEN, one_copy_ideal
 from sglang_kvcmas_bench.kv_sampler import KvSampler
 from sglang_kvcmas_bench.model_arg import add_model_arg, chat_markers, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.server_calls import stream_generate
@@ -294,10 +295,14 @@ def main() -> int:
           f"{args.max_new_tokens} new tokens per turn, one server at a time; radix non-owner "
           f"TTFT median per row is over that row's non-owner turns")
     print_table(rows)
-    with args.out.with_suffix(".jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    about = (f"{what}{rows[0]['debates'] // len(runs)} concurrent 3-agent debates per run, "
+             f"{args.max_new_tokens}-token answers, one server at a time ({args.model.name})")
+    record(args.out.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows),
+           what=f"same-answer rate, TTFT and KV by what readers recompute, one row per "
+                f"configuration ({', '.join(r['config'] for r in rows)}): {about}")
+    record(args.out.with_suffix(".png"), lambda p: plot(rows, p),
+           what=f"its plot: same-answer rate against TTFT speed-up and against KV / ideal "
+                f"({about})")
     print(f"[frontier] {meta['machine']}; total {time.perf_counter() - t0:.0f} s; results in "
           f"{args.out.with_suffix('.jsonl')}")
     return 0

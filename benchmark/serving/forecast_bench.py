@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_kvcmas.policy import spend_forecast as sf
+from sglang_kvcmas_bench.results import record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POINTS = (0.25, 0.5, 0.75)
@@ -376,9 +377,15 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     stem = f"forecast_bench_{args.name or '+'.join(variants)}"  # may hold dots: "qwen2.5"
-    (RESULTS / f"{stem}.txt").write_text(text)
-    plot({label: [mdape(name, q) for q in POINTS] for name, label in names.items()
-          if name != "prompt_forecast"}, replays, RESULTS / f"{stem}.png")
+    about = (f"the spend forecaster on {len(runs)} recorded runs "
+             f"({', '.join(f'record_runs_{v}.jsonl' for v in variants)}), {args.folds}-fold by "
+             f"run, seed {args.seed}")
+    record(RESULTS / f"{stem}.txt", text, what=f"{about}: `{lines[-1]}`")
+    errors = {label: [mdape(name, q) for q in POINTS] for name, label in names.items()
+              if name != "prompt_forecast"}
+    record(RESULTS / f"{stem}.png", lambda p: plot(errors, replays, p),
+           what=f"its plot: error against the share of the run seen, per forecaster; the budget "
+                f"replay per variant ({about})")
     return 0
 
 

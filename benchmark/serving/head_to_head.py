@@ -16,9 +16,10 @@ radix arm. Then fidelity of the kvcmas arm against the radix arm: the radix arm'
 greedy continuations are replayed on the kvcmas server step by step (so non-owners read shared
 KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
 
-Output: a summary on stdout, ``head_to_head.jsonl`` (one record per arm + one fidelity record)
-and a plot under ``--out`` (default ``benchmark/serving/results/head_to_head/``, with
-``_<model>`` for a model other than the embedded one), and with ``--quick`` a final
+Output: a summary on stdout, and in ``--out`` (default ``benchmark/serving/results/``)
+``head_to_head[_quick][_sequential][_<model>].jsonl`` (one record per arm + one fidelity record)
+and ``.png`` (a plot), each with its row in the folder's index (``_<model>`` for a model other
+than the embedded one; servers' logs in a folder of that name), and with ``--quick`` a final
 ``HEADLINE ...`` line. ``--model-path`` (``model_arg``) serves one model in every
 arm; every record names it.
 """
@@ -48,6 +49,7 @@ from sglang_kvcmas_bench.figures import pct
 from sglang_kvcmas_bench.kv_ideal import KV_BYTES_PER_TOKEN, one_copy_ideal
 from sglang_kvcmas_bench.kv_sampler import KvSampler
 from sglang_kvcmas_bench.model_arg import add_model_arg, chat_markers, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
 from sglang_kvcmas_bench.scheduler_profile import report as profile_report
@@ -55,7 +57,7 @@ from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.server_calls import post, stream_generate
 from sglang_kvcmas_bench.workload_runs import build_workflows, replay_steps, run_workload, turn_key
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "head_to_head"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def owners_of(turns: list[dict]) -> set[tuple]:
@@ -203,22 +205,26 @@ def main() -> int:
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="KV pool size of every arm (default: the launcher's 16384); make it "
                          "larger than the radix arm's demand to measure peak KV unclipped")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="results folder (default: results/head_to_head[_<model>])")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of head_to_head[_quick][_sequential][_<model>].{jsonl,png} "
+                         "(default: results/); servers' logs go to a folder of that name in it")
     add_model_arg(ap)
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workload and write "
-                         "profile_<arm>.txt (where the time goes)")
+                         "head_to_head[...]_profile_<arm>.txt (where the time goes)")
     ap.add_argument("--sequential", action="store_true",
                     help="one arm at a time (default: all arms side by side, same machine load)")
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
     model = model_from_args(ap, args)
-    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    stem = ("head_to_head" + ("_quick" if args.quick else "")
+            + ("_sequential" if args.sequential else ""))
+    name = model.named(Path(stem)).name  # the model last: a profile's arm goes before it
+    scratch = args.out / name
     pool_args = model.server_args + ([] if args.max_total_tokens is None
                                      else ["--max-total-tokens", str(args.max_total_tokens)])
-    args.out.mkdir(parents=True, exist_ok=True)
+    scratch.mkdir(parents=True, exist_ok=True)
     tok = model.tokenizer()
     commit = provenance.commit()
     machine = provenance.machine()
@@ -232,12 +238,14 @@ def main() -> int:
         flows = build_workflows(args.debates, args.chains)
         sampler = KvSampler(server.url)
         sampler.start()
-        raw_path = args.out / f"head_to_head_profile_{arm}.raw"
+        raw_path = scratch / f"profile_{arm}.raw"
         spy = SchedulerProfile(server.proc.pid, raw_path).start() if args.profile else None
         turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
         results[arm] = (turns, makespan, sampler.stop())
         if spy is not None and (raw := spy.stop()) is not None:
-            (args.out / f"head_to_head_profile_{arm}.txt").write_text(profile_report(raw))
+            record(model.named(args.out / f"{stem}_profile_{arm}.txt"), profile_report(raw),
+                   what=f"py-spy profile of the {arm} scheduler during that run (inclusive share "
+                        f"of scheduler time: SGLang phases, sglang_kvcmas functions)")
         pools[arm] = sampler.pool_tokens
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
@@ -258,7 +266,7 @@ def main() -> int:
 
     if args.sequential:
         for arm in arms:
-            with ArmServer(arm, args.out / f"server_{arm}.log", pool_args) as server:
+            with ArmServer(arm, scratch / f"server_{arm}.log", pool_args) as server:
                 stream_generate(server.url, tok.encode("Warm up."), 4)
                 measure(arm, server)
                 if arm == "kvcmas":
@@ -267,7 +275,7 @@ def main() -> int:
         # Side by side: every arm's server is up and its workload runs at the same time, so all
         # arms see the same (shared, noisy) machine load.
         with ExitStack() as stack:
-            servers = {a: stack.enter_context(ArmServer(a, args.out / f"server_{a}.log",
+            servers = {a: stack.enter_context(ArmServer(a, scratch / f"server_{a}.log",
                                                         pool_args))
                        for a in arms}
             for server in servers.values():
@@ -348,17 +356,21 @@ def main() -> int:
     meta = {"commit": commit, "machine": machine, "model": model.name, "debates": args.debates, "chains": args.chains,
             "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains,
             "arms_side_by_side": not args.sequential}
-    with open(args.out / "head_to_head.jsonl", "a") as f:
-        for s in summaries:
-            f.write(json.dumps({**meta, **s}) + "\n")
-        f.write(json.dumps({**meta, **fid}) + "\n")
-    plot(summaries, args.out / "head_to_head.png")
+    headline = (f"HEADLINE ttft_speedup_vs_radix={ttft_speedup:.2f} kv_bytes_ratio_vs_radix="
+                f"{kv_ratio:.2f} tf_top1={fid['tf_top1_nonowner']:.4f} "
+                f"answer_consistency={fid['answer_consistency']:.2f}")
+    about = (f"{args.debates} three-agent debates + {args.chains} reviewer chains "
+             f"({args.max_new_tokens}-token answers, {model.name}), arms "
+             f"{', '.join(arms)} {'one at a time' if args.sequential else 'side by side'}")
+    record(args.out / f"{name}.jsonl",
+           "".join(json.dumps({**meta, **s}) + "\n" for s in [*summaries, fid]),
+           what=f"{about}: one record per arm and the fidelity record; `{headline}`")
+    record(args.out / f"{name}.png", lambda p: plot(summaries, p),
+           what=f"its plot: non-owner TTFT, peak KV and makespan per arm ({about})")
     print(f"[head_to_head] {machine}; {meta['concurrent_workflows']} concurrent workflows; "
-          f"total {time.perf_counter() - t_start:.0f} s; results in {args.out}")
+          f"total {time.perf_counter() - t_start:.0f} s; results in {args.out / name}.*")
     if args.quick:
-        print(f"HEADLINE ttft_speedup_vs_radix={ttft_speedup:.2f} kv_bytes_ratio_vs_radix="
-              f"{kv_ratio:.2f} tf_top1={fid['tf_top1_nonowner']:.4f} "
-              f"answer_consistency={fid['answer_consistency']:.2f}")
+        print(headline)
     return 0
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from sglang_kvcmas_bench.host_sim import run
+from sglang_kvcmas_bench.results import record
 
 
 def summarize(raw: Path, top: int = 20) -> str:
@@ -91,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     result = run(args.agents, args.transcript, args.segment, args.head, args.hook_iters)
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
     k = args.transcript // 1024
-    print(f"HOST host_ms_per_admission_{k}k={result['host_ms_per_admission']:.2f} "
-          f"hook_ms_per_iter_{result['hook_waiting'] + 1}agents={result['hook_ms_per_iter']:.3f} "
-          f"hook_held={result['hook_held']}")
+    line = (f"HOST host_ms_per_admission_{k}k={result['host_ms_per_admission']:.2f} "
+            f"hook_ms_per_iter_{result['hook_waiting'] + 1}agents="
+            f"{result['hook_ms_per_iter']:.3f} hook_held={result['hook_held']}")
+    if args.out:
+        record(args.out, json.dumps(result, indent=1) + "\n",
+               what=f"the host path alone ({args.agents} agents, {args.transcript}-token "
+                    f"transcript): `{line}`")
+    print(line)
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from sglang_kvcmas_bench.figures import pct
 from sglang_kvcmas_bench.forced_reads import compare, config_name, forced, parse_config
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.server_calls import generate
 from sglang_kvcmas_bench.workflows import DEBATERS, debate
@@ -113,9 +114,6 @@ def main() -> int:
                 flow.record(step, answers)
     run_s = time.perf_counter() - t_start
 
-    with args.out.with_suffix(".jsonl").open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
     rows = []
     naive = [r["kl20"] for r in records if r["config"] == "0:0.0"]
     naive_kl = statistics.fmean(naive) if naive else None
@@ -157,8 +155,14 @@ def main() -> int:
                  + " ".join(sys.argv[1:]))
     summary = "\n".join(lines)
     print(summary)
-    args.out.with_suffix(".txt").write_text(summary + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    about = (f"reader turns inside the server against an exact prefill ({args.questions} "
+             f"debates x {args.rounds} rounds, {model.name}) by what the reader recomputes "
+             f"(boundary:mass[:tail] {', '.join(r['config'] for r in rows)})")
+    record(args.out.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in records),
+           what=f"{about}: one record per reader turn and configuration")
+    record(args.out.with_suffix(".txt"), summary + "\n",
+           what=f"{about}: the table (top-1, KL20, KL recovered, recomputed tokens, flips)")
+    record(args.out.with_suffix(".png"), lambda p: plot(rows, p), what=f"its plot ({about})")
     return 0
 
 

@@ -69,6 +69,7 @@ from sglang_kvcmas_bench.accuracy_tasks import (
     same_number,
 )
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import command_line, record
 from sglang_kvcmas_bench.sandbox import run_python
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.workflows import DEBATERS
@@ -443,6 +444,7 @@ def main() -> int:
         return questions[qid].question, questions[qid].final
 
     write_lock = threading.Lock()
+    command = command_line()
     deadline = time.time() + args.minutes * 60
     counts = {"ok": 0, "failed": 0}
 
@@ -458,9 +460,13 @@ def main() -> int:
             print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)
             return
         with write_lock:
-            with out.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
             counts["ok"] += 1
+            record(out, json.dumps(rec) + "\n", append=True, command=command,
+                   what=f"{len(done) + counts['ok']} runs of {model.name} whose length the "
+                        f"agents decide, --kinds {args.kinds} ({', '.join(kinds)}), temperature "
+                        f"{args.temperature:g}, {args.max_new_tokens} new tokens a turn: every "
+                        f"turn's tokens from the server's ledger, the outcome, graded where it "
+                        f"can be (a rerun resumes, skipping the runs already there)")
             tot = rec["totals"]
             shown = {k: v for k, v in rec["outcome"].items()
                      if not (k == "answer" and kind.startswith("code_"))}  # code: too long

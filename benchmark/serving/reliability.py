@@ -20,8 +20,8 @@ Summary::
     python benchmark/serving/reliability.py              # the storm at 64 workflows
 
 ``--model-path`` (``model_arg``): the model served (or, with ``--url``, the one the
-running server serves: its tokenizer builds the prompts); ``reliability.json`` names it, and the
-default ``--out`` gets ``_<model>`` for a model other than the embedded one.
+running server serves: its tokenizer builds the prompts); ``results/reliability[_quick].json``
+names it, and gets ``_<model>`` for a model other than the embedded one.
 
 Isolation note: a request under another ``cache_salt`` reads nothing across the salt and is never
 held back by another salt's leader; what remains is what stock SGLang has (the shared scheduler's
@@ -45,12 +45,12 @@ from pathlib import Path
 
 from sglang_kvcmas_bench.debate_prompts import Prompts
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, shared_tree_stats
 from sglang_kvcmas_bench.server_calls import Reply, call, raw_stream
 from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_OUT = RESULTS / "reliability"
 
 
 def say(text: str) -> None:
@@ -416,20 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=None,
                     help="KV pool tokens (default: about a quarter of the storm's demand)")
     ap.add_argument("--url", help="an already running sharing server (skips booting one)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="results folder (default: results/reliability[_<model>])")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of reliability[_quick][_<model>].json (default: results/); "
+                         "the server's log goes to a folder of that name in it")
     add_model_arg(ap)
     args = ap.parse_args(argv)
     model = model_from_args(ap, args)
-    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    name = model.named(Path("reliability" + ("_quick" if args.quick else ""))).name
     names = tuple(n for n in args.categories.split(",") if n)
     unknown = set(names) - set(CATEGORIES)
     if unknown:
         ap.error(f"unknown categories {sorted(unknown)}; known: {', '.join(CATEGORIES)}")
     pool = args.pool or (4096 if args.quick else 16384)
     context = 8192
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "server.log"
+    (args.out / name).mkdir(parents=True, exist_ok=True)
+    log = args.out / name / "server.log"
     t0 = time.perf_counter()
     if args.url:
         cats = run(args.url, log, args.quick, names, pool, context, model.folder)
@@ -446,9 +447,14 @@ def main(argv: list[str] | None = None) -> int:
              "evidence": c.evidence} for c in cats]
     line = summary_line(cats, n_crash)
     problems = [p for c in cats for p in c.invariant_problems]
-    (args.out / "reliability.json").write_text(json.dumps(
-        {"model": model.name, "quick": args.quick, "pool": pool, "seconds": round(time.perf_counter() - t0, 1),
-         "categories": rows, "summary": line}, indent=1))
+    seconds = round(time.perf_counter() - t0, 1)
+    record(args.out / f"{name}.json", json.dumps(
+        {"model": model.name, "quick": args.quick, "pool": pool, "seconds": seconds,
+         "categories": rows, "summary": line}, indent=1),
+        what=f"the reliability suite{' (--quick)' if args.quick else ''}: {len(cats)} "
+             f"categories against a sharing server (pool {pool}, {model.name}), per category "
+             f"sent / completed / 4xx / dropped / lost, leaked slots and tree invariants: "
+             f"`{line}`; {seconds:.0f} s")
     print(f"{'category':<12} {'sent':>5} {'done':>5} {'4xx':>5} {'drop':>5} {'lost':>5} "
           f"{'leaked':>6}  problems")
     for c in cats:

@@ -43,6 +43,7 @@ from pathlib import Path
 from sglang_kvcmas_bench import host_sim
 from sglang_kvcmas_bench.figures import fmt
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.review_panel import (
     chat_ids,
@@ -212,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         result["router"] = {"from": str(args.router_json),
                             "commit": data.get("commit"), "router_sharing_ratio": router}
     result["seconds"] = round(time.monotonic() - t_start, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
     for c, r in ratios.items():
         print(f"decode at {result['decode']['arms']['radix'][c]['context']} tokens, {args.readers} readers: "
               f"kvcmas {result['decode']['arms']['kvcmas'][c]['decode_tok_s']:.1f} tok/s vs "
@@ -236,10 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(b['kl_recovered'], 3)} top-1 {fmt(b['top1'], 4)} (naive "
                   f"{fmt(b['top1_naive'], 4)}; {b['probed']} readers)")
     router_txt = f"{router:.2f}" if isinstance(router, (int, float)) else "n/a"
-    print(f"HEADLINE host_ms_per_admission_32k={fmt(host and host['host_ms_per_admission'], 2)} "
-          f"hook_ms_per_iter_16agents={fmt(host and host['hook_ms_per_iter'], 3)} "
-          f"decode_ratio_vs_radix={fmt(min(ratios.values()) if ratios else None, 2)} "
-          f"router_sharing_ratio={router_txt}")
+    headline = (f"HEADLINE host_ms_per_admission_32k="
+                f"{fmt(host and host['host_ms_per_admission'], 2)} "
+                f"hook_ms_per_iter_16agents={fmt(host and host['hook_ms_per_iter'], 3)} "
+                f"decode_ratio_vs_radix={fmt(min(ratios.values()) if ratios else None, 2)} "
+                f"router_sharing_ratio={router_txt}")
+    record(out, json.dumps(result, indent=1) + "\n", command=result["command"],
+           what=f"sharing at scale ({model.name}, pool {args.pool}), parts "
+                f"{', '.join(sorted(parts))}: `{headline}`; {result['seconds']:.0f} s")
+    print(headline)
     return 0
 
 

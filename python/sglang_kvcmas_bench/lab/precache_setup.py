@@ -72,7 +72,8 @@ def build_transcript(lora: LoraForward, tok, questions: list[str], max_message: 
 
 
 def cached_transcript(out_dir: Path, args, build) -> list[Segment]:
-    """The no-sharing transcript depends only on the adapters and these arguments: keep it."""
+    """The no-sharing transcript depends only on the adapters and these arguments: keep it in
+    ``out_dir`` (made if missing)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -85,6 +86,7 @@ def cached_transcript(out_dir: Path, args, build) -> list[Segment]:
         log(f"transcript from {path}")
         return [Segment(torch.tensor(s["ids"]), s["writer"]) for s in json.loads(path.read_text())]
     segs = build()
+    out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([{"ids": s.ids.tolist(), "writer": s.writer} for s in segs]))
     return segs
 
