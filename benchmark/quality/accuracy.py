@@ -17,11 +17,12 @@ alone (one server at a time, same pool), answering the same items with greedy de
 ``kvcmas`` (``QUICK_ARMS``; ``--arms`` adds ``no_cache``); every arm's server gets two CPU
 threads (``--cpu-threads``: one server runs at a time, so it has the machine).
 
-Resumable: every finished item is appended to ``results/accuracy_<model>[_quick]_<arm>.jsonl``
+Resumable: every finished item is appended to ``results/accuracy[_quick]_<arm>[_<model>].jsonl``
 (committed with the summary, so a full run can accumulate over several sittings; ``--items``
 raises the count); a rerun skips items already there. Progress goes to stderr (items done,
-running accuracy per arm). The summary goes to ``accuracy_<model>[_quick].{txt,json,png}``, the
-servers' logs to ``results/logs_accuracy_<model>[_quick]/`` (not committed).
+running accuracy per arm). The summary goes to ``accuracy[_quick][_<model>].{txt,json,png}``, the
+servers' logs to ``results/logs_accuracy[_quick][_<model>]/`` (not committed). ``<model>`` is the
+model's name in file names (``model_arg``: ``qwen2-5-coder-0-5b``), none for the embedded one.
 
 The summary pairs the arms per item over the items every arm has done: accuracy per arm and task,
 ours − radix in accuracy points with a paired-bootstrap 95% interval and McNemar's exact p, the
@@ -50,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sglang_kvcmas_bench import accuracy_tasks as tasks
+from sglang_kvcmas_bench.model_arg import BenchModel, ModelPathError
 from sglang_kvcmas_bench.paired_stats import paired_diff
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
@@ -137,7 +139,7 @@ def load(path: Path) -> dict[str, dict]:
 
 
 def records_path(args, arm: str) -> Path:
-    return args.out / f"{args.prefix}_{arm}.jsonl"
+    return args.model.named(args.out / f"{args.stem}_{arm}.jsonl")
 
 
 def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
@@ -331,13 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency is None:
         args.concurrency = args.items * len(args.tasks) if args.quick else 32
 
-    from sglang_kvcmas.models.resolve import resolve_model_path
     from transformers import AutoTokenizer
 
-    folder = resolve_model_path(args.model_path)
-    given = args.model_path or "embedded"
-    args.model_name = given if "/" not in given and not given.endswith(".gguf") else folder.name
-    args.prefix = f"accuracy_{args.model_name}{'_quick' if args.quick else ''}"
+    try:
+        args.model = BenchModel.resolve(args.model_path)
+    except ModelPathError as e:
+        ap.error(f"--model-path: {e}")
+    folder, args.model_name = args.model.folder, args.model.name
+    args.stem = "accuracy" + ("_quick" if args.quick else "")
+    args.prefix = args.model.named(Path(args.stem)).name  # accuracy[_quick][_<model>]
     args.logs = args.out / f"logs_{args.prefix}"
     args.logs.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -356,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         print(headline(s))
     about = (f"{args.model_name}, {args.items} items per task ({', '.join(args.tasks)}), arms "
              f"{', '.join(args.arms)}")
-    record(args.out / f"{args.prefix}.txt", buf.getvalue(),
+    record(args.model.named(args.out / f"{args.stem}.txt"), buf.getvalue(),
            what=f"{about}: accuracy per arm and task, the paired difference with its 95% "
                 f"interval, same final answer, non-owner TTFT: `{headline(s)}`")
-    record(args.out / f"{args.prefix}.json", json.dumps(s, indent=1) + "\n",
+    record(args.model.named(args.out / f"{args.stem}.json"), json.dumps(s, indent=1) + "\n",
            what=f"its summary, machine-readable ({about})")
-    record(args.out / f"{args.prefix}.png", lambda p: plot(s, p),
+    record(args.model.named(args.out / f"{args.stem}.png"), lambda p: plot(s, p),
            what=f"its plot: accuracy per arm and task ({about})")
     print(buf.getvalue(), end="")
     return 0

@@ -31,10 +31,12 @@ code model does well, so the budget replay's success rate is far from zero.
 
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
-``results/record_runs_<variant>.jsonl``: kind, question id, the ledger's totals and turns, and
-the per-turn usage the responses carried (step, agent, prompt / completion tokens and the
-``kvcmas_*`` reuse fields). Rerunning skips the runs already in the file; progress goes to
-stderr; ``--concurrency`` runs go at once. ``--minutes`` stops starting new runs after that long.
+``results/record_runs[_<kinds>][_<variant>][_<model>].jsonl`` (``_<kinds>`` unless ``plain``;
+``--variant``: what else differs, e.g. ``t05`` for ``--temperature 0.5``): kind, question id,
+the ledger's totals and turns, and the per-turn usage the responses carried (step, agent,
+prompt / completion tokens and the ``kvcmas_*`` reuse fields). Rerunning skips the runs already
+in the file; progress goes to stderr; ``--concurrency`` runs go at once. ``--minutes`` stops
+starting new runs after that long.
 
     python benchmark/serving/record_runs.py --runs 80 --minutes 25 --concurrency 8
 """
@@ -416,14 +418,17 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8, help="runs at once")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--variant", default="embedded", help="the output file's variant")
+    p.add_argument("--variant", default="",
+                   help="what else differs from the default run, in the file's name (e.g. t05 "
+                        "for --temperature 0.5)")
     p.add_argument("--url", default=None, help="a running kvcmas server (default: boot one)")
     p.add_argument("--max-total-tokens", type=int, default=60000)
     args = p.parse_args()
     # SIGTERM ends the program through SystemExit, so the server it booted is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = model_from_args(p, args)
-    out = RESULTS / f"record_runs_{args.variant}.jsonl"
+    out = model.named(RESULTS / ("record_runs" + ("" if args.kinds == "plain" else f"_{args.kinds}")
+                                 + (f"_{args.variant}" if args.variant else "") + ".jsonl"))
     done = done_keys(out)
     kinds = KIND_SETS[args.kinds]
     from sglang_kvcmas_examples.datasets import gsm8k, humaneval
@@ -482,7 +487,7 @@ def main() -> int:
     if args.url:
         all_runs(args.url.rstrip("/"))
     else:
-        log = Path("/tmp") / f"record_runs_{args.variant}_server.log"
+        log = Path("/tmp") / f"{out.stem}_server.log"
         server = ArmServer("kvcmas", log, [*model.server_args, "--max-total-tokens",
                                            str(args.max_total_tokens)])
         # A port away from the 31000s other benchmarks boot on: a server still loading there

@@ -115,3 +115,24 @@ def test_every_committed_result_has_one_row_and_every_row_a_file():
         files = {p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md"}
         assert len(rows) == len(set(rows)), (folder, sorted({n for n in rows if rows.count(n) > 1}))
         assert set(rows) == files, (folder, sorted(files - set(rows)), sorted(set(rows) - files))
+
+
+def test_committed_result_names_follow_the_one_naming_rule():
+    """``<benchmark>[_<variant>][_<part>][_<model>].<ext>``: the model as ``BenchModel.slug``
+    spells it (no dots), none for the embedded model, and nothing that says when."""
+    import re
+
+    from sglang_kvcmas_bench.model_arg import BenchModel
+    from sglang_kvcmas_bench.provenance import REPO_ROOT
+
+    assert BenchModel.slug.fget(type("M", (), {"name": "qwen2.5-coder-0.5b"})()) == (
+        "qwen2-5-coder-0-5b")
+    bad = []
+    for path in (REPO_ROOT / "benchmark").glob("*/results/*.*"):
+        if path.name == "README.md":
+            continue
+        stem = path.name.rsplit(".", 1)[0]
+        if (not re.fullmatch(r"[a-z0-9_-]+", stem) or "embedded" in stem
+                or re.search(r"_(before|after|final|run\d)(_|$)", stem)):
+            bad.append(path.name)
+    assert not bad, sorted(bad)
