@@ -81,7 +81,7 @@ else
   cuda_python "$PY" || PY="$(command -v python3)"
   cuda_python "$PY" || { log "no python here imports torch and triton with CUDA"; exit 1; }
 fi
-export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   # No network on a lent GPU machine: pytest from wheels carried with the tree, if any.
   deps="$OUT_DIR/.pydeps"

@@ -22,7 +22,7 @@ its slots scattered over a ``--pool``-slot pool (40000, the serving benchmarks' 
     python benchmark/kernels/batched_decode_bench.py [--rows 4 12 24] [--n-kv 1000 3000]
 
 Prints microseconds per layer call and the speed of each path relative to ``plain``; one thread;
-writes ``results/batched_decode_bench.jsonl``. ``--model-path`` (``benchmark/model_arg.py``) takes
+writes ``results/batched_decode_bench.jsonl``. ``--model-path`` (``model_arg``) takes
 another model's heads, head_dim and RoPE base (no weights are read); records name the model, and
 the default ``--out`` gets ``_<model>``.
 """
@@ -31,29 +31,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.kernels.shifted_decode_bench import row_shifts, timed  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.attention.batched_decode import (  # noqa: E402
+from sglang_kvcmas.attention.batched_decode import (
     batched_shift_decode,
     plan_batched_decode,
 )
-from sglang_kvcmas.attention.deviation_factors import (  # noqa: E402
+from sglang_kvcmas.attention.deviation_factors import (
     FactorBasis,
     LeafReads,
     TokenFactors,
 )
-from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq  # noqa: E402
-from sglang_kvcmas.attention.shifted_query import grouped_shift_decode  # noqa: E402
-from sglang_kvcmas.attention.spans import KeyShifts  # noqa: E402
+from sglang_kvcmas.attention.rope import ShiftRope, rope_inv_freq
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.spans import KeyShifts
+from sglang_kvcmas_bench.kernel_timing import row_shifts, timed
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from torch.nn.functional import scaled_dot_product_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "batched_decode_bench.jsonl"
@@ -142,8 +138,14 @@ def main() -> int:
                   f"{t['batched']:>8.0f} {t['leaves']:>8.0f} {t['plan']:>7.0f}  plain/per_row "
                   f"{t['plain'] / t['per_row']:.2f}  plain/batched {t['plain'] / t['batched']:.2f}"
                   f"  plain/leaves {t['plain'] / t['leaves']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ratios = [r["plain_us"] / r["batched_us"] for r in records]
+    record(args.out, "".join(json.dumps(r) + "\n" for r in records),
+           what=f"a batch of reader rows' decode per layer call ({model.name} heads; rows "
+                f"{', '.join(map(str, args.rows))} of {', '.join(map(str, args.n_kv))} keys, "
+                f"{args.owners} owners, a leaf every {args.leaf_every} borrowed tokens, rank "
+                f"{args.leaf_rank}, 1 thread): plain per-row SDPA (radix), the per-row query "
+                f"rotation, the batched read, and the batched read with factored leaves; "
+                f"plain/batched {min(ratios):.2f}-{max(ratios):.2f}")
     return 0
 
 

@@ -14,7 +14,7 @@ and a PNG.
 
 Shapes follow the embedded model (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), float32,
 one torch thread (the CI machines are 2 shared cores; one thread keeps the ratio stable).
-``--model-path`` (``benchmark/model_arg.py``) takes another model's heads, head_dim and RoPE base
+``--model-path`` (``model_arg``) takes another model's heads, head_dim and RoPE base
 (no weights are read); records name the model, and the output files get ``_<model>``.
 """
 
@@ -25,24 +25,21 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.attention.delta_batch import (  # noqa: E402
+from sglang_kvcmas.attention.delta_batch import (
     DeltaRequest,
     LowRankDelta,
     SharedSpan,
     SpanFactors,
 )
-from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention  # noqa: E402
-from sglang_kvcmas.attention.rope import rope_inv_freq  # noqa: E402
-from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta  # noqa: E402
+from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_lab.attention.reference import delta_attention, plain_attention
+from sglang_kvcmas_lab.attention.torch_delta import plan_torch_delta, run_torch_delta
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 ROPE_THETA = 1e5
@@ -235,10 +232,16 @@ def main() -> None:
                     flush=True,
                 )
     stem = model.named(Path("delta_attention_bench")).name
-    jsonl = args.out / f"{stem}.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot(records, args.out / f"{stem}.png")
-    print(f"wrote {jsonl} and {args.out / f'{stem}.png'}")
+    about = (f"reading KV through deltas against plain attention on CPU (1 thread, {model.name} "
+             f"shapes, {NUM_AGENTS} agents): decode and extend, "
+             f"{', '.join(map(str, args.lengths))} "
+             f"tokens, ranks {', '.join(map(str, args.ranks))}, {args.repeats} repeats")
+    jsonl = record(args.out / f"{stem}.jsonl", "".join(json.dumps(r) + "\n" for r in records),
+                   what=f"{about}: per configuration the plain, torch-reference and planned "
+                        f"times and their median ratios")
+    png = record(args.out / f"{stem}.png", lambda p: plot(records, p),
+                 what=f"its plot: the ratios ({about})")
+    print(f"wrote {jsonl} and {png}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ import torch
 import triton
 from sglang_kvcmas.attention.delta_batch import DeltaRequest, LowRankDelta, SharedSpan, SpanFactors
 from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch
-from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import rope_inv_freq
 from sglang_kvcmas.attention.triton_delta import delta_decode_triton, delta_extend_triton
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_lab.attention.reference import reader_kv
 
 H, H_KV, D = 32, 8, 128  # Llama-3-8B-like attention (the grid varies H_KV and D)
 DTYPE = torch.bfloat16
@@ -232,7 +233,11 @@ def main() -> None:
                 + (m.get("error", "")),
                 flush=True,
             )
-    plot(records, args.out / "delta_attention_gpu.png")
+    about = (f"delta attention against plain attention and materializing on {machine['gpu']} "
+             f"({len(records)} configurations{', quick grid' if args.quick else ''})")
+    record(jsonl, None, what=f"{about}: one record per configuration")
+    record(args.out / "delta_attention_gpu.png", lambda p: plot(records, p),
+           what=f"its plot ({about})")
     print(f"wrote {jsonl}")
     sys.exit(0 if all("error" not in r["metrics"] for r in records) else 1)
 

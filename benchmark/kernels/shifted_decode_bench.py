@@ -18,7 +18,7 @@ at 8k keys and 16 owners it took over 100 ms a call.
     python benchmark/kernels/shifted_decode_bench.py [--n-kv 2048 8192] [--owners 1 3 15]
 
 Prints microseconds per call and each path's speed relative to ``plain``; one thread.
-``--model-path`` (``benchmark/model_arg.py``) takes another model's heads, head_dim and RoPE base
+``--model-path`` (``model_arg``) takes another model's heads, head_dim and RoPE base
 (no weights are read); records name the model, and the default ``--out`` gets ``_<model>``.
 """
 
@@ -26,44 +26,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
+from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans
+from sglang_kvcmas.attention.spans import KeyShifts, RowSpans
+from sglang_kvcmas_bench.kernel_timing import row_shifts, timed
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 from torch.nn.functional import scaled_dot_product_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.attention.rope import rope_inv_freq  # noqa: E402
-from sglang_kvcmas.attention.shifted_query import grouped_shift_decode  # noqa: E402
-from sglang_kvcmas.attention.span_reads import rotate_keys, transform_spans  # noqa: E402
-from sglang_kvcmas.attention.spans import KeyShifts, RowSpans  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "shifted_decode_bench.jsonl"
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e6
-
-
-def row_shifts(n: int, owners: int, run: int) -> torch.Tensor:
-    """[n] int64 per-key shift: own head first, then borrowed segments of ``owners`` owners with
-    a leaf token (shift 0) every ``run`` tokens."""
-    shift = torch.zeros(n, dtype=torch.int64)
-    head = n // 6
-    seg = max(1, (n - head) // owners)
-    for i in range(head, n):
-        o = min((i - head) // seg, owners - 1)
-        shift[i] = 0 if (i - head) % run == run - 1 else 17 * o - 40
-    return shift
 
 
 def main() -> int:
@@ -126,8 +102,13 @@ def main() -> int:
                   f"{t['grouped']:>8.0f}  "
                   f"plain/key_rot {t['plain'] / t['key_rot']:.2f}  "
                   f"plain/grouped {t['plain'] / t['grouped']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ratios = [r["plain_us"] / r["grouped_us"] for r in records]
+    record(args.out, "".join(json.dumps(r) + "\n" for r in records),
+           what=f"one reader row's decode per layer call ({model.name} heads, 1 thread; a leaf "
+                f"every {args.run} borrowed tokens; {', '.join(map(str, args.owners))} owners; "
+                f"{', '.join(map(str, args.n_kv))} keys): plain SDPA (radix), the span-by-span "
+                f"reference, keys rotated in one gather, the grouped decode served; "
+                f"plain/grouped {min(ratios):.2f}-{max(ratios):.2f}")
     return 0
 
 

@@ -34,27 +34,16 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import FORCED, head_mass, kl, probe_layers
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8, 16)
 PICK_RANKS = (4, 8, 16)
-FORCED = 16
 FLOOR = -1.5
 """The plot draws KL recovered below this on it, its value beside it."""
-
-
-def probe_layers(num_layers: int) -> list[int]:
-    """The layers where the server records head mass (2, 6, 10, ...)."""
-    from sglang_kvcmas.integration import delta_attention_backend as backend
-
-    return [i for i in range(num_layers) if i % backend.PROBE_EVERY == backend.PROBE_PHASE]
 
 
 def rank_needed(d: torch.Tensor, share: float) -> int:
@@ -71,12 +60,6 @@ def truncated(d: torch.Tensor, r: int) -> torch.Tensor:
         u, s, vh = torch.linalg.svd(d[:, h].double(), full_matrices=False)
         out[:, h] = (u[:, :r] * s[:r] @ vh[:r]).to(d.dtype)
     return out
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Mean full-vocabulary KL(ref || got) over positions; logits [T, V]."""
-    lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
 def study_length(model, tok, text: str, length: int) -> dict:
@@ -254,10 +237,15 @@ def main() -> int:
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
     text_out = "\n".join(lines)
     print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text(text_out + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    about = (f"a reader's deviation and the leaf rank it needs as the shared transcript grows "
+             f"({bench.name}, lengths {args.lengths})")
+    record(args.out.with_suffix(".txt"), text_out + "\n",
+           what=f"{about}: KL recovered by oracle delta leaves, the served picks read exactly and "
+                f"as factored leaves; the rank holding 80% / 90% of the deviation")
+    record(args.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n",
+           what=f"its rows per length ({about})")
+    record(args.out.with_suffix(".png"), lambda p: plot(rows, p),
+           what=f"its plot: KL recovered and leaf rank needed against the length ({about})")
     return 0
 
 

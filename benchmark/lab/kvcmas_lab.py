@@ -17,7 +17,7 @@ tokens, TTFT, recomputed tokens and bytes held (bases + leaves + correction stat
     python benchmark/lab/kvcmas_lab.py --quick          # debate 3 x 3, 128-token answers; HEADLINE
     python benchmark/lab/kvcmas_lab.py --workload both --instances 3 --rounds 3 --agents 4
 
-``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): every
+``--model-path`` (``model_arg``; Llama or Qwen2 with a ChatML template): every
 method runs on that model; records name it, and the result files get ``_<model>`` for a model
 other than the embedded one.
 """
@@ -28,33 +28,26 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import (  # noqa: E402
+from sglang_kvcmas_bench.lab.records import (
     JsonlWriter,
-    Reference,
     TurnMetrics,
-    encode,
-    fidelity_bundle,
     format_table,
-    load_lab_model,
     plot_methods,
     summarize,
 )
-from kvcmas_workloads import END, SUFFIX, Workload, debate, reviewer_chain  # noqa: E402
-
-from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
-from sglang_kvcmas_lab.correction.fidelity import kv_relative_error  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import fidelity_bundle, load_lab_model
+from sglang_kvcmas_bench.lab.transcripts import Transcript, make_transcript
+from sglang_kvcmas_bench.lab.workloads import debate, reviewer_chain
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder
+from sglang_kvcmas_lab.correction.fidelity import kv_relative_error
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
 CHOICE = {"estimator": "sparse", "rho": 0.25, "score": "attn", "num_first": 4}
 
@@ -103,61 +96,6 @@ DENSE_BUILDS = ("no_sharing", "prefix_caching", "kvcomm", "oracle")
 def is_stateful(reg: str, kw: dict) -> bool:
     """Methods whose state carries across workflow instances (replayed on history instances)."""
     return reg == "kvcomm" or (reg == "kvcmas" and kw.get("estimator") == "online")
-
-
-# ---- transcript (method independent) ------------------------------------------------------
-@dataclass
-class Turn:
-    """One planned turn with its dense reference. seg_ids: ids of every shared segment in the
-    prompt (index 0 = the task); suffix_ids; answer segment ids (suffix + answer + end)."""
-
-    agent: str
-    round: int
-    seg_ids: list[torch.Tensor]
-    suffix_ids: torch.Tensor
-    answer_seg: torch.Tensor
-    ref: Reference
-
-
-@dataclass
-class Transcript:
-    workload: Workload
-    heads: dict[str, torch.Tensor]
-    turns: list[Turn] = field(default_factory=list)
-
-
-def make_transcript(model: RefLlama, tok, wl: Workload, answer_tokens: int, cont_tokens: int,
-                    log) -> Transcript:
-    """Dense (no sharing) generation of every turn: prompts, references and answers."""
-    from common import make_reference
-
-    heads = {a: encode(tok, wl.head_text(a)) for a in wl.agents}
-    task = encode(tok, wl.task_segment_text())
-    suffix = encode(tok, SUFFIX)
-    end = encode(tok, END)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    for a in wl.agents:  # tokenization must compose at our segment boundaries
-        full = encode(tok, wl.head_text(a) + wl.task_segment_text() + SUFFIX)
-        assert torch.equal(full, torch.cat([heads[a], task, suffix])), "boundary merge"
-    tr = Transcript(wl, heads)
-    segs = [task]
-    for i, plan in enumerate(wl.turns):
-        prompt = torch.cat([heads[plan.agent], *segs, suffix])
-        t0 = time.perf_counter()
-        ref = make_reference(model, prompt, max(cont_tokens, answer_tokens))
-        cont = ref.greedy_ids
-        ans = cont[:answer_tokens]
-        if im_end in ans:
-            ans = ans[: ans.index(im_end)]
-        ref = Reference(ref.cache, ref.last_logits, ref.cont_ids[:cont_tokens],
-                        ref.tf_logits[:cont_tokens], cont[:cont_tokens])
-        seg = torch.cat([suffix, torch.tensor(ans, dtype=torch.long), end])
-        tr.turns.append(Turn(plan.agent, plan.round, list(segs), suffix, seg, ref))
-        segs.append(seg)
-        log(f"  [{wl.name}#{wl.instance}] turn {i} {plan.agent}: prompt {prompt.numel()} tok, "
-            f"answer {len(ans)} tok ({time.perf_counter() - t0:.1f}s): "
-            f"{tok.decode(ans[:24])!r}...")
-    return tr
 
 
 # ---- replay one method over a transcript ------------------------------------------------
@@ -375,8 +313,8 @@ def main(argv=None) -> int:
                          "(--quick: its QUICK_METHODS subset unless given)")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is faster than 2 on a shared 2-core machine")
-    ap.add_argument("--out",
-                    default=str(Path(__file__).resolve().parent / "results" / "kvcmas_lab"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder of kvcmas_lab[_quick][_<model>].{jsonl,png} (default: results/)")
     add_model_arg(ap)
     args = ap.parse_args(argv)
     bench_model = model_from_args(ap, args, lab=True)
@@ -466,22 +404,30 @@ def main(argv=None) -> int:
         print(f"\n[{wname}] non-owner turns:\n" + format_table(s, COLUMNS, order=labels))
     print_breakdowns(records, labels)
     print_turn_recovery(records, labels)
-    plot_methods(nonowner, out_dir / f"{stem}.png",
-                 panels=[("ttft_speedup", "kl_recovered", "fidelity vs speed (non-owner turns)"),
-                         ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
-                 title=f"KVCMAS lab: "
-                       f"{'SmolLM2-135M' if bench_model.is_embedded else bench_model.name} "
-                       "fp32, CPU")
+    about = (f"KVCMAS lab, {args.workload} workload ({bench_model.name}), methods "
+             f"{', '.join(labels)}")
+
+    def png(path: Path) -> None:
+        plot_methods(nonowner, path,
+                     panels=[("ttft_speedup", "kl_recovered",
+                              "fidelity vs speed (non-owner turns)"),
+                             ("bytes_held", "kl_recovered", "fidelity vs bytes held")],
+                     title=f"KVCMAS lab: "
+                           f"{'SmolLM2-135M' if bench_model.is_embedded else bench_model.name} "
+                           "fp32, CPU")
+
+    record(out_dir / f"{stem}.png", png,
+           what=f"its plot: fidelity against speed and bytes held, non-owner turns ({about})")
     main_wl = "debate" if args.workload in ("debate", "both") else "chain"
     s = summarize(records, where=lambda r: not r["is_owner_turn"] and r["workload"] == main_wl)
     add_derived(s)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     log(f"done; records in {jsonl}; process CPU time {time.process_time() - c_start:.0f}s "
         f"(~ wall time on an idle machine, 1 thread), load average {load}")
-    if all(m in s for m in ("kvcmas", "naive", "no_sharing", "kvcomm")):
-        print(headline(s))
-    else:
-        print("HEADLINE unavailable: needs kvcmas, naive, no_sharing and kvcomm")
+    line = (headline(s) if all(m in s for m in ("kvcmas", "naive", "no_sharing", "kvcomm"))
+            else "HEADLINE unavailable: needs kvcmas, naive, no_sharing and kvcomm")
+    record(jsonl, None, what=f"{about}: one record per method and turn; `{line}`")
+    print(line)
     return 0
 
 

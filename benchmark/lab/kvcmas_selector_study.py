@@ -14,29 +14,22 @@ turn's correction is measured (no chain). Per turn it prints:
     python benchmark/lab/kvcmas_selector_study.py --answer-tokens 128 --rounds 2
     python benchmark/lab/kvcmas_selector_study.py --workload chain --answer-tokens 40
 
-``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): the model
+``--model-path`` (``model_arg``; Llama or Qwen2 with a ChatML template): the model
 studied; the output's first line names it.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import load_lab_model, teacher_forced_logits  # noqa: E402
-from kvcmas_lab import make_transcript  # noqa: E402
-from kvcmas_workloads import debate, reviewer_chain  # noqa: E402
-
-from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder  # noqa: E402
-from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import load_lab_model, teacher_forced_logits
+from sglang_kvcmas_bench.lab.transcripts import make_transcript
+from sglang_kvcmas_bench.lab.workloads import debate, reviewer_chain
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_lab.correction import ReadRequest, SharedRead, create_builder
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
 METHODS = {
     "cacheblend_15": ("cacheblend", {"rho": 0.15}),

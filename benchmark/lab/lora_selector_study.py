@@ -50,31 +50,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
-from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
-from sglang_kvcmas.attention.span_reads import head_mass  # noqa: E402
-from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
-from sglang_kvcmas.policy.lora_share import (  # noqa: E402
+from sglang_kvcmas.adapters import ROLES, role_adapter_dir
+from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER
+from sglang_kvcmas.attention.span_reads import head_mass
+from sglang_kvcmas.policy.lora_share import (
     LORA_RECOMPUTE_BOUNDARY,
     LORA_RECOMPUTE_TAIL,
 )
-from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT, AdapterSet  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, keys_with_past, rotate  # noqa: E402
-
-from benchmark.lab.common import (  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import (
     encode,
     load_lab_model,
     make_reference,
     teacher_forced_logits,
 )
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_examples.datasets import gsm8k
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward
+from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT, AdapterSet
+from sglang_kvcmas_lab.models.reference_llama import KVCache, keys_with_past, rotate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "lora_selector_study"
@@ -343,7 +338,10 @@ def main() -> None:
     text = (f"# command: {command}\nmodel {model.name}; {args.shape}; {args.questions} "
             f"question(s)\n"
             + summarize(records))
-    out.with_suffix(".txt").write_text(text + "\n")
+    about = (f"LoRA readers' picks by selector and budget ({model.name}, {args.shape}, "
+             f"{args.questions} question(s), {len(points)} read points)")
+    record(out.with_suffix(".jsonl"), None, what=f"{about}: one record per point and selector")
+    record(out.with_suffix(".txt"), text + "\n", what=f"{about}: the summary", command=command)
     print(text)
 
 

@@ -38,14 +38,10 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.delta_growth_study import kl, probe_layers  # noqa: E402
-from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import head_mass, kl, probe_layers
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORCED = 16
@@ -76,9 +72,9 @@ def main() -> int:
     args.out = args.out or bench.named(RESULTS / "lowrank_chain_study")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
     from sglang_kvcmas_examples.datasets import essays
+    from sglang_kvcmas_lab.correction.affine_lowrank import Factors, chain_weight, fit_factors
     from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
 
     t0 = time.perf_counter()
@@ -214,12 +210,16 @@ def main() -> int:
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
     text_out = "\n".join(lines)
     print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_name(args.out.name + ".txt").write_text(text_out + "\n")
-    args.out.with_name(args.out.name + ".json").write_text(json.dumps(
+    about = (f"a low-rank correction chained along a workflow against one fitted per turn "
+             f"({bench.name}): " + ", ".join(f"{v} {x:.3f}" for v, x in mean.items())
+             + " KL recovered over turns 2..")
+    record(args.out.with_name(args.out.name + ".txt"), text_out + "\n",
+           what=f"{about}; per turn KL recovered and K/V residuals")
+    record(args.out.with_name(args.out.name + ".json"), json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "mean": mean},
-        indent=1))
-    plot(rows, variants, args.out.with_name(args.out.name + ".png"))
+        indent=1), what=f"its rows per turn ({about})")
+    record(args.out.with_name(args.out.name + ".png"), lambda p: plot(rows, variants, p),
+           what=f"its plot ({about})")
     return 0
 
 

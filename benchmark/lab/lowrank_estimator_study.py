@@ -33,11 +33,9 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import head_mass
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,30 +55,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def head_mass(model, ids: list[int], head_end: int, length: int, head_from: int,
-              layers: list[int] | None = None) -> torch.Tensor:
-    """[length] attention mass of the owner's transcript tokens on its head rows ``[head_from,
-    head_end)``, mean over ``layers`` (default: every layer; the serving probe's signal) and
-    query heads."""
-    from sglang_kvcmas_lab.models.reference_llama import rotate
-
-    spec = model.spec
-    layers = list(range(spec.num_layers)) if layers is None else layers
-    out = model.forward(torch.tensor(ids), return_hidden=True)
-    pos = torch.arange(len(ids))
-    rows = pos[head_end:head_end + length]
-    group = spec.num_heads // spec.num_kv_heads
-    total = torch.zeros(length)
-    for layer in layers:
-        q, k, _ = model.qkv(layer, out.hidden[layer])
-        qr = rotate(q, pos, spec.rope_theta)[head_end:head_end + length].transpose(0, 1)
-        kr = rotate(k, pos, spec.rope_theta).transpose(0, 1).repeat_interleave(group, 0)
-        p = (qr @ kr.transpose(1, 2) / spec.head_dim ** 0.5).masked_fill(
-            pos[None, None, :] > rows[None, :, None], float("-inf")).softmax(-1)
-        total += p[..., head_from:head_end].sum(-1).mean(0)
-    return total / len(layers)
 
 
 def mass_offset(x: torch.Tensor, y: torch.Tensor, mass: torch.Tensor, fit_on: torch.Tensor):
@@ -107,10 +81,10 @@ def main() -> int:
                                       + ("_mass" if args.select == "mass" else "") + ".txt")
     torch.set_grad_enabled(False)
 
-    from sglang_kvcmas_lab.correction.affine_lowrank import fit_factors
     from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
-    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from sglang_kvcmas_examples.datasets import gsm8k
+    from sglang_kvcmas_lab.correction.affine_lowrank import fit_factors
     from sglang_kvcmas_lab.models.reference_llama import RefLlama
     from transformers import AutoTokenizer
 
@@ -200,8 +174,9 @@ def main() -> int:
     lines.append(f"run time {time.perf_counter() - t0:.0f} s")
     text = "\n".join(lines)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    record(args.out, text + "\n",
+           what="the affine low-rank estimator once served, offline on every token: residual "
+                "deviation of the tokens not recomputed, by estimator and selection")
     return 0
 
 

@@ -16,7 +16,7 @@ ceiling of any selector).
 
     python benchmark/lab/owner_mass_study.py [--cases 6] [--model-path NAME]
 
-``--model-path`` (``benchmark/model_arg.py``; Llama or Qwen2 with a ChatML template): the model
+``--model-path`` (``model_arg``; Llama or Qwen2 with a ChatML template): the model
 studied (``mass_sub`` probes the layers of ``PROBE_LAYERS`` it has); records and the summary
 name it, and the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
@@ -31,20 +31,16 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from sglang_kvcmas_lab.correction.fidelity import teacher_forced  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate  # noqa: E402
-
-from benchmark.lab.common import (  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import (
     load_lab_model,
     make_reference,
     teacher_forced_logits,
 )
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced
+from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "owner_mass_study"
@@ -188,11 +184,11 @@ def main() -> int:
                  "benchmark/lab/owner_mass_study.py " + " ".join(sys.argv[1:]))
     text = "\n".join(lines)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text(text + "\n")
-    with args.out.with_suffix(".jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    about = (f"whether the owner's own head mass picks the shared tokens that deviate most for "
+             f"a reader, by selector and budget ({bench_model.name}, {len(rows)} cases)")
+    record(args.out.with_suffix(".txt"), text + "\n", what=f"{about}: the summary table")
+    record(args.out.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows),
+           what=f"its records, one per case ({about})")
     return 0
 
 

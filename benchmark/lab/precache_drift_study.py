@@ -16,34 +16,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import JsonlWriter, make_reference  # noqa: E402
-from precache_lab import (  # noqa: E402
+from sglang_kvcmas.adapters import ROLES
+from sglang_kvcmas.adapters.role_data import TURN_OPENER
+from sglang_kvcmas_bench.lab.precache_setup import (
     ADAPTERS_ARE_EMBEDDED,
     build_transcript,
     cached_transcript,
-    encode,
     fidelity,
     load,
 )
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.adapters import ROLES  # noqa: E402
-from sglang_kvcmas.adapters.role_data import TURN_OPENER  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_forward import AgentModel  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
-from sglang_kvcmas_lab.correction.precache_base import create_lora_method  # noqa: E402
-from sglang_kvcmas_lab.correction.precache_drift import drift_pass  # noqa: E402
-from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
+from sglang_kvcmas_bench.lab.records import JsonlWriter
+from sglang_kvcmas_bench.lab.reference import encode, make_reference
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_examples.datasets import gsm8k
+from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel
+from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT
+from sglang_kvcmas_lab.correction.precache_base import create_lora_method
+from sglang_kvcmas_lab.correction.precache_drift import drift_pass
 
 MODES = [("shared", "shared"), ("values", "shared"), ("own", "shared"), ("values", "adapters"),
          ("own", "adapters"), ("own", "own")]
@@ -129,8 +124,9 @@ def main() -> None:
     ap.add_argument("--oracle", nargs="*", default=[],
                     help="kind + rank, e.g. h8 j32 s8 m16 (see oracle_views)")
     ap.add_argument("--modes", nargs="*", default=None, help="att,mlp pairs; default all")
-    ap.add_argument("--out",
-                    default=str(Path(__file__).resolve().parent / "results" / "precache_drift_study"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder of precache_drift_study_<config>.jsonl (default: results/); the "
+                         "no-sharing transcript is kept in its precache_drift_study/")
     add_model_arg(ap)
     args = ap.parse_args()
     model = model_from_args(ap, args, embedded_only=ADAPTERS_ARE_EMBEDDED)
@@ -140,7 +136,7 @@ def main() -> None:
     writer = JsonlWriter(out_dir / f"precache_drift_study_{args.config}.jsonl", model=model.name)
     lora, tok = load(args.config, model)
     items = gsm8k()[args.first_question: args.first_question + args.questions]
-    segs = cached_transcript(out_dir, args, lambda: build_transcript(
+    segs = cached_transcript(out_dir / "precache_drift_study", args, lambda: build_transcript(
         lora, tok, [it.question for it in items], args.max_message, args.max_tokens))
     ids = torch.cat([s.ids for s in segs])
     pos = torch.arange(ids.numel())
@@ -193,6 +189,11 @@ def main() -> None:
         writer.write({**vars(args), "kind": "summary", "method": k},
                      {"top1": top1, "mean_kl": kl, "kl_recovered": 1 - kl / naive_kl,
                       "kv_err_v": errv})
+    record(writer.path, None,
+           what=f"PReCache drift corrections ({args.config} adapters, {len(segs)} segments, "
+                f"bases {', '.join(args.bases)}"
+                + (f", oracles {' '.join(args.oracle)}" if args.oracle else "")
+                + "): one record per read and method, then a summary per method")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Every method then replays it segment by segment (``LoraSharingMethod.append``) a
 segment each agent reads it as the next speaker would:
 
 - fidelity: the reader's view + its turn opener, 32 continuation tokens of the no-sharing greedy
-  output teacher-forced: top-1 agreement and mean KL (``common`` / ``correction.fidelity``);
+  output teacher-forced: top-1 agreement and mean KL (``sglang_kvcmas_bench.lab`` / ``correction.fidelity``);
   greedy exact match and first divergence are read off teacher forcing (greedy decoding agrees
   with the reference exactly until the first teacher-forced top-1 miss; tested in
   test/lab/correction/test_precache.py);
@@ -28,7 +28,7 @@ each agent's own pass, per segment or merged ``m``; its background work is N age
     python benchmark/lab/precache_lab.py --questions 3 --max-message 64 --config attn_mlp
     python benchmark/lab/precache_lab.py --questions 3 --fidelity-only --methods naive ...
 
-``--model-path`` (``benchmark/model_arg.py``) is taken for a uniform command line, but the role
+``--model-path`` (``model_arg``) is taken for a uniform command line, but the role
 adapters (``sglang_kvcmas/adapters``) are trained for the embedded model: any other model is
 refused with that message. Records name the model.
 """
@@ -38,41 +38,39 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import sglang_kvcmas_lab.correction.lora_baselines  # noqa: F401  (registration)
+import sglang_kvcmas_lab.correction.precache_block  # noqa: F401  (registration)
+import sglang_kvcmas_lab.correction.precache_delta  # noqa: F401  (registration)
+import sglang_kvcmas_lab.correction.precache_methods  # noqa: F401  (registration)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmark.model_arg
-
-from common import (  # noqa: E402
+from sglang_kvcmas.adapters import ROLES
+from sglang_kvcmas.adapters.role_data import TURN_OPENER
+from sglang_kvcmas_bench.lab.decode_throughput import batched_decode_throughput
+from sglang_kvcmas_bench.lab.precache_setup import (
+    ADAPTERS_ARE_EMBEDDED,
+    build_transcript,
+    cached_transcript,
+    fidelity,
+    load,
+)
+from sglang_kvcmas_bench.lab.records import (
     JsonlWriter,
     TurnMetrics,
-    encode,
     format_table,
-    make_reference,
     plot_methods,
     summarize,
-    teacher_forced_logits,
 )
-from precache_throughput import batched_decode_throughput  # noqa: E402
-
-import sglang_kvcmas_lab.correction.lora_baselines  # noqa: E402,F401  (registration)
-import sglang_kvcmas_lab.correction.precache_block  # noqa: E402,F401  (registration)
-import sglang_kvcmas_lab.correction.precache_delta  # noqa: E402,F401  (registration)
-import sglang_kvcmas_lab.correction.precache_methods  # noqa: E402,F401  (registration)
-from sglang_kvcmas.adapters import ROLES, role_adapter_dir  # noqa: E402
-from sglang_kvcmas.adapters.role_data import SYSTEM, TURN_OPENER  # noqa: E402
-from sglang_kvcmas_lab.correction.fidelity import kv_relative_error, teacher_forced  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward  # noqa: E402
-from sglang_kvcmas_lab.correction.lora_weights import AdapterSet  # noqa: E402
-from sglang_kvcmas_lab.correction.precache_base import Segment, create_lora_method  # noqa: E402
-from sglang_kvcmas_examples.datasets import gsm8k  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama  # noqa: E402
-from benchmark.model_arg import BenchModel, add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.reference import encode, make_reference
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_examples.datasets import gsm8k
+from sglang_kvcmas_lab.correction.fidelity import teacher_forced
+from sglang_kvcmas_lab.correction.lora_baselines import FIRST_READER
+from sglang_kvcmas_lab.correction.lora_forward import AgentModel, LoraForward
+from sglang_kvcmas_lab.correction.precache_base import create_lora_method
 
 # label -> (registry name, kwargs); table order.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -111,74 +109,11 @@ QUICK_METHODS = ("no_sharing", "sglang", "sglang_alongside", "naive", "first_age
                  "rebase_mean_alongside", "rebase_mean_fixup15", "rebase_mean_delta4",
                  "rebase_mean_delta4c256", "rebase_mean_delta6m")
 REFERENCE, NAIVE = "no_sharing", "naive"
-ADAPTERS_ARE_EMBEDDED = ("the PReCache role adapters (sglang_kvcmas/adapters) are trained for the "
-                         "embedded model only")
 NON_SHARING = ("no_sharing", "sglang", "sglang_alongside")
 
 
 def log(msg: str) -> None:
     print(f"[precache_lab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---- setup ---------------------------------------------------------------------------------
-def load(config: str, model: BenchModel | None = None) -> tuple[LoraForward, object]:
-    """The embedded model with the role adapters of ``config``, and its tokenizer.
-
-    Raises:
-        ModelPathError: ``model`` is not the embedded model (the adapters are its own).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = model or BenchModel.resolve()
-    model.require_embedded(ADAPTERS_ARE_EMBEDDED)
-    folder = model.folder
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    ref = RefLlama(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32))
-    adapters = AdapterSet.from_peft_dirs({r: role_adapter_dir(config, r) for r in ROLES},
-                                         ref.spec.num_layers)
-    return LoraForward(ref, adapters), tok
-
-
-def build_transcript(lora: LoraForward, tok, questions: list[str], max_message: int,
-                     max_tokens: int) -> list[Segment]:
-    """System + question, then each role's greedy message (no sharing), per question."""
-    end_id = tok.convert_tokens_to_ids("<|im_end|>")
-    opener, closer = encode(tok, TURN_OPENER), encode(tok, "\n")
-    segs: list[Segment] = []
-    for qi, q in enumerate(questions):
-        head = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n" if qi == 0 else "")
-        user = encode(tok, head + f"<|im_start|>user\n{q}<|im_end|>\n")
-        if sum(s.ids.numel() for s in segs) + user.numel() + 3 * max_message > max_tokens:
-            break
-        segs.append(Segment(user, None))
-        for agent, role in enumerate(ROLES):
-            ids = torch.cat([*(s.ids for s in segs), opener])
-            model = AgentModel(lora, agent)
-            out = model.forward(ids)
-            gen = model.greedy(out.kv, out.logits[-1], max_message, stop=end_id)
-            if gen[-1] != end_id:
-                gen.append(end_id)
-            segs.append(Segment(torch.cat([opener, torch.tensor(gen), closer]), agent))
-            log(f"q{qi} {role}: {tok.decode(gen[:-1])!r}"[:300])
-    return segs
-
-
-def cached_transcript(out_dir: Path, args, build) -> list[Segment]:
-    """The no-sharing transcript depends only on the adapters and these arguments: keep it."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for role in ROLES:
-        h.update((role_adapter_dir(args.config, role) / "adapter_model.safetensors").read_bytes())
-    h.update(repr((args.config, args.questions, args.first_question, args.max_message,
-                   args.max_tokens)).encode())
-    path = out_dir / f"transcript_{h.hexdigest()[:16]}.json"
-    if path.exists():
-        log(f"transcript from {path}")
-        return [Segment(torch.tensor(s["ids"]), s["writer"]) for s in json.loads(path.read_text())]
-    segs = build()
-    path.write_text(json.dumps([{"ids": s.ids.tolist(), "writer": s.writer} for s in segs]))
-    return segs
 
 
 @torch.inference_mode()
@@ -190,22 +125,6 @@ def adapter_sanity(lora: LoraForward, ids: torch.Tensor) -> dict[str, dict[str, 
         tf = teacher_forced(lora.forward(ids, agent=agent).logits, base)
         out[role] = {"kl_on_vs_base": tf.mean_kl, "top1_on_vs_base": tf.top1}
     return out
-
-
-# ---- measuring -----------------------------------------------------------------------------
-def fidelity(lora: LoraForward, view: KVCache, reader: int, suffix: torch.Tensor, ref) -> dict:
-    model = AgentModel(lora, reader)
-    out = model.forward(suffix, past=view)
-    cache = KVCache.concat([view, out.kv])
-    tf_logits = teacher_forced_logits(model, cache, out.logits[-1], ref.cont_ids)
-    tf = teacher_forced(ref.tf_logits, tf_logits)
-    misses = (tf_logits.argmax(-1) != ref.cont_ids).nonzero()
-    first = int(misses[0]) if misses.numel() else ref.cont_ids.numel()
-    n = len(view)
-    return {"top1": tf.top1, "mean_kl": tf.mean_kl, "max_kl": tf.max_kl,
-            "greedy_exact": float(first == ref.cont_ids.numel()), "first_divergence": first,
-            "kv_rel_err_k": kv_relative_error([k[:n] for k in ref.cache.k], view.k),
-            "kv_rel_err_v": kv_relative_error([v[:n] for v in ref.cache.v], view.v)}
 
 
 def profile_droidspeak(lora, method, segs_upto, refs, suffix, width: int) -> int:
@@ -262,7 +181,9 @@ def main() -> None:
                     help="skip timing and throughput (exploring accuracy; no HEADLINE)")
     # One thread: on a shared 2-core machine two OpenMP threads stall for seconds at a time.
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "precache_lab"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder of precache_lab_<config>[_quick].{jsonl,txt,png} (default: "
+                         "results/); the no-sharing transcript is kept in its precache_lab/")
     add_model_arg(ap)
     args = ap.parse_args()
     model = model_from_args(ap, args, embedded_only=ADAPTERS_ARE_EMBEDDED)
@@ -283,7 +204,7 @@ def main() -> None:
 
     lora, tok = load(args.config, model)
     items = gsm8k()[args.first_question : args.first_question + args.questions]
-    segs = cached_transcript(out_dir, args, lambda: build_transcript(
+    segs = cached_transcript(out_dir / "precache_lab", args, lambda: build_transcript(
         lora, tok, [it.question for it in items], args.max_message, args.max_tokens))
     all_ids = torch.cat([s.ids for s in segs])
     log(f"transcript: {len(segs)} segments, {all_ids.numel()} tokens")
@@ -361,20 +282,28 @@ def main() -> None:
             "background_median_s"]
     table = format_table(summary, cols, order=list(methods))
     print(table)
-    (out_dir / f"precache_lab_{tag}.txt").write_text(table + "\n")
-    plot_methods(summary, out_dir / f"precache_lab_{tag}.png",
-                 panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
-                         ("bytes_ratio", "top1", "top-1 vs bytes saved")],
-                 title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)")
+    about = (f"PReCache lab, {args.config} adapters, {args.questions} question(s), "
+             f"{all_ids.numel()}-token transcript, methods {', '.join(methods)}")
+    record(out_dir / f"precache_lab_{tag}.png", lambda p: plot_methods(
+        summary, p, panels=[("ttft_speedup", "kl_recovered", "accuracy vs time to first token"),
+                            ("bytes_ratio", "top1", "top-1 vs bytes saved")],
+        title=f"PReCache lab ({args.config}, {all_ids.numel()} tokens)"),
+        what=f"its plot: accuracy against TTFT and top-1 against bytes saved ({about})")
     if args.fidelity_only:
+        record(out_dir / f"precache_lab_{tag}.txt", table + "\n", what=f"{about}: the table")
+        record(writer.path, None, what=f"{about}: one record per read, the summaries")
         return
     sharing = {k: v for k, v in summary.items() if k not in NON_SHARING and v["bytes_ratio"] >= 2}
     best = max(sharing, key=lambda k: (round(sharing[k]["kl_recovered"], 3),
                                        sharing[k]["ttft_speedup"]))
     b = summary[best]
     log(f"run time {time.perf_counter() - t_start:.0f} s")
-    print(f"HEADLINE method={best} top1={b['top1']:.3f} kl_recovered={b['kl_recovered']:.3f} "
-          f"ttft_speedup={b['ttft_speedup']:.2f} bytes_ratio={b['bytes_ratio']:.2f}")
+    line = (f"HEADLINE method={best} top1={b['top1']:.3f} kl_recovered={b['kl_recovered']:.3f} "
+            f"ttft_speedup={b['ttft_speedup']:.2f} bytes_ratio={b['bytes_ratio']:.2f}")
+    record(out_dir / f"precache_lab_{tag}.txt", table + "\n" + line + "\n",
+           what=f"{about}: the table; `{line}`")
+    record(writer.path, None, what=f"{about}: one record per read, the summaries; `{line}`")
+    print(line)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,9 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.delta_growth_study import FORCED, kl, probe_layers  # noqa: E402
-from benchmark.lab.lowrank_estimator_study import head_mass  # noqa: E402
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
+from sglang_kvcmas_bench.lab.probes import FORCED, head_mass, kl, probe_layers
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8)
@@ -235,10 +231,13 @@ def main() -> int:
                  f"run time {time.perf_counter() - t0:.0f} s")
     text_out = "\n".join(lines)
     print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".txt").write_text(text_out + "\n")
+    about = (f"where a factored leaf's basis should live: per fit, carried along an agent's "
+             f"turns, or shared ({bench.name}): KL recovered, residual and bytes by variant "
+             f"and rank")
+    record(args.out.with_suffix(".txt"), text_out + "\n", what=f"{about}: the table")
     result |= {"mean": mean, "residual": resid, "seconds": round(time.perf_counter() - t0, 1)}
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    record(args.out.with_suffix(".json"), json.dumps(result, indent=1) + "\n",
+           what=f"its rows ({about})")
     return 0
 
 

@@ -17,11 +17,12 @@ alone (one server at a time, same pool), answering the same items with greedy de
 ``kvcmas`` (``QUICK_ARMS``; ``--arms`` adds ``no_cache``); every arm's server gets two CPU
 threads (``--cpu-threads``: one server runs at a time, so it has the machine).
 
-Resumable: every finished item is appended to ``results/accuracy_<model>[_quick]_<arm>.jsonl``
+Resumable: every finished item is appended to ``results/accuracy[_quick]_<arm>[_<model>].jsonl``
 (committed with the summary, so a full run can accumulate over several sittings; ``--items``
 raises the count); a rerun skips items already there. Progress goes to stderr (items done,
-running accuracy per arm). The summary goes to ``accuracy_<model>[_quick].{txt,json,png}``, the
-servers' logs to ``results/logs_accuracy_<model>[_quick]/`` (not committed).
+running accuracy per arm). The summary goes to ``accuracy[_quick][_<model>].{txt,json,png}``, the
+servers' logs to ``results/logs_accuracy[_quick][_<model>]/`` (not committed). ``<model>`` is the
+model's name in file names (``model_arg``: ``qwen2-5-coder-0-5b``), none for the embedded one.
 
 The summary pairs the arms per item over the items every arm has done: accuracy per arm and task,
 ours − radix in accuracy points with a paired-bootstrap 95% interval and McNemar's exact p, the
@@ -49,15 +50,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.quality import tasks  # noqa: E402
-from benchmark.quality.sandbox import isolation  # noqa: E402
-from benchmark.quality.stats import paired_diff  # noqa: E402
-from benchmark.serving.head_to_head import stream_generate  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from sglang_kvcmas_bench import accuracy_tasks as tasks
+from sglang_kvcmas_bench.model_arg import BenchModel, ModelPathError
+from sglang_kvcmas_bench.paired_stats import paired_diff
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.sandbox import isolation
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_calls import stream_generate
 
 ARMS = ("no_cache", "radix", "kvcmas")
 QUICK_ARMS = ("radix", "kvcmas")
@@ -139,7 +139,7 @@ def load(path: Path) -> dict[str, dict]:
 
 
 def records_path(args, arm: str) -> Path:
-    return args.out / f"{args.prefix}_{arm}.jsonl"
+    return args.model.named(args.out / f"{args.stem}_{arm}.jsonl")
 
 
 def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
@@ -170,9 +170,11 @@ def run_arm(arm: str, args, tok, wanted: list[tuple[str, int]]) -> None:
                     f"a rerun retries it")
                 return
             with lock:
-                with path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
                 done[rec["key"]] = rec
+                record(path, json.dumps(rec) + "\n", append=True,
+                       what=f"the {arm.replace('_', '-')} arm's per-item records "
+                            f"({len(done)} items; appended as items finish, a rerun skips "
+                            f"those already there)")
                 mine = [r for r in done.values() if (r["task"], r["item"]) in set(wanted)]
                 acc = {t: [r["correct"] for r in mine if r["task"] == t] for t in args.tasks}
                 running = "  ".join(f"{t} {sum(v)}/{len(v)}" for t, v in acc.items() if v)
@@ -333,12 +335,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    folder = resolve_model_path(args.model_path)
-    given = args.model_path or "embedded"
-    args.model_name = given if "/" not in given and not given.endswith(".gguf") else folder.name
-    args.prefix = f"accuracy_{args.model_name}{'_quick' if args.quick else ''}"
+    try:
+        args.model = BenchModel.resolve(args.model_path)
+    except ModelPathError as e:
+        ap.error(f"--model-path: {e}")
+    folder, args.model_name = args.model.folder, args.model.name
+    args.stem = "accuracy" + ("_quick" if args.quick else "")
+    args.prefix = args.model.named(Path(args.stem)).name  # accuracy[_quick][_<model>]
     args.logs = args.out / f"logs_{args.prefix}"
     args.logs.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -350,15 +353,21 @@ def main(argv: list[str] | None = None) -> int:
             run_arm(arm, args, tok, wanted)
     s = summarize(args, wanted)
     s["command"] = " ".join(["python", *sys.argv])
-    (args.out / f"{args.prefix}.json").write_text(json.dumps(s, indent=1) + "\n")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         print(f"# {s['command']}")
         print_summary(s)
         print(headline(s))
-    (args.out / f"{args.prefix}.txt").write_text(buf.getvalue())
+    about = (f"{args.model_name}, {args.items} items per task ({', '.join(args.tasks)}), arms "
+             f"{', '.join(args.arms)}")
+    record(args.model.named(args.out / f"{args.stem}.txt"), buf.getvalue(),
+           what=f"{about}: accuracy per arm and task, the paired difference with its 95% "
+                f"interval, same final answer, non-owner TTFT: `{headline(s)}`")
+    record(args.model.named(args.out / f"{args.stem}.json"), json.dumps(s, indent=1) + "\n",
+           what=f"its summary, machine-readable ({about})")
+    record(args.model.named(args.out / f"{args.stem}.png"), lambda p: plot(s, p),
+           what=f"its plot: accuracy per arm and task ({about})")
     print(buf.getvalue(), end="")
-    plot(s, args.out / f"{args.prefix}.png")
     return 0
 
 

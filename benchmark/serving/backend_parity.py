@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import shlex
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.recompute_fidelity import generate  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, run_header  # noqa: E402
-from sglang_kvcmas_examples import datasets  # noqa: E402
-from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
-from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
+from sglang_kvcmas.server.options import parse_launcher_args
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.server_arms import ArmServer, run_header
+from sglang_kvcmas_bench.server_calls import generate
+from sglang_kvcmas_examples import datasets
 
 OUT = Path(__file__).resolve().parent / "results"
 HEADS = ("You are Ada, a careful mathematician who checks every step and states the final "
@@ -119,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     headline = (f"PARITY backends={','.join(backends)} same_tokens={same}/{n} "
                 f"max_logprob_diff={worst:.2e} reader_reused_repositioned={reader}")
     path = model.out_or_named(args.out, OUT / "backend_parity.json")
-    path.write_text(json.dumps({**run_header("benchmark/serving/backend_parity.py", argv, model),
-                                "results": results, "comparison": comparison,
-                                "headline": headline}, indent=1))
+    record(path, json.dumps({**run_header("benchmark/serving/backend_parity.py", argv, model),
+                             "results": results, "comparison": comparison,
+                             "headline": headline}, indent=1),
+           what=f"sharing over SGLang's attention backends against the first, one server at a "
+                f"time, {len(prompts)} turns ({model.name}): `{headline}`")
     print(json.dumps(comparison, indent=1))
     print(headline)
 

@@ -13,7 +13,7 @@ agent, recomputed; the correction label) and its greedy output token ids.
 after a change that must not change behaviour (a refactor): both records must match exactly.
 Accounting fields are read under their current and earlier names (``reuse_records.py``;
 ``borrowed`` = every token read from another context, re-positioned or corrected).
-``--model-path`` (``benchmark/model_arg.py``): the served model; the record names it, and the
+``--model-path`` (``model_arg``): the served model; the record names it, and the
 default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -28,13 +28,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import normalized, of_meta
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.workflows import debate, reviewer_chain
 
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.reuse_records import normalized, of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
-from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "behaviour_check.json"
@@ -48,13 +48,12 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
         return json.loads(r.read())
 
 
-def record(url: str, max_new: int, n_debates: int, n_chains: int,
+def record_turns(url: str, max_new: int, n_debates: int, n_chains: int,
            model_folder: Path | None = None) -> list[dict]:
     """Every turn's record (``model_folder``: the served model's, default the embedded one)."""
-    from transformers import AutoTokenizer
-
-    from sglang_kvcmas_examples.datasets import gsm8k
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from sglang_kvcmas_examples.datasets import gsm8k
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_folder or resolve_model_path(None)))
     items = gsm8k()
@@ -132,15 +131,21 @@ def main() -> int:
                             capture_output=True, text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with ArmServer("kvcmas", args.out.with_suffix(".log"), model.server_args) as server:
+    log = args.out.parent / args.out.stem / "server.log"  # a folder beside: not a result
+    with ArmServer("kvcmas", log, model.server_args) as server:
         print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
               flush=True)
-        turns = record(server.url, args.max_new_tokens, args.debates, args.chains, model.folder)
-    args.out.write_text(json.dumps({
+        turns = record_turns(server.url, args.max_new_tokens, args.debates, args.chains,
+                             model.folder)
+    record(args.out, json.dumps({
         "commit": commit, "machine": platform.node(), "model": model.name,
         "max_new_tokens": args.max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
-        "turns": turns}, indent=1))
+        "turns": turns}, indent=1),
+        what=f"per-turn reuse accounting and greedy output ids of {args.debates} debates + "
+             f"{args.chains} chains ({args.max_new_tokens}-token answers, {model.name}), "
+             f"replayed one turn at a time: {len(turns)} turns, "
+             f"{time.perf_counter() - t0:.0f} s (`--compare A B` diffs two)")
     print(f"[behaviour] {len(turns)} turns in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0
 

@@ -22,7 +22,7 @@ temporary folder), and ``--from-turns`` recomputes the table from them without a
     python benchmark/serving/consistency_frontier.py [--debates 16] [--max-new-tokens 64] \
         [--configs 16:0.1,16:0.2,16:0.5,100000:1.0] [--model-path NAME]
 
-``--model-path`` serves one model in every run (``benchmark/model_arg.py``); rows name it, and
+``--model-path`` serves one model in every run (``model_arg``); rows name it, and
 the default ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -33,32 +33,27 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, chat_markers, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import (  # noqa: E402
-    KV_BYTES_PER_TOKEN,
-    KvSampler,
-    build_workflows,
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.answers import (
     final_answers,
     first_divergent_turn,
     greedy_agreement,
-    one_copy_ideal,
-    run_workload,
     same_answer,
-    stream_generate,
-    turn_key,
 )
-from benchmark.serving.recompute_fidelity import config_name, parse_config  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
+from sglang_kvcmas_bench.forced_reads import config_name, parse_config
+from sglang_kvcmas_bench.kv_ideal import KV_BYTES_PER_TOKEN, one_copy_ideal
+from sglang_kvcmas_bench.kv_sampler import KvSampler
+from sglang_kvcmas_bench.model_arg import add_model_arg, chat_markers, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_calls import stream_generate
+from sglang_kvcmas_bench.workload_runs import build_workflows, run_workload, turn_key
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "consistency_frontier"
@@ -287,8 +282,7 @@ def main() -> int:
     configs = [parse_config(c) for c in args.configs.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tok = args.model.tokenizer()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     meta = {"commit": commit, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
             "model": args.model.name, "max_new_tokens": args.max_new_tokens}
     t0 = time.perf_counter()
@@ -301,10 +295,14 @@ def main() -> int:
           f"{args.max_new_tokens} new tokens per turn, one server at a time; radix non-owner "
           f"TTFT median per row is over that row's non-owner turns")
     print_table(rows)
-    with args.out.with_suffix(".jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    about = (f"{what}{rows[0]['debates'] // len(runs)} concurrent 3-agent debates per run, "
+             f"{args.max_new_tokens}-token answers, one server at a time ({args.model.name})")
+    record(args.out.with_suffix(".jsonl"), "".join(json.dumps(r) + "\n" for r in rows),
+           what=f"same-answer rate, TTFT and KV by what readers recompute, one row per "
+                f"configuration ({', '.join(r['config'] for r in rows)}): {about}")
+    record(args.out.with_suffix(".png"), lambda p: plot(rows, p),
+           what=f"its plot: same-answer rate against TTFT speed-up and against KV / ideal "
+                f"({about})")
     print(f"[frontier] {meta['machine']}; total {time.perf_counter() - t0:.0f} s; results in "
           f"{args.out.with_suffix('.jsonl')}")
     return 0

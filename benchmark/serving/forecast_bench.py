@@ -1,7 +1,8 @@
 """How well the spend forecaster predicts a run's total spend, and what a budget saves with it.
 
-Input: runs recorded by ``record_runs.py`` (``results/record_runs_<variant>.jsonl``, one or more
-variants: e.g. the embedded model's runs and the capable model's; each run's turns as the
+Input: runs recorded by ``record_runs.py`` (``results/record_runs[_<kinds>][_<variant>][_<model>]
+.jsonl``, named by ``--runs`` without the ``.jsonl``; one or more, each a *variant* here: e.g. the
+embedded model's runs and the capable model's; each run's turns as the
 server's ledger saw them, in finish order). Spend is *computed* tokens (prefill + decode;
 ``policy/spend_forecast.py``), and the prompt tokens read as a second measure.
 
@@ -37,16 +38,17 @@ server's ledger saw them, in finish order). Spend is *computed* tokens (prefill 
   after each of its turns, in the review kinds) are *shortened* by a refusal instead of
   failed: the frontend stops and submits its latest version, which succeeds when right.
 
-Writes ``results/forecast_bench_<name>.txt`` (``--name``, default the variants joined by ``+``)
+Writes ``results/forecast_bench[_<name>].txt`` (``--name``, default what the runs' names add to
+``record_runs``, joined by ``+``)
 and a plot beside it (``.png``: error against the share of the run seen, per forecaster; the
 budget replay's tokens and successes per variant), and ends with
 ``HEADLINE mape_at_50pct=<x> naive_mape_at_50pct=<x> forecast_ms=<x> budget_tokens_saved=<x>``
 (MAPE over every held-out run; ``naive`` = ``naive_rate``; tokens saved on the first graded
 variant, else the first variant).
 
-    python benchmark/serving/forecast_bench.py --variant embedded --fit
-    python benchmark/serving/forecast_bench.py --variant qwen2.5-coder-0.5b --fit
-    python benchmark/serving/forecast_bench.py --variant embedded,qwen2.5-coder-0.5b
+    python benchmark/serving/forecast_bench.py --runs record_runs --fit
+    python benchmark/serving/forecast_bench.py --runs record_runs_pal_qwen2-5-coder-0-5b --fit
+    python benchmark/serving/forecast_bench.py --runs record_runs,record_runs_pal_qwen2-5-coder-0-5b
 """
 
 from __future__ import annotations
@@ -63,10 +65,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
-
-from sglang_kvcmas.policy import spend_forecast as sf  # noqa: E402
+from sglang_kvcmas.policy import spend_forecast as sf
+from sglang_kvcmas_bench.results import record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POINTS = (0.25, 0.5, 0.75)
@@ -108,7 +108,7 @@ def load_runs(path: Path) -> list[dict]:
         if len(turns) >= 2 and key not in seen:  # a run recorded twice counts once
             seen.add(key)
             runs.append({"kind": rec["kind"], "qid": rec["qid"], "turns": turns,
-                         "variant": path.stem.removeprefix("record_runs_"),
+                         "variant": path.stem,
                          "model": rec.get("model", "embedded"),
                          "correct": (rec.get("outcome") or {}).get("correct"),
                          "versions": [tuple(v) for v in
@@ -245,20 +245,23 @@ class Replay:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", default="embedded",
-                   help="record_runs_<variant>.jsonl to read; several, comma-separated, pooled")
+    p.add_argument("--runs", default="record_runs",
+                   help="record_runs.py results to read, by name (results/<name>.jsonl: "
+                        "record_runs[_<kinds>][_<variant>][_<model>]); several, comma-separated, "
+                        "pooled")
     p.add_argument("--fit", action="store_true",
                    help="fit on every run of the variants (one model's), write the artifact the "
                         "server loads for that model (spend_forecast.json for the embedded "
                         "model, else spend_forecast_<model>.json beside it)")
     p.add_argument("--out", default=None, help="with --fit: write the artifact here instead")
     p.add_argument("--name", default=None,
-                   help="results/forecast_bench_<name>.txt (default: the variants joined by +)")
+                   help="results/forecast_bench_<name>.txt (default: what the runs' names add "
+                        "to record_runs, joined by +; none for record_runs alone)")
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    variants = list(dict.fromkeys(v.strip() for v in args.variant.split(",") if v.strip()))
-    runs = [r for v in variants for r in load_runs(RESULTS / f"record_runs_{v}.jsonl")]
+    variants = list(dict.fromkeys(v.strip() for v in args.runs.split(",") if v.strip()))
+    runs = [r for v in variants for r in load_runs(RESULTS / f"{v}.jsonl")]
     for v in variants:
         print(f"{v}: {describe([r for r in runs if r['variant'] == v])}", file=sys.stderr)
     if args.fit:
@@ -270,7 +273,7 @@ def main() -> int:
         out = Path(args.out) if args.out else sf.ARTIFACT if model_name == "embedded" else \
             sf.ARTIFACT.with_name(f"spend_forecast_{model_name}.json")
         model = sf.fit([r["turns"] for r in runs], seed=args.seed, fitted_on="; ".join(
-            f"{sum(r['variant'] == v for r in runs)} runs of record_runs_{v}.jsonl "
+            f"{sum(r['variant'] == v for r in runs)} runs of {v}.jsonl "
             f"({describe([r for r in runs if r['variant'] == v])})" for v in variants))
         out.write_text(json.dumps(model.to_json(), separators=(",", ":")) + "\n")
         print(f"wrote {out} ({out.stat().st_size} bytes)", file=sys.stderr)
@@ -336,7 +339,7 @@ def main() -> int:
 
     n_runs = len(ape["forecast"][0.5])
     ms = statistics.median(timings)
-    lines = [f"# command: python benchmark/serving/forecast_bench.py --variant {args.variant} "
+    lines = [f"# command: python benchmark/serving/forecast_bench.py --runs {args.runs} "
              f"--folds {args.folds} --seed {args.seed}" + (f" --name {args.name}"
                                                             if args.name else ""),
              f"runs: {len(runs)}; {args.folds}-fold cross-validation split by run (seed "
@@ -378,10 +381,18 @@ def main() -> int:
               f"budget_tokens_saved={headline.saved}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    stem = f"forecast_bench_{args.name or '+'.join(variants)}"  # may hold dots: "qwen2.5"
-    (RESULTS / f"{stem}.txt").write_text(text)
-    plot({label: [mdape(name, q) for q in POINTS] for name, label in names.items()
-          if name != "prompt_forecast"}, replays, RESULTS / f"{stem}.png")
+    name = args.name or "+".join(v.removeprefix("record_runs").lstrip("_") or "record_runs"
+                                 for v in variants)
+    stem = "forecast_bench" + (f"_{name}" if name != "record_runs" else "")
+    about = (f"the spend forecaster on {len(runs)} recorded runs "
+             f"({', '.join(f'{v}.jsonl' for v in variants)}), {args.folds}-fold by "
+             f"run, seed {args.seed}")
+    record(RESULTS / f"{stem}.txt", text, what=f"{about}: `{lines[-1]}`")
+    errors = {label: [mdape(name, q) for q in POINTS] for name, label in names.items()
+              if name != "prompt_forecast"}
+    record(RESULTS / f"{stem}.png", lambda p: plot(errors, replays, p),
+           what=f"its plot: error against the share of the run seen, per forecaster; the budget "
+                f"replay per variant ({about})")
     return 0
 
 

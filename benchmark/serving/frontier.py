@@ -75,16 +75,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.scale import (  # noqa: E402
-    fmt, leaf_bytes_per_agent, nonowner_ttft, panel_arm, same_answers,
+from sglang_kvcmas.policy.recompute import RecomputeConfig
+from sglang_kvcmas.server.options import parse_launcher_args
+from sglang_kvcmas_bench.figures import fmt
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.review_panel import (
+    leaf_bytes_per_agent,
+    nonowner_ttft,
+    panel_arm,
+    same_answers,
 )
-from benchmark.serving.server_arms import run_header  # noqa: E402
-from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
-from sglang_kvcmas.server.options import parse_launcher_args  # noqa: E402
+from sglang_kvcmas_bench.server_arms import run_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARM = "factored4"
@@ -441,10 +443,19 @@ def write(result: dict, out: Path) -> str:
              f"{', radix round-1 answers replayed' if result.get('replayed') else ''}, "
              f"{result['seconds']:.0f} s",
              *body, f"default arm: {default}", headline]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    plot(result, out.with_suffix(".png"))
+    about = (f"the leaf-mode frontier at {', '.join(str(n) for n in sorted(by))} agents "
+             f"({result['model']}, {result['doc_tokens']}-token document, "
+             f"{result['answer_tokens']}-token answers, pool {result['pool_tokens']}, "
+             f"{result.get('probe', 4)} readers probed per arm), arms "
+             f"{', '.join(by[head_n]['arms'])} against radix")
+    command = result["command"]
+    record(out.with_suffix(".txt"), "\n".join(lines) + "\n",
+           what=f"{about}: `{headline}`; {result['seconds']:.0f} s", command=command)
+    record(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n",
+           what=f"its figures per agent count and arm ({about})", command=command)
+    record(out.with_suffix(".png"), lambda p: plot(result, p),
+           what="its plot: KL recovered against leaf bytes per agent; TTFT speed-up against "
+                f"peak KV / ideal ({about})", command=command)
     return headline
 
 

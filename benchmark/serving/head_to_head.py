@@ -1,6 +1,6 @@
 """Serving head-to-head: our shared-context backend vs SGLang's radix cache vs no cache.
 
-Same server binary (SGLang 0.5.23 + our launcher), three arms (``server_arms.ARMS``), the same
+Same server binary (SGLang 0.5.23 + our launcher), three arms (``sglang_kvcmas_bench.server_arms.ARMS``), the same
 workload over HTTP (``/generate`` with token ids, streaming for TTFT): N concurrent 3-agent GSM8K
 debates (3 rounds) plus M concurrent reviewer chains, each step's agents sent together. By default
 the three arms' servers run side by side (all up, workloads at the same time), so every arm sees
@@ -16,10 +16,11 @@ radix arm. Then fidelity of the kvcmas arm against the radix arm: the radix arm'
 greedy continuations are replayed on the kvcmas server step by step (so non-owners read shared
 KV), and teacher-forced top-1 agreement is read from the server's input logprobs.
 
-Output: a summary on stdout, ``head_to_head.jsonl`` (one record per arm + one fidelity record)
-and a plot under ``--out`` (default ``benchmark/serving/results/head_to_head/``, with
-``_<model>`` for a model other than the embedded one), and with ``--quick`` a final
-``HEADLINE ...`` line. ``--model-path`` (``benchmark/model_arg.py``) serves one model in every
+Output: a summary on stdout, and in ``--out`` (default ``benchmark/serving/results/``)
+``head_to_head[_quick][_sequential][_<model>].jsonl`` (one record per arm + one fidelity record)
+and ``.png`` (a plot), each with its row in the folder's index (``_<model>`` for a model other
+than the embedded one; servers' logs in a folder of that name), and with ``--quick`` a final
+``HEADLINE ...`` line. ``--model-path`` (``model_arg``) serves one model in every
 arm; every record names it.
 """
 
@@ -27,182 +28,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.answers import (
+    final_answers,
+    first_divergent_turn,
+    greedy_agreement,
+    same_answer,
+    same_number,
+)
+from sglang_kvcmas_bench.figures import pct
+from sglang_kvcmas_bench.kv_ideal import KV_BYTES_PER_TOKEN, one_copy_ideal
+from sglang_kvcmas_bench.kv_sampler import KvSampler
+from sglang_kvcmas_bench.model_arg import add_model_arg, chat_markers, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
+from sglang_kvcmas_bench.scheduler_profile import report as profile_report
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_calls import post, stream_generate
+from sglang_kvcmas_bench.workload_runs import build_workflows, replay_steps, run_workload, turn_key
 
-from benchmark.model_arg import add_model_arg, chat_markers, model_from_args  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
-from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
-from benchmark.serving.workflows import Workflow, debate, reviewer_chain  # noqa: E402
-
-KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # the embedded model's (BenchModel.kv_bytes_per_token)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "head_to_head"
-
-
-def post(url: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def stream_generate(url: str, ids: list[int], max_new: int, extra: dict | None = None) -> dict:
-    """One streamed /generate; returns ttft, latency, output ids/text and meta_info. ``extra``:
-    more request fields (e.g. ``lora_path``)."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new}, **(extra or {})}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": last["text"],
-            "output_ids": last.get("output_ids"), "meta": last["meta_info"]}
-
-
-class KvSampler(threading.Thread):
-    """Polls /metrics and keeps the peak of pool slots held (and the pool's size)."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url, self.peak, self._halt = url, 0, threading.Event()
-        self.pool_tokens: int | None = None
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            try:
-                with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-                    vals = {}
-                    for line in r.read().decode().splitlines():
-                        for name in ("sglang:kv_used_tokens", "sglang:kv_evictable_tokens"):
-                            if line.startswith(name):
-                                vals[name] = int(float(line.rsplit(" ", 1)[1]))
-                        if line.startswith("sglang:max_total_num_tokens{"):
-                            self.pool_tokens = int(float(line.rsplit(" ", 1)[1]))
-                    if len(vals) == 2:  # slots held = in use by requests + cached (evictable)
-                        self.peak = max(self.peak, sum(vals.values()))
-            except OSError:
-                pass
-            self._halt.wait(0.5)
-
-    def stop(self) -> int:
-        self._halt.set()
-        self.join()
-        return self.peak
-
-
-def build_workflows(n_debates: int, n_chains: int) -> list[Workflow]:
-    from sglang_kvcmas_examples.datasets import gsm8k
-
-    items = gsm8k()
-    flows = [debate(i, items[i].question) for i in range(n_debates)]
-    flows += [reviewer_chain(100 + i, items[50 + i].question) for i in range(n_chains)]
-    return flows
-
-
-def run_workload(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[list[dict], float]:
-    """Run every workflow concurrently; returns one record per agent turn and the makespan."""
-    turns: list[dict] = []
-    lock = threading.Lock()
-
-    def one_flow(flow: Workflow) -> float:
-        t0 = time.perf_counter()
-        for step, agents in enumerate(flow.steps):
-            prompts = {a: tok.apply_chat_template(flow.messages(step, a), add_generation_prompt=True,
-                                                  tokenize=True) for a in agents}
-            prompts = {a: list(p if isinstance(p, list) else p["input_ids"]) for a, p in prompts.items()}
-            with ThreadPoolExecutor(len(agents)) as pool:
-                outs = dict(zip(agents, pool.map(
-                    lambda a: stream_generate(url, prompts[a], max_new), agents)))
-            for a in agents:
-                rec = {"kind": flow.kind, "wid": flow.wid, "step": step, "agent": a,
-                       "prompt_ids": prompts[a], **outs[a]}
-                with lock:
-                    turns.append(rec)
-            flow.record(step, {a: outs[a]["text"] for a in agents})
-        return time.perf_counter() - t0
-
-    with ThreadPoolExecutor(len(flows)) as pool:
-        spans = list(pool.map(one_flow, flows))
-    return turns, max(spans)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def owners_of(turns: list[dict]) -> set[tuple]:
     """(kind, wid, step, agent) of owner turns in the kvcmas arm: nothing borrowed."""
     return {turn_key(t) for t in turns if of_meta(t["meta"]).get("borrowed", 0) == 0}
-
-
-def turn_key(t: dict) -> tuple:
-    """(kind, wid, step, agent): one agent turn, the same in every arm."""
-    return (t["kind"], t["wid"], t["step"], t["agent"])
-
-
-def final_answers(turns: list[dict], n_debates: int) -> list[str | None]:
-    """The final answer of debates ``0 .. n_debates - 1`` (``final_answer``)."""
-    return [final_answer(turns, "debate", w) for w in range(n_debates)]
-
-
-def final_answer(turns: list[dict], kind: str, wid: int) -> str | None:
-    """The majority of the last step's answers (each reply's last number); a tie goes to the
-    agent first by name, so the vote is the same in every process (a vote over a ``set`` broke
-    ties by string hash order, which changes from one Python process to the next)."""
-    from sglang_kvcmas_examples.datasets import last_number
-
-    last = max(t["step"] for t in turns if t["wid"] == wid)
-    answers = [last_number(t["text"]) for t in sorted(turns, key=lambda t: t["agent"])
-               if t["wid"] == wid and t["step"] == last]
-    answers = [a for a in answers if a is not None]
-    return max(answers, key=answers.count) if answers else None  # first of the most common
-
-
-def replay_steps(turns: list[dict], flow_of, one) -> list[dict]:
-    """``one(turn)`` for every turn, as the workflows ran: each workflow's steps in order, the
-    turns of a step together, workflows concurrently (``flow_of(turn)``: its workflow key)."""
-    by_flow: dict[Any, list[dict]] = {}
-    for t in turns:
-        by_flow.setdefault(flow_of(t), []).append(t)
-    out: list[dict] = []
-    lock = threading.Lock()
-
-    def flow(ts: list[dict]) -> None:
-        for step in sorted({t["step"] for t in ts}):
-            group = [t for t in ts if t["step"] == step]
-            with ThreadPoolExecutor(len(group)) as pool:
-                res = list(pool.map(one, group))
-            with lock:
-                out.extend(res)
-
-    with ThreadPoolExecutor(len(by_flow)) as pool:
-        list(pool.map(flow, by_flow.values()))
-    return out
 
 
 def teacher_forced(url: str, ref_turns: list[dict]) -> list[dict]:
@@ -246,35 +106,6 @@ def leader_runs(turns: list[dict]) -> tuple[int, int]:
             total += 1
             kept += agents == before
     return kept, total
-
-
-def same_number(a: str | None, b: str | None) -> bool:
-    """Whether two extracted answers are the same number (``"18"`` == ``"18.0"``)."""
-    try:
-        return a is not None and b is not None and float(a) == float(b)
-    except ValueError:
-        return a == b
-
-
-def same_answer(a: str | None, b: str | None) -> bool:
-    """Whether two debates' final answers agree: the same number, or no number in both."""
-    return (a is None and b is None) or same_number(a, b)
-
-
-def greedy_agreement(turns: list[dict], ref: dict[tuple, dict]) -> tuple[float, int]:
-    """Share of turns whose greedy output is the reference arm's, over the turns whose prompts
-    are the reference's (``ref``: ``turn_key`` -> reference turn); and how many those are."""
-    same_prompt = [(t, ref[k]) for t in turns
-                   if (k := turn_key(t)) in ref and ref[k]["prompt_ids"] == t["prompt_ids"]]
-    return (sum(t["text"] == r["text"] for t, r in same_prompt) / max(1, len(same_prompt)),
-            len(same_prompt))
-
-
-def first_divergent_turn(turns: list[dict], ref: dict[tuple, dict], wid: int) -> dict | None:
-    """The earliest turn of debate ``wid`` whose text differs from the reference arm's."""
-    return next((t for t in sorted(turns, key=lambda t: (t["step"], t["agent"]))
-                 if t["wid"] == wid and t["kind"] == "debate"
-                 and t["text"] != ref[turn_key(t)]["text"]), None)
 
 
 def divergence_detail(url: str, turn: dict, ref_turn: dict) -> dict:
@@ -342,29 +173,6 @@ def print_arm(s: dict) -> None:
         print(f"{k.capitalize() + ' TTFT (ms):':<40}{(v or float('nan')) * 1000:>12.2f}")
 
 
-def one_copy_ideal(turns: list[dict], chat=None) -> int:
-    """Tokens if each shared transcript were held once, plus agent heads, plus the live suffix
-    and output of the largest concurrent step of each workflow. ``chat``: the model's template
-    markers (``model_arg.chat_markers``; default: the embedded model's ChatML ids)."""
-    from sglang_kvcmas.tree.agent_split import detect_template_split
-    from sglang_kvcmas.tree.template_markers import TemplateMarkers
-
-    chat = chat or TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,),
-                                          assistant=(520, 9531))
-    heads: dict[str, int] = {}
-    shared: dict[tuple, int] = {}
-    live: dict[tuple, int] = {}
-    for t in turns:
-        sp = detect_template_split(t["prompt_ids"], chat)
-        heads[t["agent"]] = sp.head_len
-        key = (t["kind"], t["wid"])
-        shared[key] = max(shared.get(key, 0), sp.shared_len)
-        step_live = sum(len(u["prompt_ids"]) - sp.shared_end + u["meta"]["completion_tokens"]
-                        for u in turns if (u["kind"], u["wid"], u["step"]) == (*key, t["step"]))
-        live[key] = max(live.get(key, 0), step_live)
-    return sum(heads.values()) + sum(shared.values()) + sum(live.values())
-
-
 def plot(summaries: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -397,26 +205,29 @@ def main() -> int:
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="KV pool size of every arm (default: the launcher's 16384); make it "
                          "larger than the radix arm's demand to measure peak KV unclipped")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="results folder (default: results/head_to_head[_<model>])")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of head_to_head[_quick][_sequential][_<model>].{jsonl,png} "
+                         "(default: results/); servers' logs go to a folder of that name in it")
     add_model_arg(ap)
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workload and write "
-                         "profile_<arm>.txt (where the time goes)")
+                         "head_to_head[...]_profile_<arm>.txt (where the time goes)")
     ap.add_argument("--sequential", action="store_true",
                     help="one arm at a time (default: all arms side by side, same machine load)")
     args = ap.parse_args()
     if args.quick:
         args.debates, args.chains, args.max_new_tokens = 4, 2, 64
     model = model_from_args(ap, args)
-    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    stem = ("head_to_head" + ("_quick" if args.quick else "")
+            + ("_sequential" if args.sequential else ""))
+    name = model.named(Path(stem)).name  # the model last: a profile's arm goes before it
+    scratch = args.out / name
     pool_args = model.server_args + ([] if args.max_total_tokens is None
                                      else ["--max-total-tokens", str(args.max_total_tokens)])
-    args.out.mkdir(parents=True, exist_ok=True)
+    scratch.mkdir(parents=True, exist_ok=True)
     tok = model.tokenizer()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    commit = provenance.commit()
+    machine = provenance.machine()
     arms = args.arms.split(",")
     assert arms[0] == "radix" and "kvcmas" in arms, "radix first (the reference), kvcmas included"
     results: dict[str, tuple] = {}
@@ -427,12 +238,14 @@ def main() -> int:
         flows = build_workflows(args.debates, args.chains)
         sampler = KvSampler(server.url)
         sampler.start()
-        raw_path = args.out / f"head_to_head_profile_{arm}.raw"
+        raw_path = scratch / f"profile_{arm}.raw"
         spy = SchedulerProfile(server.proc.pid, raw_path).start() if args.profile else None
         turns, makespan = run_workload(server.url, flows, tok, args.max_new_tokens)
         results[arm] = (turns, makespan, sampler.stop())
         if spy is not None and (raw := spy.stop()) is not None:
-            (args.out / f"head_to_head_profile_{arm}.txt").write_text(profile_report(raw))
+            record(model.named(args.out / f"{stem}_profile_{arm}.txt"), profile_report(raw),
+                   what=f"py-spy profile of the {arm} scheduler during that run (inclusive share "
+                        f"of scheduler time: SGLang phases, sglang_kvcmas functions)")
         pools[arm] = sampler.pool_tokens
         print(f"[head_to_head] arm {arm} measured at {time.perf_counter() - t_start:.0f} s",
               file=sys.stderr, flush=True)
@@ -453,7 +266,7 @@ def main() -> int:
 
     if args.sequential:
         for arm in arms:
-            with ArmServer(arm, args.out / f"server_{arm}.log", pool_args) as server:
+            with ArmServer(arm, scratch / f"server_{arm}.log", pool_args) as server:
                 stream_generate(server.url, tok.encode("Warm up."), 4)
                 measure(arm, server)
                 if arm == "kvcmas":
@@ -462,7 +275,7 @@ def main() -> int:
         # Side by side: every arm's server is up and its workload runs at the same time, so all
         # arms see the same (shared, noisy) machine load.
         with ExitStack() as stack:
-            servers = {a: stack.enter_context(ArmServer(a, args.out / f"server_{a}.log",
+            servers = {a: stack.enter_context(ArmServer(a, scratch / f"server_{a}.log",
                                                         pool_args))
                        for a in arms}
             for server in servers.values():
@@ -543,17 +356,21 @@ def main() -> int:
     meta = {"commit": commit, "machine": machine, "model": model.name, "debates": args.debates, "chains": args.chains,
             "max_new_tokens": args.max_new_tokens, "concurrent_workflows": args.debates + args.chains,
             "arms_side_by_side": not args.sequential}
-    with open(args.out / "head_to_head.jsonl", "a") as f:
-        for s in summaries:
-            f.write(json.dumps({**meta, **s}) + "\n")
-        f.write(json.dumps({**meta, **fid}) + "\n")
-    plot(summaries, args.out / "head_to_head.png")
+    headline = (f"HEADLINE ttft_speedup_vs_radix={ttft_speedup:.2f} kv_bytes_ratio_vs_radix="
+                f"{kv_ratio:.2f} tf_top1={fid['tf_top1_nonowner']:.4f} "
+                f"answer_consistency={fid['answer_consistency']:.2f}")
+    about = (f"{args.debates} three-agent debates + {args.chains} reviewer chains "
+             f"({args.max_new_tokens}-token answers, {model.name}), arms "
+             f"{', '.join(arms)} {'one at a time' if args.sequential else 'side by side'}")
+    record(args.out / f"{name}.jsonl",
+           "".join(json.dumps({**meta, **s}) + "\n" for s in [*summaries, fid]),
+           what=f"{about}: one record per arm and the fidelity record; `{headline}`")
+    record(args.out / f"{name}.png", lambda p: plot(summaries, p),
+           what=f"its plot: non-owner TTFT, peak KV and makespan per arm ({about})")
     print(f"[head_to_head] {machine}; {meta['concurrent_workflows']} concurrent workflows; "
-          f"total {time.perf_counter() - t_start:.0f} s; results in {args.out}")
+          f"total {time.perf_counter() - t_start:.0f} s; results in {args.out / name}.*")
     if args.quick:
-        print(f"HEADLINE ttft_speedup_vs_radix={ttft_speedup:.2f} kv_bytes_ratio_vs_radix="
-              f"{kv_ratio:.2f} tf_top1={fid['tf_top1_nonowner']:.4f} "
-              f"answer_consistency={fid['answer_consistency']:.2f}")
+        print(headline)
     return 0
 
 

@@ -73,20 +73,20 @@ server flags, as for the other serving benchmarks.
 Ends with ``HEADLINE mode=<default> ttft_speedup_vs_stock=... kv_ratio_vs_stock=... tf_top1=...
 kl_recovered=... bg_prefill_tokens_ratio=...`` (``kv_ratio`` = stock peak KV / ours;
 ``bg_prefill_tokens_ratio`` = tokens the mode prefills, foreground and background (``catchup``'s
-from its ``kvcmas:lora_catchup_tokens`` metric), / tokens stock prefills). Writes ``.jsonl``,
-``.txt``, per-arm turn files and a plot under ``--out``.
+from its ``kvcmas:lora_catchup_tokens`` metric), / tokens stock prefills). Writes
+``lora_head_to_head[_<shape>][_quick][_shots<K>][_<model>]`` ``.txt`` (the table and the
+headline), ``.jsonl`` (one record per arm) and ``.png`` in ``--out`` (default ``results/``, each
+with its row in the folder's index); each arm's turns and the servers' logs go to a folder of
+that name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -97,25 +97,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
+from sglang_kvcmas.server.process import ServerProcess, free_port
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.figures import pct
+from sglang_kvcmas_bench.forced_reads import forced, kl_on_support
+from sglang_kvcmas_bench.kv_sampler import KvSampler
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
+from sglang_kvcmas_bench.scheduler_profile import report as profile_report
+from sglang_kvcmas_bench.server_arms import COMMON_FLAGS, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import stream_generate
+from sglang_kvcmas_bench.workload_runs import replay_steps
 
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import (  # noqa: E402
-    KvSampler,
-    pct,
-    replay_steps,
-    stream_generate,
-)
-from benchmark.serving.recompute_fidelity import forced, kl_on_support  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.scheduler_profile import SchedulerProfile  # noqa: E402
-from benchmark.serving.scheduler_profile import report as profile_report  # noqa: E402
-from benchmark.serving.server_arms import COMMON_FLAGS, shared_tree_stats  # noqa: E402
-from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS  # noqa: E402
-from sglang_kvcmas.server.process import ServerProcess, free_port  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lora_head_to_head"
+RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_MODE = "rebase"
 """The mode the headline reports: the one that meets the most targets (peak KV, top-1, KL
 recovered; not TTFT on two cores), rather than ``catchup``, which is exact but holds as much KV
@@ -545,15 +542,21 @@ def main() -> int:
                          "same prompts and the same decode work)")
     ap.add_argument("--profile", action="store_true",
                     help="sample each arm's scheduler with py-spy during its workflows and write "
-                         "lora_head_to_head_profile_<arm>.txt (where the time goes)")
-    ap.add_argument("--out", type=Path, default=None)
+                         "lora_head_to_head[...]_profile_<arm>.txt (where the time goes)")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of lora_head_to_head[_<shape>][_quick][_shots<K>][_<model>]."
+                         "{txt,jsonl,png} (default: results/); servers' logs and each arm's "
+                         "turns go to a folder of that name in it")
     add_model_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.flows, args.rounds, args.max_new_tokens = 3, 3, 64
     model = model_from_args(ap, args)
-    out_dir = model.out_or_named(args.out, DEFAULT_OUT)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "lora_head_to_head" + ("" if args.shape == "panel" else f"_{args.shape}") \
+        + ("_quick" if args.quick else "") + (f"_shots{args.shots}" if args.shots else "")
+    name = model.named(Path(stem)).name
+    out_dir, scratch = args.out, args.out / name
+    scratch.mkdir(parents=True, exist_ok=True)
     adapters = parse_adapters(args.adapters, model.name)
     arms = (args.arms or ",".join(QUICK_ARMS if args.quick else ARMS)).split(",")
     if arms[0] != "stock" or any(a not in ARMS for a in arms) or len(arms) < 2:
@@ -561,16 +564,15 @@ def main() -> int:
     lora_flags = ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
     user_flags = shlex.split(KVCMAS_BENCH_SERVER_ARGS.get())  # e.g. --device cuda; last: they win
     tok = model.tokenizer()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+    commit = provenance.commit()
+    machine = provenance.machine()
     t_start = time.perf_counter()
     runs: dict[str, tuple] = {}
     fid: dict[str, dict] = {}
     for arm in arms:
         server = ServerProcess(
             args=[*ARMS[arm], *COMMON_FLAGS, *model.server_args, *lora_flags, *user_flags],
-            log_path=out_dir / f"server_{arm}.log", port=free_port(31000, 32000),
+            log_path=scratch / f"server_{arm}.log", port=free_port(31000, 32000),
             boot_timeout_s=400)
         with server:
             stream_generate(server.url, tok.encode("Warm up."), 4)
@@ -581,14 +583,14 @@ def main() -> int:
             sampler.start()
             script = None if arm == "stock" or args.own_transcripts else \
                 {key(t): t for t in runs["stock"][0]}
-            raw = out_dir / f"lora_head_to_head_profile_{arm}.raw"
+            raw = scratch / f"profile_{arm}.raw"
             spy = SchedulerProfile(server.proc.pid, raw).start() if args.profile else None
             turns, makespan = run_flows(server.url, flows, tok, args.max_new_tokens, script,
                                         ARM_FIELDS.get(arm))
             peak = sampler.stop()
             if spy is not None and spy.stop() is not None:
-                (out_dir / f"lora_head_to_head_profile_{arm}.txt").write_text(
-                    profile_report(raw))
+                record(model.named(out_dir / f"{stem}_profile_{arm}.txt"), profile_report(raw),
+                       what=f"py-spy profile of the {arm} scheduler during that run")
             extra = factored_bytes(server.url) if arm != "stock" else 0
             runs[arm] = (turns, makespan, peak, extra, background_prefilled(server.url))
             print(f"[lora_head_to_head] arm {arm}: {len(turns)} turns in {makespan:.0f} s"
@@ -653,17 +655,15 @@ def main() -> int:
                         "max_new_tokens": args.max_new_tokens, "adapters": list(adapters), **s})
     text = "\n".join(lines)
     print(text)
-    name = "lora_head_to_head" + ("" if args.shape == "panel" else f"_{args.shape}") \
-        + ("_quick" if args.quick else "") + (f"_shots{args.shots}" if args.shots else "")
-    (out_dir / f"{name}.txt").write_text(text + "\n")
-    with open(out_dir / f"{name}.jsonl", "w") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
-    for arm in arms:
-        with open(out_dir / f"{name}_turns_{arm}.jsonl", "w") as fh:
+    about = (f"LoRA {args.shape}{' quick' if args.quick else ''}, {args.flows} flows x "
+             f"{args.rounds} rounds ({model.name}"
+             + (f", {args.shots} worked examples" if args.shots else "") + "), arms "
+             + ", ".join(arms) + (", each on its own transcripts" if args.own_transcripts
+                                  else ", every arm on stock's transcripts"))
+    for arm in arms:  # each arm's turns: the raw data, not a result
+        with open(scratch / f"turns_{arm}.jsonl", "w") as fh:
             for t in runs[arm][0]:
                 fh.write(json.dumps({k: v for k, v in t.items() if k != "prompt_ids"}) + "\n")
-    plot(summaries, out_dir / f"{name}.png")
     best = next(s for s in summaries if s["arm"] == ours_default)
     f = dict(best["fidelity"])
     naive = next((s["fidelity"]["naive_kl20"] for s in summaries
@@ -674,11 +674,19 @@ def main() -> int:
     def num(v, digits: int) -> str:
         return "nan" if v is None else f"{v:.{digits}f}"
 
-    print(f"HEADLINE mode={ours_default} "
-          f"ttft_speedup_vs_stock={num(best['speedup_nonowner_ttft'], 2)} "
-          f"kv_ratio_vs_stock={num(best['kv_ratio_vs_stock'], 2)} "
-          f"tf_top1={num(f.get('tf_top1'), 3)} kl_recovered={num(f.get('kl_recovered'), 2)} "
-          f"bg_prefill_tokens_ratio={num(best['prefill_ratio_vs_stock'], 2)}")
+    headline = (f"HEADLINE mode={ours_default} "
+                f"ttft_speedup_vs_stock={num(best['speedup_nonowner_ttft'], 2)} "
+                f"kv_ratio_vs_stock={num(best['kv_ratio_vs_stock'], 2)} "
+                f"tf_top1={num(f.get('tf_top1'), 3)} kl_recovered={num(f.get('kl_recovered'), 2)} "
+                f"bg_prefill_tokens_ratio={num(best['prefill_ratio_vs_stock'], 2)}")
+    record(out_dir / f"{name}.txt", text + "\n" + headline + "\n",
+           what=f"{about}: per arm TTFT, makespan, peak KV, prefill, same answer, "
+                f"teacher-forced top-1 and KL; `{headline}`")
+    record(out_dir / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in records),
+           what=f"its records, one per arm ({about})")
+    record(out_dir / f"{name}.png", lambda p: plot(summaries, p),
+           what=f"its plot ({about})")
+    print(headline)
     return 0
 
 

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 import requests
-
-from sglang_kvcmas_examples import datasets
 from sglang_kvcmas.models.resolve import resolve_model_path
 from sglang_kvcmas.server.process import ServerProcess
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_examples import datasets
 
 SYSTEM_A = "You are Ada, a careful mathematician. Solve problems step by step."
 SYSTEM_B = "You are Ben, a skeptical reviewer. Check every step of the reasoning you read."
@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             ok = run(server.url, folder, args.transcript_tokens, args.answer_tokens, say)
     say(f"SMOKE model={args.model_path} borrowed={'yes' if ok else 'no'}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+        record(args.out, "\n".join(lines) + "\n",
+               what=f"{args.model_path} ({folder.name}) with sharing on: boot, prefill / decode "
+                    f"tok/s, tokens a second agent borrows, one GSM8K answer: `{lines[-1]}`")
     return 0 if ok else 1
 
 

@@ -31,10 +31,12 @@ code model does well, so the budget replay's success rate is far from zero.
 
 After each run the script reads the server's ledger (``GET /kvcmas/workflows/{id}``: totals and
 turns in the order they finished) and appends one JSON line to
-``results/record_runs_<variant>.jsonl``: kind, question id, the ledger's totals and turns, and
-the per-turn usage the responses carried (step, agent, prompt / completion tokens and the
-``kvcmas_*`` reuse fields). Rerunning skips the runs already in the file; progress goes to
-stderr; ``--concurrency`` runs go at once. ``--minutes`` stops starting new runs after that long.
+``results/record_runs[_<kinds>][_<variant>][_<model>].jsonl`` (``_<kinds>`` unless ``plain``;
+``--variant``: what else differs, e.g. ``t05`` for ``--temperature 0.5``): kind, question id,
+the ledger's totals and turns, and the per-turn usage the responses carried (step, agent,
+prompt / completion tokens and the ``kvcmas_*`` reuse fields). Rerunning skips the runs already
+in the file; progress goes to stderr; ``--concurrency`` runs go at once. ``--minutes`` stops
+starting new runs after that long.
 
     python benchmark/serving/record_runs.py --runs 80 --minutes 25 --concurrency 8
 """
@@ -57,19 +59,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.quality.sandbox import run_python  # noqa: E402
-from benchmark.quality.tasks import (GSM8K_DEBATERS, code_block, gsm8k_flow,  # noqa: E402
-                                     examples_fail, humaneval_examples, humaneval_passes,
-                                     printed_number, same_number)
-from benchmark.serving.server_arms import ArmServer  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
-from sglang_kvcmas_examples import fanout  # noqa: E402
-from sglang_kvcmas.server.process import free_port  # noqa: E402
+from sglang_kvcmas.server.process import free_port
+from sglang_kvcmas_bench.accuracy_tasks import (
+    GSM8K_DEBATERS,
+    code_block,
+    examples_fail,
+    gsm8k_flow,
+    humaneval_examples,
+    humaneval_passes,
+    printed_number,
+    same_number,
+)
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import command_line, record
+from sglang_kvcmas_bench.sandbox import run_python
+from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_examples import fanout
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("debate", "review", "panel", "fanout")
@@ -412,14 +418,17 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8, help="runs at once")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--variant", default="embedded", help="the output file's variant")
+    p.add_argument("--variant", default="",
+                   help="what else differs from the default run, in the file's name (e.g. t05 "
+                        "for --temperature 0.5)")
     p.add_argument("--url", default=None, help="a running kvcmas server (default: boot one)")
     p.add_argument("--max-total-tokens", type=int, default=60000)
     args = p.parse_args()
     # SIGTERM ends the program through SystemExit, so the server it booted is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = model_from_args(p, args)
-    out = RESULTS / f"record_runs_{args.variant}.jsonl"
+    out = model.named(RESULTS / ("record_runs" + ("" if args.kinds == "plain" else f"_{args.kinds}")
+                                 + (f"_{args.variant}" if args.variant else "") + ".jsonl"))
     done = done_keys(out)
     kinds = KIND_SETS[args.kinds]
     from sglang_kvcmas_examples.datasets import gsm8k, humaneval
@@ -440,6 +449,7 @@ def main() -> int:
         return questions[qid].question, questions[qid].final
 
     write_lock = threading.Lock()
+    command = command_line()
     deadline = time.time() + args.minutes * 60
     counts = {"ok": 0, "failed": 0}
 
@@ -455,9 +465,13 @@ def main() -> int:
             print(f"record_runs: {run.key} failed: {e!r}", file=sys.stderr)
             return
         with write_lock:
-            with out.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
             counts["ok"] += 1
+            record(out, json.dumps(rec) + "\n", append=True, command=command,
+                   what=f"{len(done) + counts['ok']} runs of {model.name} whose length the "
+                        f"agents decide, --kinds {args.kinds} ({', '.join(kinds)}), temperature "
+                        f"{args.temperature:g}, {args.max_new_tokens} new tokens a turn: every "
+                        f"turn's tokens from the server's ledger, the outcome, graded where it "
+                        f"can be (a rerun resumes, skipping the runs already there)")
             tot = rec["totals"]
             shown = {k: v for k, v in rec["outcome"].items()
                      if not (k == "answer" and kind.startswith("code_"))}  # code: too long
@@ -473,7 +487,7 @@ def main() -> int:
     if args.url:
         all_runs(args.url.rstrip("/"))
     else:
-        log = Path("/tmp") / f"record_runs_{args.variant}_server.log"
+        log = Path("/tmp") / f"{out.stem}_server.log"
         server = ArmServer("kvcmas", log, [*model.server_args, "--max-total-tokens",
                                            str(args.max_total_tokens)])
         # A port away from the 31000s other benchmarks boot on: a server still loading there

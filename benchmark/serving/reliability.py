@@ -19,9 +19,9 @@ Summary::
     python benchmark/serving/reliability.py --quick      # < 10 min on 2 cores
     python benchmark/serving/reliability.py              # the storm at 64 workflows
 
-``--model-path`` (``benchmark/model_arg.py``): the model served (or, with ``--url``, the one the
-running server serves: its tokenizer builds the prompts); ``reliability.json`` names it, and the
-default ``--out`` gets ``_<model>`` for a model other than the embedded one.
+``--model-path`` (``model_arg``): the model served (or, with ``--url``, the one the
+running server serves: its tokenizer builds the prompts); ``results/reliability[_quick].json``
+names it, and gets ``_<model>`` for a model other than the embedded one.
 
 Isolation note: a request under another ``cache_salt`` reads nothing across the salt and is never
 held back by another salt's leader; what remains is what stock SGLang has (the shared scheduler's
@@ -34,28 +34,23 @@ import argparse
 import json
 import math
 import random
-import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
-from benchmark.serving.workflows import DEBATERS  # noqa: E402
+from sglang_kvcmas_bench.debate_prompts import Prompts
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import Reply, call, raw_stream
+from sglang_kvcmas_bench.workflows import DEBATERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_OUT = RESULTS / "reliability"
 
 
 def say(text: str) -> None:
@@ -63,54 +58,6 @@ def say(text: str) -> None:
 
 
 # ----- HTTP without raising -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Reply:
-    status: int | None  # None: no HTTP answer (connection error, timeout)
-    body: str
-
-    def json(self) -> dict:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return {}
-
-
-def call(url: str, path: str, body: dict | None = None, headers: dict | None = None,
-         timeout: float = 300.0) -> Reply:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Reply(r.status, r.read().decode(errors="replace"))
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, e.read().decode(errors="replace"))
-    except (urllib.error.URLError, OSError) as e:
-        return Reply(None, str(e))
-
-
-def raw_stream(url: str, body: dict, drop_after_chunks: int | None) -> int:
-    """POST a streamed request over a raw socket and close it after ``drop_after_chunks`` SSE
-    chunks (0: before the first; None: read to the end). Returns the chunks seen."""
-    u = urlparse(url)
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((u.hostname, u.port), timeout=300)
-    path = "/v1/chat/completions" if "messages" in body else "/generate"
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json"
-                 f"\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                 + payload)
-    seen, buf = 0, b""
-    try:
-        while drop_after_chunks is None or seen < drop_after_chunks:
-            data = sock.recv(4096)
-            if not data:
-                break
-            buf += data
-            seen = buf.count(b"data:")
-    finally:
-        sock.close()
-    return seen
 
 
 # ----- outcome bookkeeping --------------------------------------------------------------------
@@ -181,37 +128,6 @@ def settle(url: str, cat: Category, timeout_s: float = 120.0) -> None:
 
 
 # ----- prompts --------------------------------------------------------------------------------
-
-class Prompts:
-    """ChatML prompts of the debate agents over a transcript, as token ids."""
-
-    def __init__(self, model_folder: Path | None = None) -> None:
-        """``model_folder``: the served model's HF folder (default: the embedded model's)."""
-        from transformers import AutoTokenizer
-
-        from sglang_kvcmas_examples.datasets import gsm8k
-        from sglang_kvcmas.models.resolve import resolve_model_path
-
-        folder = model_folder or resolve_model_path(None)
-        self.tok = AutoTokenizer.from_pretrained(str(folder))
-        self.questions = [it.question for it in gsm8k()[:200]]
-        self.agents = list(DEBATERS)
-
-    def ids(self, agent: str, transcript: str) -> list[int]:
-        msgs = [{"role": "system", "content": DEBATERS[agent]},
-                {"role": "user", "content": transcript}]
-        out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
-
-    def filler(self, n_tokens: int, seed: int) -> str:
-        """A transcript of about ``n_tokens`` tokens of real text."""
-        rng = random.Random(seed)
-        parts, total = [], 0
-        while total < n_tokens:
-            q = rng.choice(self.questions)
-            parts.append(q)
-            total += len(self.tok.encode(q, add_special_tokens=False))
-        return "\n\n".join(parts)
 
 
 def generate_body(ids: list[int], max_new: int = 8, custom: dict | None = None, rid: str = "",
@@ -500,20 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=None,
                     help="KV pool tokens (default: about a quarter of the storm's demand)")
     ap.add_argument("--url", help="an already running sharing server (skips booting one)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="results folder (default: results/reliability[_<model>])")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of reliability[_quick][_<model>].json (default: results/); "
+                         "the server's log goes to a folder of that name in it")
     add_model_arg(ap)
     args = ap.parse_args(argv)
     model = model_from_args(ap, args)
-    args.out = model.out_or_named(args.out, DEFAULT_OUT)
+    name = model.named(Path("reliability" + ("_quick" if args.quick else ""))).name
     names = tuple(n for n in args.categories.split(",") if n)
     unknown = set(names) - set(CATEGORIES)
     if unknown:
         ap.error(f"unknown categories {sorted(unknown)}; known: {', '.join(CATEGORIES)}")
     pool = args.pool or (4096 if args.quick else 16384)
     context = 8192
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "server.log"
+    (args.out / name).mkdir(parents=True, exist_ok=True)
+    log = args.out / name / "server.log"
     t0 = time.perf_counter()
     if args.url:
         cats = run(args.url, log, args.quick, names, pool, context, model.folder)
@@ -530,9 +447,14 @@ def main(argv: list[str] | None = None) -> int:
              "evidence": c.evidence} for c in cats]
     line = summary_line(cats, n_crash)
     problems = [p for c in cats for p in c.invariant_problems]
-    (args.out / "reliability.json").write_text(json.dumps(
-        {"model": model.name, "quick": args.quick, "pool": pool, "seconds": round(time.perf_counter() - t0, 1),
-         "categories": rows, "summary": line}, indent=1))
+    seconds = round(time.perf_counter() - t0, 1)
+    record(args.out / f"{name}.json", json.dumps(
+        {"model": model.name, "quick": args.quick, "pool": pool, "seconds": seconds,
+         "categories": rows, "summary": line}, indent=1),
+        what=f"the reliability suite{' (--quick)' if args.quick else ''}: {len(cats)} "
+             f"categories against a sharing server (pool {pool}, {model.name}), per category "
+             f"sent / completed / 4xx / dropped / lost, leaked slots and tree invariants: "
+             f"`{line}`; {seconds:.0f} s")
     print(f"{'category':<12} {'sent':>5} {'done':>5} {'4xx':>5} {'drop':>5} {'lost':>5} "
           f"{'leaked':>6}  problems")
     for c in cats:

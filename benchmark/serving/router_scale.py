@@ -53,7 +53,7 @@ Final line::
 
 Writes ``results/router_scale[_quick][_pinned].json`` (every arm summarized, placement, the kill
 run's counts) and the servers' logs under ``--out`` (default ``/tmp/<that name>``). ``--model-path``
-(``benchmark/model_arg.py``) serves one model on every server; the JSON names it, and its name
+(``model_arg``) serves one model on every server; the JSON names it, and its name
 gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -63,9 +63,7 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -77,16 +75,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.head_to_head import build_workflows  # noqa: E402
-from benchmark.serving.reuse_records import of_meta  # noqa: E402
-from benchmark.serving.server_arms import ARMS, COMMON_FLAGS, ArmServer  # noqa: E402
-from benchmark.serving.workflows import Workflow, debate  # noqa: E402
-from sglang_kvcmas.server.cluster import Cluster, RouterSettings, workflow_headers  # noqa: E402
+from sglang_kvcmas.server.cluster import Cluster, RouterSettings, workflow_headers
+from sglang_kvcmas_bench import provenance
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.reuse_records import of_meta
+from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, ArmServer
+from sglang_kvcmas_bench.workflows import Workflow, debate
+from sglang_kvcmas_bench.workload_runs import build_workflows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_TOKENS = 40000
@@ -497,10 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     flows_n = args.debates + args.chains
     thr = arms["kvcmas_x1"]["makespan_s"] / arms["kvcmas_x2"]["makespan_s"]
     thr_radix = arms["radix_x1"]["makespan_s"] / arms["radix_x2"]["makespan_s"]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
-    record = {
+    commit = provenance.commit()
+    machine = provenance.machine()
+    result = {
         "command": "python benchmark/serving/router_scale.py " + " ".join(sys.argv[1:] if argv
                                                                            is None else argv),
         "commit": commit, "machine": machine, "model": model.name, "debates": args.debates, "chains": args.chains,
@@ -515,7 +510,15 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_2v1": thr, "throughput_2v1_radix": thr_radix,
         "kill": {**asdict(counts), "how": dict(counts.how)},
     }
-    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1))
+    headline = (f"ROUTER router_sharing_ratio={ratio:.2f} workers_share_min={share_min:.2f} "
+                f"throughput_2v1={thr:.2f} kill_sent={counts.sent} "
+                f"kill_completed={counts.completed} kill_clear_errors={counts.clear_errors} "
+                f"kill_lost={counts.lost}")
+    record(RESULTS / f"{name}.json", json.dumps(result, indent=1),
+           what=f"two servers behind SGLang's router against one, {args.debates} debates + "
+                f"{args.chains} chains ({args.max_new_tokens} tokens, pool {POOL_TOKENS} per "
+                f"server, {model.name}), and a server killed mid-run: `{headline}`; "
+                f"{result['seconds']:.0f} s")
     print(f"{'arm':<10} {'makespan s':>10} {'prefill':>8} {'prompt':>8} {'sched cores':>11} "
           f"{'other cores':>11}  workers' shares")
     for a, s in arms.items():
@@ -524,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu['schedulers'] / cpu['wall']:>11.2f} {cpu['other'] / cpu['wall']:>11.2f}  "
               f"{s.get('worker_shares', '-')}")
     print(f"prefill saved by sharing: one server {saved_x1} "
-          f"({record['prefill_saved_share_x1']:.0%} of radix's), two behind the router "
-          f"{saved_x2} ({record['prefill_saved_share_x2']:.0%}); split workflows "
+          f"({result['prefill_saved_share_x1']:.0%} of radix's), two behind the router "
+          f"{saved_x2} ({result['prefill_saved_share_x2']:.0%}); split workflows "
           f"{arms['kvcmas_x2']['split_workflows']}")
     print(f"workflows/s kvcmas x2 over x1 {thr:.2f} (radix {thr_radix:.2f}); {machine}, one CPU "
           f"thread per server{', worker i pinned to core i' if args.pin_cores else ''}")
@@ -533,9 +536,7 @@ def main(argv: list[str] | None = None) -> int:
           f"out after {counts.router_out_s} s; it sent {counts.router_tries_on_victim} requests "
           f"to the dead worker; outcomes {dict(counts.how)}; {counts.finished_flows} of "
           f"{counts.flows} workflows finished; lost: {counts.lost_notes or 'none'}")
-    print(f"ROUTER router_sharing_ratio={ratio:.2f} workers_share_min={share_min:.2f} "
-          f"throughput_2v1={thr:.2f} kill_sent={counts.sent} kill_completed={counts.completed} "
-          f"kill_clear_errors={counts.clear_errors} kill_lost={counts.lost}")
+    print(headline)
     say(f"total {time.perf_counter() - t_start:.0f} s; logs in {logs}")
     return 0 if counts.lost == 0 else 1
 

@@ -6,8 +6,8 @@ request streamed, and a share of them dropped by the client at a random point. E
 ``--sample-s`` seconds it records the resident memory of the server's processes (launcher,
 tokenizer, scheduler, detokenizer: psutil) and the KV pool's use (``/server_info``).
 
-Writes ``soak.jsonl`` (one sample per line), ``soak.png`` (resident memory and pool use over
-time) and prints::
+Writes ``results/soak[_<model>].jsonl`` (one sample per line), ``.png`` (resident memory and
+pool use over time) and ``.txt`` (the summary line), and prints::
 
     SOAK minutes=30 requests=<n> dropped=<n> failed=<n> rss_slope_mib_per_min=<x> (after warm-up)
          pool_used_max=<f> invariants_ok=<bool>
@@ -17,8 +17,8 @@ The slope is a least-squares fit of total resident memory against time over the 
 
     python benchmark/serving/soak.py --minutes 30 [--model-path NAME]
 
-``--model-path`` (``benchmark/model_arg.py``): the served model; every sample names it, and the
-default ``--out`` gets ``_<model>`` for a model other than the embedded one.
+``--model-path`` (``model_arg``): the served model; every sample names it, and the file names
+get ``_<model>`` for a model other than the embedded one.
 """
 
 from __future__ import annotations
@@ -31,16 +31,14 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from benchmark.serving.reliability import Prompts, call, raw_stream  # noqa: E402
-from benchmark.serving.server_arms import ArmServer, kvcmas_state, shared_tree_stats  # noqa: E402
-from benchmark.serving.workflows import debate, reviewer_chain  # noqa: E402
+from sglang_kvcmas_bench.debate_prompts import Prompts
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import call, raw_stream
+from sglang_kvcmas_bench.workflows import debate, reviewer_chain
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_OUT = RESULTS / "soak"
 
 
 def rss_mib(pid: int) -> float:
@@ -155,17 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--pool", type=int, default=8192)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="results folder (default: results/soak[_<model>])")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder of soak[_<model>].{jsonl,png,txt} (default: results/); the "
+                         "server's log and the samples as taken go to a folder of that name")
     add_model_arg(ap)
     args = ap.parse_args(argv)
     model = model_from_args(ap, args)
-    args.out = model.out_or_named(args.out, DEFAULT_OUT)
-    args.out.mkdir(parents=True, exist_ok=True)
+    name = model.named(Path("soak")).name
+    scratch = args.out / name
+    scratch.mkdir(parents=True, exist_ok=True)
     prompts = Prompts(model.folder)
     samples: list[dict] = []
     print(f"[soak] model {model.name}", file=sys.stderr, flush=True)
-    with ArmServer("kvcmas", args.out / "server.log",
+    with ArmServer("kvcmas", scratch / "server.log",
                    [*model.server_args, "--max-total-tokens", str(args.pool)]) as server:
         load = Load(server.url, prompts, args.drop_share, args.max_new_tokens)
         threads = [threading.Thread(target=load.worker, args=(i,), daemon=True)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         for t in threads:
             t.start()
-        with open(args.out / "soak.jsonl", "w") as f:
+        with open(scratch / "samples.jsonl", "w") as f:  # kept as taken: a crash loses none
             while (elapsed := time.monotonic() - t0) < args.minutes * 60:
                 state = kvcmas_state(server.url)
                 pool = state.get("pool") or {}
@@ -199,12 +199,20 @@ def main(argv: list[str] | None = None) -> int:
             t.join(timeout=600)
         final = shared_tree_stats(server.url)
     slope = slope_per_min(samples, args.warmup_min)
-    plot(samples, args.out / "soak.png", slope, args.warmup_min)
     ok = not final.get("invariants") and all(not s["invariants"] for s in samples)
-    print(f"SOAK minutes={args.minutes:g} requests={load.counts['requests']} "
-          f"dropped={load.counts['dropped']} failed={load.counts['failed']} "
-          f"rss_slope_mib_per_min={slope:.3f} (after {args.warmup_min:g} min warm-up) "
-          f"pool_used_max={max(s['pool_used'] for s in samples):.2f} invariants_ok={ok}")
+    line = (f"SOAK minutes={args.minutes:g} requests={load.counts['requests']} "
+            f"dropped={load.counts['dropped']} failed={load.counts['failed']} "
+            f"rss_slope_mib_per_min={slope:.3f} (after {args.warmup_min:g} min warm-up) "
+            f"pool_used_max={max(s['pool_used'] for s in samples):.2f} invariants_ok={ok}")
+    about = (f"{args.minutes:g}-minute soak of a sharing server ({args.clients} clients, "
+             f"{args.drop_share:.0%} of requests dropped, pool {args.pool}, {model.name})")
+    record(args.out / f"{name}.jsonl", "".join(json.dumps(s) + "\n" for s in samples),
+           what=f"{about}: one sample per {args.sample_s:g} s (resident memory of the server's "
+                f"processes, pool use, shared nodes, invariants, requests so far)")
+    record(args.out / f"{name}.png", lambda p: plot(samples, p, slope, args.warmup_min),
+           what="its plot: resident memory and pool use over time, slope after warm-up")
+    record(args.out / f"{name}.txt", line + "\n", what=f"{about}: `{line}`")
+    print(line)
     return 0 if ok and load.counts["failed"] == 0 and slope < 1.0 else 1
 
 

@@ -12,7 +12,7 @@ on shared 2-core machines are noisy; compare configurations measured in one run.
 
     python benchmark/serving/throughput.py --threads 1 2 --out benchmark/serving/results/throughput.jsonl
 
-``--model-path`` (``benchmark/model_arg.py``): the served model; records name it, and the default
+``--model-path`` (``model_arg``): the served model; records name it, and the default
 ``--out`` gets ``_<model>`` for a model other than the embedded one.
 """
 
@@ -31,12 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args  # noqa: E402
-from sglang_kvcmas.server.process import ServerProcess  # noqa: E402
+from sglang_kvcmas.server.process import ServerProcess
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "throughput.jsonl"
 
@@ -130,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"threads={threads}: prefill {result.prefill_tok_s:7.1f} tok/s "
               f"({result.prompt_tokens} tokens in {result.prefill_s:.2f} s), "
               f"decode {result.decode_tok_s:5.1f} tok/s", flush=True)
-        record = {"benchmark": "serving_throughput", "time": time.time(), "commit": _commit(),
-                  "machine": machine, "model": args.model.name, "server_args": args.server_args, **asdict(result)}
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        rec = {"benchmark": "serving_throughput", "time": time.time(), "commit": _commit(),
+               "machine": machine, "model": args.model.name, "server_args": args.server_args,
+               **asdict(result)}
+        record(args.out, json.dumps(rec) + "\n", append=True,
+               what=f"server prefill / decode tokens per second ({args.model.name}, "
+                    f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode tokens), one "
+                    f"record appended per run; the latest ({rec['commit']}, {threads} threads): "
+                    f"prefill {result.prefill_tok_s:.1f}, decode {result.decode_tok_s:.1f} tok/s")
     return 0
 
 

@@ -6,10 +6,9 @@ import itertools
 import random
 
 import pytest
-
-from benchmark.quality import tasks
-from benchmark.quality.sandbox import run_python
-from benchmark.quality.stats import mcnemar_exact, paired_diff
+from sglang_kvcmas_bench import accuracy_tasks as tasks
+from sglang_kvcmas_bench.paired_stats import mcnemar_exact, paired_diff
+from sglang_kvcmas_bench.sandbox import run_python
 
 
 def test_sandbox_runs_code_and_stops_what_it_must():

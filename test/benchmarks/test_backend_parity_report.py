@@ -3,12 +3,9 @@ chosen tokens and the top alternatives both backends name."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from helpers.bench_scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.serving.backend_parity import compare  # noqa: E402
+compare = load_script("benchmark/serving/backend_parity.py").compare
 
 
 def turn(tokens, logprobs, top):

@@ -1,4 +1,4 @@
-"""``benchmark/model_arg.py``: one ``--model-path`` for every benchmark and lab, and every
+"""``sglang_kvcmas_bench.model_arg``: one ``--model-path`` for every benchmark and lab, and every
 benchmark that takes it still answers ``--help``."""
 
 from __future__ import annotations
@@ -10,16 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import (  # noqa: E402
+from sglang_kvcmas_bench.model_arg import (
     BenchModel,
     ModelPathError,
     add_model_arg,
     model_from_args,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TAKE_MODEL_PATH = [
     "benchmark/kernels/batched_decode_bench.py",
@@ -109,8 +107,8 @@ def test_a_model_a_benchmark_cannot_run_ends_it_with_the_reason(tmp_path, capsys
 
 
 def test_embedded_template_markers_are_the_chatml_ids_head_to_head_used():
-    from benchmark.model_arg import chat_markers
     from sglang_kvcmas.tree.template_markers import TemplateMarkers
+    from sglang_kvcmas_bench.model_arg import chat_markers
 
     got = chat_markers(BenchModel.resolve().tokenizer())
     old = TemplateMarkers.chatml(1, 2, 198, system=(9690,), user=(4093,), assistant=(520, 9531))

@@ -8,11 +8,10 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from helpers.bench_scripts import load_script
+from sglang_kvcmas.policy import spend_forecast as sf
 
-from benchmark.serving import forecast_bench as fb  # noqa: E402
-from sglang_kvcmas.policy import spend_forecast as sf  # noqa: E402
+fb = load_script("benchmark/serving/forecast_bench.py")
 
 
 def test_in_flight_is_rebuilt_from_send_and_finish_times():
@@ -65,8 +64,8 @@ def synthetic_recording(path: Path, n: int = 30, seed: int = 0) -> None:
 def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
     synthetic_recording(tmp_path / "record_runs_toy0.5b.jsonl")  # a dot, as in "qwen2.5"
     monkeypatch.setattr(fb, "RESULTS", tmp_path)
-    monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--variant", "toy0.5b", "--folds",
-                                      "3"])
+    monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--runs", "record_runs_toy0.5b",
+                                      "--folds", "3"])
     assert fb.main() == 0
     out = capsys.readouterr().out
     assert "succeeded (submitted answer right)" in out and "no budget (every run" in out
@@ -75,7 +74,7 @@ def test_a_whole_run_reports_the_headline(tmp_path, monkeypatch, capsys):
     assert headline.startswith("HEADLINE mape_at_50pct=") and "naive_mape_at_50pct=" in headline
     assert (tmp_path / "forecast_bench_toy0.5b.txt").read_text() == out
     assert (tmp_path / "forecast_bench_toy0.5b.png").stat().st_size > 0
-    monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--variant", "toy0.5b", "--fit",
-                                      "--out", str(tmp_path / "toy.json")])
+    monkeypatch.setattr(sys, "argv", ["forecast_bench.py", "--runs", "record_runs_toy0.5b",
+                                      "--fit", "--out", str(tmp_path / "toy.json")])
     assert fb.main() == 0
     assert sf.load(tmp_path / "toy.json").forecast(sf.TrajectoryState(turns=1)).total >= 0

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.bench_scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.serving.frontier import (  # noqa: E402
-    ARMS, DEFAULT_ARM, EXACT_ARM, TARGETS, arm_row, main, meets, pick, turn_selection,
-    with_leaf_ratios, with_pooled_kl,
-)
+frontier = load_script("benchmark/serving/frontier.py")
+ARMS, DEFAULT_ARM, EXACT_ARM, TARGETS = (frontier.ARMS, frontier.DEFAULT_ARM, frontier.EXACT_ARM,
+                                         frontier.TARGETS)
+arm_row, main, meets, pick = frontier.arm_row, frontier.main, frontier.meets, frontier.pick
+turn_selection, with_leaf_ratios = frontier.turn_selection, frontier.with_leaf_ratios
+with_pooled_kl = frontier.with_pooled_kl
 
 
 def panel_run(ttft: float, peak: int, leaves: dict | None = None, kl=None,
@@ -119,7 +117,7 @@ def test_a_factored_arm_counts_its_leaves_in_kv_and_is_judged_alone_over_them():
 def test_a_saved_result_is_re_rendered_with_the_derived_columns(tmp_path):
     import json
 
-    from benchmark.serving.frontier import rewrite
+    rewrite = frontier.rewrite
 
     arm = {"kl_recovered": 0.7, "kl_recovered_alone": 0.7, "top1": 0.99,
            "same_answer_as_radix": 0.5, "ttft_speedup_vs_radix": 3.0, "kv_vs_ideal": 1.2,

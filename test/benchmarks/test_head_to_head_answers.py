@@ -1,4 +1,4 @@
-"""The head-to-head's answer extraction: a debate's final answer is the same in every process
+"""The head-to-head's answer extraction (``sglang_kvcmas_bench.answers``): a debate's final answer is the same in every process
 (ties included), and answers compare as numbers."""
 
 from __future__ import annotations
@@ -6,12 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.serving.head_to_head import final_answer, same_answer  # noqa: E402
+from sglang_kvcmas_bench.answers import final_answer, same_answer
 
 
 def turn(agent: str, step: int, text: str, wid: int = 0) -> dict:
@@ -29,9 +25,9 @@ def test_majority_of_the_last_step_and_ties_go_to_the_first_agent():
 
 
 def test_a_tie_is_broken_the_same_way_in_every_process():
-    code = ("import sys; sys.path.insert(0, %r); from benchmark.serving.head_to_head import "
-            "final_answer as f; t = [{'wid': 0, 'step': 0, 'agent': a, 'text': x} for a, x in "
-            "(('Ada', '3'), ('Ben', '17'), ('Cleo', '250'))]; print(f(t, 'debate', 0))" % str(ROOT))
+    code = ("from sglang_kvcmas_bench.answers import final_answer as f; "
+            "t = [{'wid': 0, 'step': 0, 'agent': a, 'text': x} for a, x in "
+            "(('Ada', '3'), ('Ben', '17'), ('Cleo', '250'))]; print(f(t, 'debate', 0))")
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
             for seed in range(6)}

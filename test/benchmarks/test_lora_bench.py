@@ -3,29 +3,17 @@ prefilled, the final answer compared across arms, the adapters it serves."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.bench_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.serving.lora_head_to_head import (  # noqa: E402
-    ARM_FIELDS,
-    ARMS,
-    CENTROID_BASE,
-    CROSS_ADAPTER,
-    LoraFlow,
-    against_cross_adapter_naive,
-    build_flows,
-    flow_steps,
-    last_answer,
-    parse_adapters,
-    prefilled,
-    request_fields,
-    template_split,
-)
+bench = load_script("benchmark/serving/lora_head_to_head.py")
+ARM_FIELDS, ARMS, CENTROID_BASE, CROSS_ADAPTER = (bench.ARM_FIELDS, bench.ARMS,
+                                                  bench.CENTROID_BASE, bench.CROSS_ADAPTER)
+LoraFlow, against_cross_adapter_naive = bench.LoraFlow, bench.against_cross_adapter_naive
+build_flows, flow_steps, last_answer = bench.build_flows, bench.flow_steps, bench.last_answer
+parse_adapters, prefilled, request_fields = (bench.parse_adapters, bench.prefilled,
+                                             bench.request_fields)
+template_split = bench.template_split
 
 
 def test_panel_and_chain_shapes():
@@ -80,7 +68,6 @@ def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatc
     with every turn (and they are fields the server accepts)."""
     from sglang_kvcmas.policy.request_options import RequestOptions
 
-    from benchmark.serving import lora_head_to_head as bench
 
     assert {"rebase_tail64", "rebase_mass10", "rebase_naive"} <= set(ARM_FIELDS)
     for arm, fields in ARM_FIELDS.items():
@@ -133,7 +120,6 @@ def test_centroid_arms_are_judged_against_the_borrow_arms_naive_reuse_on_common_
 
 
 def test_a_replayed_arm_serves_the_stock_arms_prompts_and_decode_lengths(monkeypatch):
-    from benchmark.serving import lora_head_to_head as bench
 
     sent = []
 
@@ -163,9 +149,8 @@ def test_a_replayed_arm_serves_the_stock_arms_prompts_and_decode_lengths(monkeyp
 def test_requests_name_the_chat_templates_head_and_shared_transcript():
     """The split the chat route would send: the system turn, then the transcript up to the turn
     opener; a prompt without the template names nothing."""
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     flow = LoraFlow(0, "What is 2 + 3?", [["planner"]], ["PLAN:\n1. Add. "])
@@ -182,7 +167,7 @@ def test_background_prefills_are_read_from_the_servers_metrics():
     import http.server
     import threading
 
-    from benchmark.serving.lora_head_to_head import background_prefilled
+    background_prefilled = bench.background_prefilled
 
     body = b"\n".join([
         b'kvcmas:lora_centroid_tokens_total{kind="prompt"} 500.0',

@@ -5,15 +5,11 @@ runner itself."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from helpers.bench_scripts import load_script
+from sglang_kvcmas_bench import accuracy_tasks as tasks
+from sglang_kvcmas_examples.datasets import humaneval
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.serving import record_runs as rr  # noqa: E402
-from benchmark.quality import tasks  # noqa: E402
-from sglang_kvcmas_examples.datasets import humaneval  # noqa: E402
+rr = load_script("benchmark/serving/record_runs.py")
 
 
 class ScriptedRun(rr.Run):

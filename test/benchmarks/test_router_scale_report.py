@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from helpers.bench_scripts import load_script
 
-from benchmark.serving import router_scale as rs  # noqa: E402
+rs = load_script("benchmark/serving/router_scale.py")
 
 
 def test_cpu_used_splits_schedulers_from_the_rest_and_counts_new_processes():

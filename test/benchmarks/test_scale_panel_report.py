@@ -1,17 +1,13 @@
-"""The panel report of ``benchmark/serving/scale.py`` over made-up turns (no server)."""
+"""The review panel's report (``sglang_kvcmas_bench.review_panel``, run by
+``benchmark/serving/scale.py`` and ``frontier.py``) over made-up turns (no server)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.bench_scripts import load_script
+from sglang_kvcmas_bench.review_panel import leaf_bytes_per_agent, nonowner_ttft, same_answers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmark.serving.scale import (  # noqa: E402
-    leaf_bytes_per_agent, nonowner_ttft, parse_variants, same_answers,
-)
+parse_variants = load_script("benchmark/serving/scale.py").parse_variants
 
 
 def turns(texts: dict[tuple[int, int], str], ttft: float, borrowed: int = 0) -> list[dict]:
@@ -41,7 +37,7 @@ def test_same_answers_per_round_and_nonowner_ttft_of_a_variant():
 
 def test_probe_pools_kl_over_the_probed_readers(monkeypatch):
     """KL recovered = 1 - mean served KL / mean naive KL, against the salted exact read."""
-    from benchmark.serving import scale
+    from sglang_kvcmas_bench import review_panel as scale
 
     tops = {"exact": {1: -0.1, 2: -2.5}, "served": {1: -0.2, 2: -2.0},
             "naive": {1: -0.5, 2: -1.2}}
@@ -69,7 +65,7 @@ def test_leaf_bytes_come_from_the_shared_tree_entry_of_server_info(monkeypatch):
     import io
     import json
 
-    from benchmark.serving import server_arms
+    from sglang_kvcmas_bench import server_arms
 
     tree = {"factored_bytes": 27, "leaf_bytes_by_agent": {
         "a": {"exact": 100, "factored": 20}, "b": {"exact": 0, "factored": 7}}}
@@ -85,7 +81,7 @@ def test_leaf_bytes_come_from_the_shared_tree_entry_of_server_info(monkeypatch):
 
 
 def test_a_turn_record_keeps_what_it_borrowed_computed_and_recomputed():
-    from benchmark.serving.scale import turn_record
+    from sglang_kvcmas_bench.review_panel import turn_record
 
     meta = {"prompt_tokens": 10, "cached_tokens": 7, "kvcmas_reuse": [
         {"reused_exact": 2, "reused_repositioned": 5, "recomputed": 3,

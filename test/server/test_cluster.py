@@ -12,16 +12,14 @@ none is lost, the other server's workflows finish.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
-
+from helpers.bench_scripts import load_script
 from sglang_kvcmas.server.cluster import (
     ROUTING_KEY_HEADER,
     Cluster,
@@ -33,9 +31,6 @@ from sglang_kvcmas.server.cluster import (
     wait_for_workers,
     workflow_headers,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 pytest.importorskip("sglang_router")
 
@@ -225,9 +220,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
 
@@ -235,7 +229,7 @@ def tok():
 def debates(first: int, n: int, rounds: int = 2) -> list:
     """``n`` debates of ``rounds`` rounds, each question followed by about 300 tokens of other
     questions, so the agents of the first round share a transcript long enough to borrow."""
-    from benchmark.serving.workflows import debate
+    from sglang_kvcmas_bench.workflows import debate
     from sglang_kvcmas_examples.datasets import gsm8k
 
     items = gsm8k()
@@ -246,7 +240,7 @@ def debates(first: int, n: int, rounds: int = 2) -> list:
 @pytest.mark.server
 @pytest.mark.slow
 def test_a_workflow_stays_on_one_server(cluster, tok):
-    from benchmark.serving import router_scale as rs
+    rs = load_script("benchmark/serving/router_scale.py")
 
     for i, url in enumerate(cluster.worker_urls):  # every agent's head cached on both
         for flow in debates(90, 1):
@@ -271,7 +265,7 @@ def test_a_workflow_stays_on_one_server(cluster, tok):
 @pytest.mark.slow
 def test_a_killed_server_is_taken_out_and_nothing_is_lost(cluster, tok):
     """Runs last: it kills one of the module's servers."""
-    from benchmark.serving import router_scale as rs
+    rs = load_script("benchmark/serving/router_scale.py")
 
     flows = debates(20, 4, rounds=3)  # a third round: the victim's workflows go on after the kill
     counts = rs.kill_run(cluster, flows, tok, max_new=32, kill_after=6)

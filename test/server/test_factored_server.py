@@ -7,16 +7,10 @@ them through those factors (``reused_factored`` in its usage), in extend and dec
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
 from test_shared_server import SA, SB, T1, T2, chat  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -24,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from benchmark.serving.server_arms import ArmServer
+    from sglang_kvcmas_bench.server_arms import ArmServer
 
     log = tmp_path_factory.mktemp("kvcmas_factored") / "server.log"
     with ArmServer("kvcmas", log, ["--kvcmas-leaf-mode", "factored",

@@ -282,8 +282,8 @@ def test_rebase_reads_the_centroid_base_within_the_adapters_spread(rebase, serve
     Teacher-forced over the exact greedy continuation, each read under a fresh ``cache_salt``."""
     from transformers import AutoTokenizer
 
-    from benchmark.serving.recompute_fidelity import compare, forced
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from sglang_kvcmas_bench.forced_reads import compare, forced
 
     stock, borrow = servers
     _, url = rebase

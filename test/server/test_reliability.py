@@ -6,19 +6,14 @@ consistent, the scheduler never crashes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from helpers.bench_scripts import load_script
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_quick_reliability_suite(sharing_server):
-    from benchmark.serving import reliability as rel
+    rel = load_script("benchmark/serving/reliability.py")
 
     cats = rel.run(sharing_server.url, sharing_server.log_path, quick=True,
                    names=rel.CATEGORIES, pool=4096, context=8192)

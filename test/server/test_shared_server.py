@@ -8,18 +8,12 @@ in one piece."""
 from __future__ import annotations
 
 import json
-import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-
 from sglang_kvcmas.config import ServingConfig
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -48,7 +42,7 @@ T2 = T1 + (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from benchmark.serving.server_arms import ArmServer
+    from sglang_kvcmas_bench.server_arms import ArmServer
 
     log = tmp_path_factory.mktemp("kvcmas") / "server.log"
     with ArmServer("kvcmas", log) as s:
@@ -258,9 +252,8 @@ def test_reader_with_recomputed_boundary_tracks_exact_computation(server):
 
 
 def tokenizer():
-    from transformers import AutoTokenizer
-
     from sglang_kvcmas.models.resolve import resolve_model_path
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(None))
 
@@ -313,7 +306,7 @@ SC = SA.replace("Ada, a careful mathematician who checks every step of an argume
 
 @pytest.fixture(scope="module")
 def chunked_server(tmp_path_factory):
-    from benchmark.serving.server_arms import ArmServer
+    from sglang_kvcmas_bench.server_arms import ArmServer
 
     log = tmp_path_factory.mktemp("kvcmas_chunked") / "server.log"
     with ArmServer("kvcmas", log, ["--chunked-prefill-size", str(CHUNK)]) as s:
@@ -346,7 +339,7 @@ def test_sglangs_own_backend_as_dispatcher_reads_borrowed_kv_the_same(server, tm
     and ``flashinfer`` become on GPU): batches that read borrowed KV take the delta read path,
     the others its own. A reader's extend and decode then give the same tokens and logprobs as
     under ``kvcmas_delta``."""
-    from benchmark.serving.server_arms import ArmServer
+    from sglang_kvcmas_bench.server_arms import ArmServer
 
     tok = tokenizer()
 

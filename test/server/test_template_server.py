@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from chat_templates import LLAMA3  # noqa: E402
@@ -25,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from benchmark.serving.server_arms import ArmServer
+    from sglang_kvcmas_bench.server_arms import ArmServer
 
     folder = tmp_path_factory.mktemp("kvcmas_llama3")
     template = folder / "llama3.jinja"

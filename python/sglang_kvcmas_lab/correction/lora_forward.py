@@ -6,7 +6,7 @@ the adapter-free ("neutral") forward is the same code with ``agent=None``. The d
 ``agent=i`` is the no-sharing reference; it matches peft's own forward (see the tests).
 
 ``AgentModel`` binds an agent and exposes RefLlama's pieces, ``forward`` and ``greedy`` so the
-shared lab harness (``benchmark/lab/common.py``) can drive it unchanged.
+shared lab harness (``sglang_kvcmas_bench.lab.reference``) can drive it unchanged.
 """
 
 from __future__ import annotations

@@ -3,20 +3,17 @@ and exact methods are exact, and the chosen KVCMAS recomputes only part of what 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.bench_scripts import load_script
+from sglang_kvcmas_bench.lab.reference import make_reference
+from sglang_kvcmas_bench.lab.transcripts import Transcript, Turn
+from sglang_kvcmas_lab.correction import create_builder
+from sglang_kvcmas_lab.models.reference_llama import RefLlama
+from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "lab"))
-
-from common import make_reference  # noqa: E402
-from kvcmas_lab import METHODS, Transcript, Turn, parse_method, run_method  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from sglang_kvcmas_lab.correction import create_builder  # noqa: E402
-from sglang_kvcmas_lab.models.reference_llama import RefLlama  # noqa: E402
+lab = load_script("benchmark/lab/kvcmas_lab.py")
+METHODS, parse_method, run_method = lab.METHODS, lab.parse_method, lab.run_method
 
 VOCAB = 97
 

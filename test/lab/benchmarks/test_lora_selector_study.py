@@ -7,23 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bench_scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "lab"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab" / "correction"))
-
-from lora_selector_study import (  # noqa: E402
-    Point,
-    centroid_pass,
-    default_picks,
-    pick,
-    reader_view,
-    scores,
-)
-from test_precache import tiny_lora  # noqa: E402
 
 from sglang_kvcmas_lab.correction.lora_forward import LoraForward  # noqa: E402
 from sglang_kvcmas_lab.correction.lora_weights import MEAN_AGENT  # noqa: E402
 from sglang_kvcmas_lab.models.reference_llama import KVCache, keys_with_past  # noqa: E402
+from test_precache import tiny_lora  # noqa: E402
+
+study = load_script("benchmark/lab/lora_selector_study.py")
+Point, centroid_pass, default_picks = study.Point, study.centroid_pass, study.default_picks
+pick, reader_view, scores = study.pick, study.reader_view, study.scores
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 HEAD, BLOCK = 5, 23

@@ -8,10 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "lab"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab" / "correction"))
-
-from test_precache import tiny_lora  # noqa: E402
 
 import sglang_kvcmas_lab.correction.lora_baselines  # noqa: E402,F401
 import sglang_kvcmas_lab.correction.precache_block  # noqa: E402,F401
@@ -23,6 +20,7 @@ from sglang_kvcmas_lab.correction.precache_base import (  # noqa: E402
     create_lora_method,
     registered_lora_methods,
 )
+from test_precache import tiny_lora  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -96,7 +94,7 @@ def test_bytes_held_ordering(lora):
 
 
 def test_batched_decode_runs_for_every_method(lora):
-    from precache_throughput import batched_decode_throughput
+    from sglang_kvcmas_bench.lab.decode_throughput import batched_decode_throughput
 
     methods = _methods(lora)
     segs = _segments()

@@ -3,15 +3,11 @@ docstring says, checked on made-up deviations."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from helpers.bench_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.lab.shared_basis_study import kept, leaf_bytes, svd_basis  # noqa: E402
+study = load_script("benchmark/lab/shared_basis_study.py")
+kept, leaf_bytes, svd_basis = study.kept, study.leaf_bytes, study.svd_basis
 
 
 def _low_rank(n: int, dim: int, r: int, seed: int) -> torch.Tensor:

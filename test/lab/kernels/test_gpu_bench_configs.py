@@ -5,24 +5,20 @@ the torch reference, small and in float32 (Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from benchmark.kernels import delta_attention_gpu_bench as bench  # noqa: E402
-from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch  # noqa: E402
-from sglang_kvcmas.attention.rope import rope_inv_freq  # noqa: E402
-from sglang_kvcmas.attention.triton_delta import (  # noqa: E402
+from helpers.bench_scripts import load_script
+from sglang_kvcmas.attention.delta_plan import pack_delta_factors, plan_delta_batch
+from sglang_kvcmas.attention.rope import rope_inv_freq
+from sglang_kvcmas.attention.triton_delta import (
     delta_decode_triton,
     delta_extend_triton,
 )
-from sglang_kvcmas_lab.attention.reference import delta_attention  # noqa: E402
+from sglang_kvcmas_lab.attention.reference import delta_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+bench = load_script("benchmark/kernels/delta_attention_gpu_bench.py")
 
 
 @pytest.mark.parametrize("rank, spans, kv_heads, head_dim, queries", [

@@ -5,7 +5,7 @@ workload (py-spy samples from outside the process, ~2% of a core at the default 
 writes ``profile_<arm>.txt``: the share of samples spent inside each function (inclusive), for
 the model's phases, the attention backend and every ``sglang_kvcmas`` function.
 
-    python benchmark/serving/scheduler_profile.py RAW_STACKS.txt    # summarize a raw file
+    python -m sglang_kvcmas_bench.scheduler_profile RAW_STACKS.txt    # summarize a raw file
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from benchmark.quality.sandbox import run_python
+from sglang_kvcmas_bench.sandbox import run_python
 
 GSM8K_DEBATERS = {
     "Ada": "You are Ada, a careful Python programmer in a team of three who solve grade-school "

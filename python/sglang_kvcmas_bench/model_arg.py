@@ -1,6 +1,6 @@
 """``--model-path`` for every benchmark and lab: one model, resolved once, given to every arm.
 
-    from benchmark.model_arg import BenchModel, add_model_arg
+    from sglang_kvcmas_bench.model_arg import BenchModel, add_model_arg
 
     add_model_arg(parser)                      # --model-path (default: the embedded SmolLM2)
     args = parser.parse_args()

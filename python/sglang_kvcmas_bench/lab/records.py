@@ -1,14 +1,12 @@
-"""Shared lab harness: records, timing, the per-turn metric bundle, summary tables and plots.
+"""The labs' records: one JSON line per (method, turn) with its provenance, the per-turn metric
+bundle, timings, and per-method summaries as tables and plots.
 
-Used by every lab script (``kvcmas_lab.py``, ``precache_lab.py``) so that all methods are judged
-by the same code. The API below is stable; add, don't change.
+Every lab script writes and summarizes through these, so every method is judged by the same
+code. The API is stable; add, don't change.
 
-- ``Reference`` / ``make_reference``: no-sharing ground truth for one agent turn (dense prefill,
-  teacher-forced continuation logits, greedy continuation).
-- ``fidelity_bundle``: a method's cache + first-token logits -> teacher-forced top-1 / KL, greedy
-  exact match and first divergence (shared metrics from ``sglang_kvcmas_lab.correction.fidelity``).
-- ``time_call``: warmup + repeats, median.
 - ``JsonlWriter``: one record per (method, turn): ``{config, commit, machine, metrics}``.
+- ``TurnMetrics``: what one (method, turn) reports.
+- ``time_call``: warmup + repeats, median.
 - ``summarize`` / ``format_table``: per-method medians/means; ``plot_methods``: pictures.
 """
 
@@ -28,30 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_kvcmas_lab.correction.fidelity import first_divergence, teacher_forced
-from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama
+from sglang_kvcmas_bench.provenance import REPO_ROOT
 
-__all__ = [
-    "JsonlWriter",
-    "Reference",
-    "Timing",
-    "TurnMetrics",
-    "fast_greedy",
-    "fidelity_bundle",
-    "format_table",
-    "git_commit",
-    "load_lab_model",
-    "machine_info",
-    "make_reference",
-    "plot_methods",
-    "summarize",
-    "time_call",
-]
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["JsonlWriter", "Timing", "TurnMetrics", "format_table", "git_commit", "machine_info",
+           "plot_methods", "summarize", "time_call"]
 
 
-# ---- provenance ----------------------------------------------------------------------------
 def git_commit() -> str:
     """HEAD commit of the checkout, with ``+dirty`` when tracked files differ."""
     try:
@@ -74,25 +54,6 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
-
-
-def encode(tok, text: str) -> torch.Tensor:
-    """``text``'s token ids, no special tokens added: [T] int64."""
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
-def load_lab_model(model, dtype: torch.dtype = torch.float32) -> tuple[Any, RefLlama]:
-    """The tokenizer and reference forward of ``model`` (a ``benchmark.model_arg.BenchModel``).
-
-    Raises:
-        ModelPathError: a model the labs do not run (``BenchModel.require_lab_support``).
-    """
-    from transformers import AutoTokenizer
-
-    model.require_lab_support()
-    tok = AutoTokenizer.from_pretrained(str(model.folder))
-    model.require_lab_support(tok)
-    return tok, RefLlama.from_pretrained(model.folder, dtype)
 
 
 class JsonlWriter:
@@ -141,95 +102,6 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 3, warmup: int = 0) -> tu
         out = fn()
         times.append(time.perf_counter() - t0)
     return out, Timing(statistics.median(times), tuple(times))
-
-
-# ---- ground truth and the fidelity bundle ---------------------------------------------------
-class Reference(NamedTuple):
-    """No-sharing ground truth for one agent turn.
-
-    cache: dense cache of the whole prompt [prompt_len tokens].
-    last_logits: [vocab] logits of the prompt's last token (the first generated token).
-    cont_ids: [M] int64 greedy continuation used for teacher forcing.
-    tf_logits: [M, vocab]: row 0 = last_logits, row i = logits after cont_ids[:i].
-    greedy_ids: the same greedy continuation as a list (the exact-match target).
-    """
-
-    cache: KVCache
-    last_logits: torch.Tensor
-    cont_ids: torch.Tensor
-    tf_logits: torch.Tensor
-    greedy_ids: list[int]
-
-
-@torch.inference_mode()
-def teacher_forced_logits(model: RefLlama, cache: KVCache, last_logits: torch.Tensor,
-                          cont_ids: torch.Tensor) -> torch.Tensor:
-    """[M, vocab]: the distribution before each of the M continuation tokens."""
-    rest = model.forward(cont_ids[:-1], past=cache).logits if cont_ids.numel() > 1 else None
-    rows = [last_logits[None]] + ([rest] if rest is not None else [])
-    return torch.cat(rows)
-
-
-@torch.inference_mode()
-def make_reference(model: RefLlama, prompt_ids: torch.Tensor, num_tokens: int) -> Reference:
-    """Dense prefill of ``prompt_ids: [T]`` and a ``num_tokens`` greedy continuation."""
-    out = model.forward(prompt_ids)
-    greedy = fast_greedy(model, out.kv, out.logits[-1], num_tokens)
-    cont = torch.tensor(greedy, dtype=torch.long)
-    tf = teacher_forced_logits(model, out.kv, out.logits[-1], cont)
-    return Reference(out.kv, out.logits[-1], cont, tf, greedy)
-
-
-@torch.inference_mode()
-def fast_greedy(model: RefLlama, past: KVCache, first_logits: torch.Tensor, n: int) -> list[int]:
-    """``RefLlama.greedy`` with keys rotated once (not at every step): same tokens, ~5x faster.
-
-    Layer pieces are the model's own (qkv, finish_layer, logits); only the per-step re-rotation
-    of the whole cache is avoided. ``model.greedy`` is the naive reference (test/lab compares).
-    """
-    import torch.nn.functional as F
-
-    from sglang_kvcmas_lab.models.reference_llama import rotate
-
-    s = model.spec
-    ks = [rotate(k, past.positions, s.rope_theta) for k in past.k]
-    vs = list(past.v)
-    pos = int(past.positions.max()) + 1
-    out = [int(first_logits.argmax())]
-    for _ in range(n - 1):
-        p = torch.tensor([pos])
-        h = model.embed(torch.tensor(out[-1:]))
-        for layer in range(s.num_layers):
-            q, k, v = model.qkv(layer, h)
-            ks[layer] = torch.cat([ks[layer], rotate(k, p, s.rope_theta)])
-            vs[layer] = torch.cat([vs[layer], v])
-            qr = rotate(q, p, s.rope_theta).transpose(0, 1)[None]
-            att = F.scaled_dot_product_attention(qr, ks[layer].transpose(0, 1)[None],
-                                                 vs[layer].transpose(0, 1)[None], enable_gqa=True)
-            h = model.finish_layer(layer, h, att[0].transpose(0, 1).reshape(1, -1))
-        out.append(int(model.logits(h)[-1].argmax()))
-        pos += 1
-    return out
-
-
-def fidelity_bundle(model: RefLlama, ref: Reference, cache: KVCache, last_logits: torch.Tensor,
-                    *, greedy: bool = True, greedy_tokens: int | None = None) -> dict[str, float]:
-    """A method's prompt cache + first-token logits [vocab] against the reference.
-
-    Returns top1, mean_kl, max_kl (teacher-forced over ref.cont_ids), and when ``greedy``
-    greedy_exact (1.0 if the whole greedy continuation matches) and first_divergence.
-    """
-    tf = teacher_forced(ref.tf_logits, teacher_forced_logits(model, cache, last_logits,
-                                                             ref.cont_ids))
-    out = {"top1": tf.top1, "mean_kl": tf.mean_kl, "max_kl": tf.max_kl,
-           "num_positions": tf.num_positions}
-    if greedy:
-        target = ref.greedy_ids[: greedy_tokens or len(ref.greedy_ids)]
-        ids = fast_greedy(model, cache, last_logits, len(target))
-        div = first_divergence(target, ids)
-        out["greedy_exact"] = float(div == len(target))
-        out["first_divergence"] = div
-    return out
 
 
 # ---- per-turn metric bundle -----------------------------------------------------------------

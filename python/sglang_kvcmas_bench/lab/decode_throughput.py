@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from sglang_kvcmas_lab.correction.precache_methods import LowRankShared
 from sglang_kvcmas_lab.models.reference_llama import rotate
 

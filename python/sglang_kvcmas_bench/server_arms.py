@@ -13,16 +13,15 @@ group, output to a log file) on a port in 31000–31999.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shlex
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
 from sglang_kvcmas.server.process import ServerProcess, free_port
+
+from sglang_kvcmas_bench.provenance import commit, machine
 
 COMMON_FLAGS = ["--mem-fraction-static", "0.3"]
 """Every arm gets the same KV pool (``--max-total-tokens``, 16384 by default): SGLang sizes the
@@ -73,12 +72,10 @@ def shared_tree_stats(url: str) -> dict:
 
 def run_header(script: str, argv: list[str] | None, model) -> dict:
     """A benchmark result's first fields: its command (``argv``, or this process's when None),
-    the repository's commit, the machine and the model (a ``benchmark.model_arg`` model)."""
-    root = Path(__file__).resolve().parents[2]
+    the repository's commit, the machine and the model (a ``model_arg.BenchModel``)."""
     return {
         "command": shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
-        "commit": subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "commit": commit(),
+        "machine": machine(),
         "model": "embedded SmolLM2-135M-Instruct" if model.is_embedded else model.name,
     }

@@ -1,18 +1,12 @@
-"""The lab harness: fast greedy equals the model's naive greedy; metric bundle sanity."""
+"""The lab harness (``sglang_kvcmas_bench.lab``): fast greedy equals the model's naive greedy; metric bundle sanity."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from sglang_kvcmas_bench.lab.records import summarize
+from sglang_kvcmas_bench.lab.reference import fast_greedy, fidelity_bundle, make_reference
+from sglang_kvcmas_lab.models.reference_llama import RefLlama
 from transformers import LlamaConfig, LlamaForCausalLM
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "lab"))
-
-from common import fast_greedy, fidelity_bundle, make_reference, summarize  # noqa: E402
-
-from sglang_kvcmas_lab.models.reference_llama import RefLlama  # noqa: E402
 
 
 def tiny():
