@@ -31,13 +31,15 @@ memory leaf bytes, and same answer as radix (turn text, and final answers).
     python benchmark/serving/matrix.py --workloads panel,recurring,debate,chain \
         --answer 64 --flows 8 --runs 3
 
-Writes ``results/matrix[_quick][_<model>].json`` and prints one table and a ``HEADLINE`` line
+Writes ``results/matrix[_quick][_<model>].json`` and its index row (server logs under
+``results/matrix[_quick]/``) and prints one table and a ``HEADLINE`` line
 (ratios radix / ours for time, ours / radix for KV, medians over ``--runs``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import statistics
@@ -48,12 +50,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmark.model_arg import add_model_arg, model_from_args
-from benchmark.serving.head_to_head import KvSampler
-from benchmark.serving.server_arms import ArmServer, run_header, shared_tree_stats
+from sglang_kvcmas_bench.kv_sampler import KvSampler
+from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
+from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.server_arms import ArmServer, run_header, shared_tree_stats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS: dict[str, tuple[str, list[str]]] = {
@@ -69,10 +69,11 @@ REVIEWERS = ("security reviewer", "performance engineer", "API designer", "test 
              "data engineer", "SRE", "style reviewer", "architect", "product manager")
 DEBATERS = ("solver", "skeptic", "judge")
 CHAIN = ("planner", "solver", "critic")
-SOURCES = ("textwrap", "shlex", "fnmatch", "glob", "bisect", "heapq", "difflib", "calendar",
-           "string", "base64", "csv", "gettext", "tokenize", "ipaddress", "fractions",
-           "statistics")
-"""Standard-library modules whose source the panels review (one per workflow)."""
+SOURCES = ("difflib", "ipaddress", "statistics", "argparse", "dataclasses", "functools",
+           "inspect", "logging", "pathlib", "random", "shutil", "subprocess", "tarfile",
+           "threading", "typing", "zipfile")
+"""Standard-library modules whose source the panels review (one per workflow; each over 8k
+tokens)."""
 
 
 def say(text: str) -> None:
@@ -116,7 +117,7 @@ class Turn:
 
 def source_doc(tok, module: str, tokens: int) -> str:
     """The first ``tokens`` tokens of a standard-library module's source, cut at a line."""
-    text = inspect.getsource(__import__(module))
+    text = inspect.getsource(importlib.import_module(module))
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < tokens:
         raise ValueError(f"{module}.py holds {len(ids)} tokens, {tokens} asked")
@@ -258,11 +259,12 @@ def leaf_marks(url: str) -> tuple[int, int]:
     return leaf - exact + materialized, int(stats.get("peak_held_tokens") or 0)
 
 
-def run_arm(arm: str, model, workloads: list[Workload], pool: int, out: Path) -> dict:
-    """One server; each workload's flows at once, the workloads one after another."""
+def run_arm(arm: str, model, workloads: list[Workload], pool: int, logs: Path) -> dict:
+    """One server (its log under ``logs``); each workload's flows at once, the workloads one
+    after another."""
     server_arm, flags = ARMS[arm]
     result: dict = {}
-    with ArmServer(server_arm, out / f"matrix_{arm}.log",
+    with ArmServer(server_arm, logs / f"{arm}.log",
                    [*model.server_args, "--max-total-tokens", str(pool), *flags]) as server:
         name = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=60).read())
         served = name["data"][0]["id"]
@@ -377,17 +379,21 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     out = args.out or model.named(RESULTS / f"matrix{'_quick' if args.quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = out.parent / out.stem  # ignored by git: server logs
+    logs.mkdir(parents=True, exist_ok=True)
     runs = []
     for run in range(args.runs):
         per_arm = {}
         for arm in arms:
             say(f"run {run + 1}/{args.runs}: arm {arm}")
-            per_arm[arm] = run_arm(arm, model, workloads(), args.pool, out.parent)
+            per_arm[arm] = run_arm(arm, model, workloads(), args.pool, logs)
         runs.append({"arms": per_arm, "compare": {
             arm: {w: compare(per_arm, w, arm) for w in names} for arm in arms if arm != "radix"}})
-        out.write_text(json.dumps({**run_header("benchmark/serving/matrix.py", argv, model),
-                                   "runs": runs}, indent=1))
+        record(out, json.dumps({**run_header("benchmark/serving/matrix.py", argv, model),
+                                "runs": runs}, indent=1),
+               what=f"workload matrix ({', '.join(names)}): makespan, TTFT, decode, peak KV "
+                    f"with host leaves, same answers, each arm against radix ({len(runs)} "
+                    "run(s))")
     med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
     print(f"{'arm':<13} {'workload':<10} {'makespan':>9} {'out tok/s':>9} {'TTFT':>6} "
           f"{'KV':>6} {'plain dec':>9} {'rd/plain':>8} {'same':>9} {'final':>7}")
