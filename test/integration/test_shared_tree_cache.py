@@ -680,6 +680,7 @@ def test_first_requests_wait_for_the_leader_while_their_heads_are_prefilled(monk
 
     h = Harness()
     monkeypatch.setattr(turn_order_hook, "_held_since", {})
+    monkeypatch.setattr(turn_order_hook, "_head_wait_since", {})
     a, b, c = head(50, 20), head(60, 8), head(70, 9)
     firsts = [Req(f"{n}1", x + T1 + SUFFIX) for n, x in (("a", a), ("b", b), ("c", c))]
     scheduler = SimpleNamespace(tree_cache=h.cache, waiting_queue=list(firsts))
@@ -710,5 +711,8 @@ def test_first_requests_wait_for_the_leader_while_their_heads_are_prefilled(monk
                                       scheduler)
     assert seen[-1] == ["b2", "c2"]
     h.serve(marked[1], 3)
+    waiting = [Req("x", a), Req("kvcmas-head-1", b), Req("y", c), Req("kvcmas-head-2", c)]
+    assert [r.rid for r in turn_order_hook._heads_first(waiting)] == [
+        "kvcmas-head-1", "kvcmas-head-2", "x", "y"]  # head requests go first
     assert marked[1].customized_info["kvcmas_reuse"][0]["reused_repositioned"] > 0  # a's
     assert_slots_conserved(h)

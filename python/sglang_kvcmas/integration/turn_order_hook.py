@@ -23,8 +23,12 @@ logger = logging.getLogger(__name__)
 TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 
 HEAD_WAIT_S = 10.0
-"""Longest a request waits for its own head request (``head_first.py``) once the transcript it
-would borrow is there; past it, it computes its head itself (and the transcript with it)."""
+"""Longest a request waits for its own head request (``head_first.py``), counted from when the
+transcript it would borrow is there; past it, it computes its head itself (and the transcript
+with it)."""
+
+_head_wait_since: dict[str, float] = {}
+"""rid -> when the request started waiting for its head request alone."""
 
 _held_since: dict[str, float] = {}
 """rid -> when the hook first held the request back. The wait bound counts from there, not from
@@ -76,10 +80,25 @@ def _waiting_for_heads(head_pending: dict[str, int], plan: TurnPlan, min_gain: i
                        now: float) -> dict[str, str]:
     """Requests the plan lets go although their head is not cached yet while the tree already
     holds enough of their transcript to borrow: they wait for their head request (rid -> itself),
-    at most :data:`HEAD_WAIT_S`."""
-    return {rid: rid for rid, available in head_pending.items()
-            if rid not in plan.deferred and available >= min_gain
-            and now - _held_since.get(rid, now) < HEAD_WAIT_S}
+    at most :data:`HEAD_WAIT_S` from when that wait began."""
+    out = {}
+    for rid, available in head_pending.items():
+        if rid in plan.deferred or available < min_gain:
+            continue
+        if now - _head_wait_since.setdefault(rid, now) < HEAD_WAIT_S:
+            out[rid] = rid
+    return out
+
+
+def _heads_first(waiting: list[Any]) -> list[Any]:
+    """``waiting`` with head requests (``head_first.py``) first, each in its order: a few
+    tokens each, and requests wait for them."""
+    from sglang_kvcmas.integration.head_first import RID_PREFIX
+
+    heads = [r for r in waiting if str(r.rid).startswith(RID_PREFIX)]
+    if not heads:
+        return waiting
+    return heads + [r for r in waiting if not str(r.rid).startswith(RID_PREFIX)]
 
 
 def note_readers(held: list[Any], leader_of: dict[str, str]) -> None:
@@ -108,8 +127,10 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
                      min_gain=max(cache.turn_config.min_gain, cache.recompute_config.min_borrowed))
     now = time.monotonic()
     live = {r.rid for r in waiting}
-    for rid in [r for r in _held_since if r not in live]:
-        del _held_since[rid]
+    for held_at in (_held_since, _head_wait_since):
+        for rid in [r for r in held_at if r not in live]:
+            del held_at[rid]
+    waiting = scheduler.waiting_queue = _heads_first(waiting)
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
     try:
         candidates, head_pending = _candidates(cache, waiting, now)
