@@ -2,9 +2,11 @@
 
 Every arm is one server of the same binary, run one at a time (they never compete for cores),
 each serving the same workloads through SGLang's OpenAI chat route, streamed, the way a client
-library would: each agent keeps its own conversation (its system prompt, the shared messages,
-its own answers sent back as assistant messages), the agents of a round answer concurrently and
-the workflows run concurrently.
+library would: answers go back as assistant messages, the agents of a round answer concurrently
+and the workflows run concurrently. ``--history shared`` (default): one message list per
+workflow, as in LangGraph's shared state, each agent sending its own system prompt before it;
+``--history own``: each agent its own history, as in AutoGen (the others' answers in a user
+message), where agents' transcripts part after the opening message.
 
 Workloads (``--workloads``; each with ``--flows`` concurrent workflows and ``--answer`` tokens):
 
@@ -67,6 +69,13 @@ REVIEWERS = ("security reviewer", "performance engineer", "API designer", "test 
              "maintainer", "documentation writer", "newcomer", "release manager",
              "static-analysis expert", "concurrency expert", "accessibility reviewer",
              "data engineer", "SRE", "style reviewer", "architect", "product manager")
+HISTORIES = {
+    "shared": "one message list per workflow, as in LangGraph's shared state: every answer is "
+              "appended as an assistant message tagged with its agent, then the next ask as a "
+              "user message; each agent sends its own system prompt and that list",
+    "own": "each agent its own history, as in AutoGen: its answers as assistant messages, the "
+           "others' in the next user message (the transcripts part after the opening message)",
+}
 DEBATERS = ("solver", "skeptic", "judge")
 CHAIN = ("planner", "solver", "critic")
 SOURCES = ("difflib", "ipaddress", "statistics", "argparse", "dataclasses", "functools",
@@ -137,14 +146,17 @@ class Workload:
     flows: int
     answer: int
     rounds: int
+    history: str = "shared"
     agents: list[list[Agent]] = field(default_factory=list)
 
 
-def build(name: str, tok, flows: int, answer: int, agents: int, doc_tokens: int) -> Workload:
+def build(name: str, tok, flows: int, answer: int, agents: int, doc_tokens: int,
+          history: str = "shared") -> Workload:
     """The agents of ``flows`` workflows of workload ``name``, with their opening messages."""
     from sglang_kvcmas_examples.datasets import gsm8k
 
-    w = Workload(name, flows, answer, rounds=2 if name in ("panel", "recurring") else 3)
+    w = Workload(name, flows, answer, rounds=2 if name in ("panel", "recurring") else 3,
+                 history=history)
     for f in range(flows):
         if name in ("panel", "recurring"):
             roles = (REVIEWERS[:agents] if name == "recurring" else
@@ -178,7 +190,18 @@ def speakers(w: Workload, rnd: int) -> list[list[int]]:
 
 def after_step(w: Workload, flow: list[Agent], rnd: int, spoke: list[int],
                answers: dict[int, str]) -> None:
-    """Append what the step's answers mean to every agent's conversation."""
+    """Append what the step's answers mean to every agent's conversation (:data:`HISTORIES`)."""
+    if w.history == "shared":
+        said = [{"role": "assistant", "content": f"[{flow[a].name}] {answers[a]}"} for a in spoke]
+        if w.name == "chain":
+            ask = f"Next: the {flow[(spoke[0] + 1) % len(flow)].name}."
+        elif w.name == "debate":
+            ask = "Reconsider your reasoning and end with 'Answer: <number>'."
+        else:
+            ask = "Give your final verdict, ship or fix, in one sentence."
+        for agent in flow:
+            agent.messages += [*said, {"role": "user", "content": ask}]
+        return
     for a in spoke:
         flow[a].messages.append({"role": "assistant", "content": answers[a]})
     if w.name == "chain":
@@ -356,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-tokens", type=int, default=1700)
     p.add_argument("--answer", type=int, default=96, help="answer tokens (debate: x2.67)")
     p.add_argument("--pool", type=int, default=40000, help="--max-total-tokens of every arm")
+    p.add_argument("--history", choices=sorted(HISTORIES), default="shared",
+                   help="; ".join(f"{k}: {v}" for k, v in HISTORIES.items()))
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     add_model_arg(p)
@@ -375,10 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             flows = 8 if args.quick and n == "debate" else args.flows
             answer = 256 if args.quick and n == "debate" else args.answer
-            out.append(build(n, tok, flows, answer, args.agents, args.doc_tokens))
+            out.append(build(n, tok, flows, answer, args.agents, args.doc_tokens,
+                             args.history))
         return out
 
-    out = args.out or model.named(RESULTS / f"matrix{'_quick' if args.quick else ''}.json")
+    variant = ("_quick" if args.quick else "") + ("_own" if args.history == "own" else "")
+    out = args.out or model.named(RESULTS / f"matrix{variant}.json")
     logs = out.parent / out.stem  # ignored by git: server logs
     logs.mkdir(parents=True, exist_ok=True)
     runs = []
