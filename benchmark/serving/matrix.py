@@ -44,6 +44,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import statistics
 import sys
 import time
@@ -327,18 +328,38 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def answer_of(workload: str, text: str) -> str:
+    """What a turn decides: a panel's verdict (``ship``, ``fix``, both or neither), a debate's or
+    chain's last ``Answer: <number>``; empty when it gives none."""
+    if workload in ("panel", "recurring"):
+        return "".join(w for w in ("ship", "fix") if re.search(rf"\b{w}\b", text, re.IGNORECASE))
+    found = re.findall(r"Answer:\s*\$?(-?[\d,]*\.?\d+)", text)
+    return found[-1].replace(",", "") if found else ""
+
+
 def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
     """Ratios of ``ours`` against radix on one workload (time: radix / ours; KV: ours / radix),
-    TTFT by round, decode of plain and reader turns, and same answers."""
+    TTFT by round, and same answers.
+
+    Decode: ``plain_decode_ratio`` is the median over turns that borrowed nothing of their
+    decode tokens/s over the same turn's under radix; ``reader_decode_ratio`` the same over
+    turns that borrowed, whose radix counterpart is a plain row reading the same number of
+    tokens (a turn's decode speed depends on the batches it shares, so both compare turns
+    of the same workload position). ``same_answer``: last-round turns whose decision
+    (:func:`answer_of`) is radix's; ``same_turns``: turns with radix's exact text."""
     radix, mine = arms["radix"][workload], arms[ours][workload]
     key = lambda t: (t["flow"], t["round"], t["agent"])
     rt = {key(t): t for t in radix["turns"]}
     readers = [t for t in mine["turns"] if t["borrowed"]]
     plain = [t for t in mine["turns"] if not t["borrowed"]]
     tps = lambda t: Turn(**t).decode_tps
+
+    def decode_ratio(turns: list[dict]) -> float | None:
+        pairs = [(tps(t), tps(rt[key(t)])) for t in turns]
+        return _median([a / b for a, b in pairs if a and b])
+
     rounds = sorted({t["round"] for t in mine["turns"]})
-    last = max(rounds)
-    finals = [(t["text"] == rt[key(t)]["text"]) for t in mine["turns"] if t["round"] == last]
+    finals = [t for t in mine["turns"] if t["round"] == max(rounds)]
     nonowner_ours = _median([t["ttft_s"] for t in readers])
     nonowner_radix = _median([rt[key(t)]["ttft_s"] for t in readers])
     return {
@@ -350,21 +371,65 @@ def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
         "ttft_by_round": {r: [_median([t["ttft_s"] for t in radix["turns"] if t["round"] == r]),
                               _median([t["ttft_s"] for t in mine["turns"] if t["round"] == r])]
                           for r in rounds},
-        "plain_decode_ratio": (_median([tps(t) for t in plain])
-                               / _median([tps(rt[key(t)]) for t in plain])
-                               if plain and _median([tps(t) for t in plain]) else None),
-        "reader_decode_vs_plain": (_median([tps(t) for t in readers])
-                                   / _median([tps(t) for t in plain])
-                                   if readers and plain else None),
+        "plain_decode_ratio": decode_ratio(plain),
+        "reader_decode_ratio": decode_ratio(readers),
         "same_turns": sum(t["text"] == rt[key(t)]["text"] for t in mine["turns"]),
         "turns": len(mine["turns"]),
-        "same_final": sum(finals), "finals": len(finals),
+        "same_answer": sum(answer_of(workload, t["text"])
+                           == answer_of(workload, rt[key(t)]["text"]) for t in finals),
+        "finals": len(finals),
         "readers": len(readers),
     }
 
 
 def fmt(x: float | None, d: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{d}f}"
+
+
+def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
+    """Print the table of the last run and the ``HEADLINE`` (medians over ``runs``)."""
+    med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
+    print(f"{'arm':<13} {'workload':<10} {'makespan':>9} {'out tok/s':>9} {'TTFT':>6} "
+          f"{'KV':>6} {'plain dec':>9} {'rd dec':>8} {'same text':>9} {'answer':>7}")
+    for arm in arms:
+        if arm == "radix":
+            continue
+        for w in names:
+            c = runs[-1]["compare"][arm][w]
+            print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'output_tps_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'ttft_ratio_nonowner')):>5}x "
+                  f"{fmt(med(arm, w, 'kv_ratio')):>5}x {fmt(med(arm, w, 'plain_decode_ratio')):>8}x "
+                  f"{fmt(med(arm, w, 'reader_decode_ratio')):>7}x "
+                  f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_answer']:>3}/{c['finals']:<3}")
+    if "kvcmas" in arms:
+        ours = lambda k: [med("kvcmas", w, k) for w in names]
+        spans = ours("makespan_ratio")
+        head = {
+            "plain_decode_ratio": _median(ours("plain_decode_ratio")),
+            "reader_decode_ratio": _median(ours("reader_decode_ratio")),
+            "min_makespan_ratio": min(spans),
+            "panel_makespan_ratio": med("kvcmas", "panel", "makespan_ratio")
+            if "panel" in names else None,
+            "debate_makespan_ratio": med("kvcmas", "debate", "makespan_ratio")
+            if "debate" in names else None,
+            "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
+            "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
+        }
+        print("HEADLINE " + " ".join(f"{k}={fmt(v)}" for k, v in head.items()))
+
+
+def rereport(path: Path) -> int:
+    """``--report``: the comparisons of ``path``'s runs recomputed from their turns."""
+    result = json.loads(path.read_text())
+    for run in result["runs"]:
+        arms = list(run["arms"])
+        names = list(run["arms"]["radix"])
+        run["compare"] = {arm: {w: compare(run["arms"], w, arm) for w in names}
+                          for arm in arms if arm != "radix"}
+    path.write_text(json.dumps(result, indent=1))
+    report(result["runs"], arms, names)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,8 +448,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="; ".join(f"{k}: {v}" for k, v in HISTORIES.items()))
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None, metavar="JSON",
+                   help="recompute the comparisons and the summary of a written result, and "
+                        "rewrite it; runs nothing")
     add_model_arg(p)
     args = p.parse_args(argv)
+    if args.report is not None:
+        return rereport(args.report)
     model = model_from_args(p, args)
     tok = model.tokenizer()
     arms = [a for a in args.arms.split(",") if a]
@@ -421,35 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                what=f"workload matrix ({', '.join(names)}): makespan, TTFT, decode, peak KV "
                     f"with host leaves, same answers, each arm against radix ({len(runs)} "
                     "run(s))")
-    med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
-    print(f"{'arm':<13} {'workload':<10} {'makespan':>9} {'out tok/s':>9} {'TTFT':>6} "
-          f"{'KV':>6} {'plain dec':>9} {'rd/plain':>8} {'same':>9} {'final':>7}")
-    for arm in arms:
-        if arm == "radix":
-            continue
-        for w in names:
-            c = runs[-1]["compare"][arm][w]
-            print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'output_tps_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'ttft_ratio_nonowner')):>5}x "
-                  f"{fmt(med(arm, w, 'kv_ratio')):>5}x {fmt(med(arm, w, 'plain_decode_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'reader_decode_vs_plain')):>7}x "
-                  f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_final']:>3}/{c['finals']:<3}")
-    if "kvcmas" in arms:
-        ours = lambda k: [med("kvcmas", w, k) for w in names]
-        spans = ours("makespan_ratio")
-        head = {
-            "plain_decode_ratio": _median(ours("plain_decode_ratio")),
-            "reader_decode_ratio": _median(ours("reader_decode_vs_plain")),
-            "min_makespan_ratio": min(spans),
-            "panel_makespan_ratio": med("kvcmas", "panel", "makespan_ratio")
-            if "panel" in names else None,
-            "debate_makespan_ratio": med("kvcmas", "debate", "makespan_ratio")
-            if "debate" in names else None,
-            "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
-            "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
-        }
-        print("HEADLINE " + " ".join(f"{k}={fmt(v)}" for k, v in head.items()))
+    report(runs, arms, names)
     say(f"wrote {out}")
     return 0
 
