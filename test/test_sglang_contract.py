@@ -47,6 +47,8 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.attention.attention_registry", "register_attention_backend"): ("name",),
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
         "model_runner",),
+    # head mass read beside the user's backend (stock_probes.py): which layers are causal
+    ("sglang.srt.layers.radix_attention", "AttentionType"): None,
     ("sglang.srt.managers.schedule_batch", "FINISH_ABORT"): None,
     ("sglang.srt.managers.schedule_batch", "Req"): None,
     ("sglang.srt.managers.schedule_policy", "AddReqResult"): None,
