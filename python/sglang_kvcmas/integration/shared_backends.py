@@ -3,7 +3,7 @@
 
 With ``--kvcmas-share-context``, the factories SGLang's attention registry holds for those names
 build the backend the user asked for and make it a dispatcher (:func:`as_shared`). Each forward
-batch's route (``dispatch_route``, decided once per batch):
+batch's route (``dispatch_route``, decided once per batch, counted by ``dispatch_counts``):
 
 - no row reads borrowed KV (``plain``): that backend unchanged (its kernels, its metadata
   planning, its CUDA graphs);
