@@ -9,7 +9,11 @@ them, so every path records it through :func:`add_row_mass`, and the paths that 
 keys themselves read them from the KV pool after the layer saved them
 (:func:`record_head_mass` over :func:`pool_keys`).
 
-Pure torch; no SGLang import.
+The mass itself: ``triton_head_mass.head_mass_triton`` on CUDA tensors (one pass over the keys,
+nothing ``n_q × n_kv`` materialized), ``span_reads.head_mass`` (the reference) elsewhere; the two
+are tested against each other.
+
+No SGLang import.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ def add_row_mass(probe: HeadMassProbe, q: torch.Tensor, k: torch.Tensor, pos: to
         n_prefix: row index of the first new token.
         scale: softmax scale.
     """
-    probe.add(n_prefix, head_mass(q, k, pos[n_prefix:], pos, scale, probe.head_from,
-                                  probe.head_to))
+    mass = head_mass
+    if q.is_cuda:
+        from sglang_kvcmas.attention.triton_head_mass import head_mass_triton  # imports triton
+
+        mass = head_mass_triton
+    probe.add(n_prefix, mass(q, k, pos[n_prefix:], pos, scale, probe.head_from, probe.head_to))
 
 
 def record_head_mass(query: torch.Tensor, probes: Sequence[HeadMassProbe | None],
