@@ -2,7 +2,8 @@
 # One-shot GPU check of the delta read path. On a machine with a CUDA GPU:
 #   1. runs every kernel test on CUDA (test/lab/kernels: Triton kernels vs. the torch reference in
 #      fp32 and bf16, the extended grid, the FlashInfer variant where FlashInfer is installed; the
-#      served kernel paths, test/attention/test_kernel_reads.py) and
+#      served kernel paths, test/attention/test_kernel_reads.py; the head-mass kernel,
+#      test/attention/test_triton_head_mass.py and test_probe_reads.py) and
 #      the sharing dispatch tests (SGLang's Triton backend as dispatcher, where SGLang is installed),
 #   2. runs the GPU micro-benchmark (delta attention vs. plain attention vs. materializing, over
 #      context 1k-32k, ranks 0/4/8/16, one span or 16 runs of alternating shifts, head_dim
@@ -108,7 +109,8 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export KVCMAS_KERNEL_TESTS_FULL=1
 
 # Kernel tests on CUDA (no interpreter: conftest only sets TRITON_INTERPRET without a GPU).
-tests=(test/lab/kernels test/attention/test_kernel_reads.py)
+tests=(test/lab/kernels test/attention/test_kernel_reads.py
+       test/attention/test_triton_head_mass.py test/attention/test_probe_reads.py)
 [[ $HAVE_SGLANG == 1 ]] && tests+=(test/integration/test_shared_triton_backend.py
                                   test/integration/test_shared_backends.py)
 step kernel_tests 420 "$PY" -m pytest "${tests[@]}" -q -rA -p no:cacheprovider \

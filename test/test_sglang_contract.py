@@ -47,6 +47,8 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.attention.attention_registry", "register_attention_backend"): ("name",),
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend"): (
         "model_runner",),
+    # head mass read beside the user's backend (stock_probes.py): which layers are causal
+    ("sglang.srt.layers.radix_attention", "AttentionType"): None,
     ("sglang.srt.managers.schedule_batch", "FINISH_ABORT"): None,
     ("sglang.srt.managers.schedule_batch", "Req"): None,
     ("sglang.srt.managers.schedule_policy", "AddReqResult"): None,
@@ -237,6 +239,30 @@ def test_hook_registry_api():
     assert _params(HookRegistry.register)[:3] == ["target", "hook", "hook_type"]
     assert isinstance(HookRegistry._hooks, dict)  # registration reads it to stay idempotent
     assert HookType.AFTER.value == "after"
+
+
+def test_dispatch_counts_hook_target():
+    """``dispatch_counts.count_forward`` follows ``ModelRunner.forward(forward_batch, ...)``,
+    reads the runner's ``attn_backend`` and the batch's mode, size and new tokens;
+    ``stock_probes`` reads an extend's prefix and new lengths and its layers' attention kind."""
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sglang_kvcmas.integration.dispatch_counts import TARGET
+
+    assert pkgutil.resolve_name(TARGET) is ModelRunner.forward
+    assert _params(ModelRunner.forward)[0] == "forward_batch"
+    assert "self.attn_backend" in inspect.getsource(ModelRunner)
+    fields = {f.name for f in dataclasses.fields(ForwardBatch)}
+    assert {"forward_mode", "batch_size", "extend_num_tokens", "extend_prefix_lens",
+            "extend_prefix_lens_cpu", "extend_seq_lens", "extend_seq_lens_cpu", "encoder_lens",
+            "req_pool_indices", "rids"} <= fields
+    init = inspect.getsource(RadixAttention.__init__)
+    for name in ("is_cross_attention", "attn_type", "sliding_window_size", "tp_q_head_num",
+                 "qk_head_dim", "scaling"):
+        assert f"self.{name}" in init, name
+    assert AttentionType.ENCODER_ONLY.value == "encoder_only"
 
 
 def test_internal_state_hook_target():

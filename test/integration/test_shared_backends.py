@@ -1,6 +1,7 @@
 """SGLang's own attention backends as sharing dispatchers: batches that read borrowed KV take the
-delta read path, every other batch (and every other method) stays the backend's own; CUDA graphs
-are declined for the former only."""
+delta read path, every other batch (and every other method) stays the backend's own; an owners'
+probe batch stays on it too, its head mass read beside it as the delta path records it (except
+over torch_native); CUDA graphs are declined for readers and probes only."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans, SharedSpan
 from sglang_kvcmas.integration import shared_backends
 from sglang_kvcmas.integration.batch_rows import TaggedRids
+from sglang_kvcmas.integration.dispatch_route import Route
 from sglang_kvcmas.integration.shared_backends import (
     GRAPH_GATE_TARGETS,
     SHARED_BACKENDS,
@@ -33,6 +37,8 @@ def batch(mode: str, *rows: BatchRow | None) -> SimpleNamespace:
 
 
 class Recorder:
+    delta_kernel = True  # the GPU read path
+
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
@@ -74,10 +80,27 @@ class FakeGpuBackend(AttentionBackend):
         return "gpu"
 
 
-def shared(calls, runner=None):
+class FakeTorchNative(TorchNativeAttnBackend):
+    """Stands in for SGLang's torch_native backend (no model runner)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def init_forward_metadata(self, fb):
+        self.calls.append(("native", "init"))
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
+        self.calls.append(("native", "extend"))
+        return "native"
+
+
+def shared(calls, runner=None, base=FakeGpuBackend):
     runner = runner or SimpleNamespace(use_mla_backend=False, model_config=None)
-    return as_shared(FakeGpuBackend(calls), runner, "triton",
+    return as_shared(base(calls), runner, "triton",
                      delta_factory=lambda r: Recorder("delta", calls))
+
+
+LAYER = SimpleNamespace(layer_id=0)  # not a probe layer
 
 
 SHIFTED = BatchRow(RowSpans.of_reads("r1", (SharedSpan(2, 3, 1),)))
@@ -87,7 +110,8 @@ PROBED = BatchRow(probe=HeadMassProbe.for_row(0, 2, 8))
 @pytest.mark.parametrize("mode, rows, path", [
     ("extend", (None, None), "gpu"),
     ("extend", (None, SHIFTED), "delta"),
-    ("extend", (PROBED,), "delta"),  # an owner's extend records head mass
+    ("extend", (PROBED,), "gpu"),  # an owner's extend: head mass read beside the backend
+    ("extend", (PROBED, SHIFTED), "delta"),
     ("decode", (None, None), "gpu"),
     ("decode", (None, SHIFTED), "delta"),
     ("decode", (PROBED,), "gpu"),  # a probe changes nothing in decode
@@ -97,14 +121,110 @@ def test_each_batch_goes_one_way(mode, rows, path):
     backend = shared(calls)
     fb = batch(mode, *rows)
     backend.init_forward_metadata(fb)
-    out = backend.forward(None, None, None, None, fb)
+    out = backend.forward(None, None, None, LAYER, fb)
     step = "decode" if mode == "decode" else "extend"
     assert out == path
     assert calls == [(path, "init"), *([("delta", "forward")] if path == "delta" else []),
                      *([("gpu", step)] if path == "gpu" else [])]
     calls.clear()
     method = backend.forward_decode if mode == "decode" else backend.forward_extend
-    assert method(None, None, None, None, fb) == path and calls == [(path, step)]
+    assert method(None, None, None, LAYER, fb) == path and calls == [(path, step)]
+
+
+def test_probe_batches_stay_on_the_delta_path_over_torch_native():
+    calls = []
+    backend = shared(calls, base=FakeTorchNative)
+    assert not type(backend).kvcmas_probes_on_stock and type(shared([])).kvcmas_probes_on_stock
+    assert issubclass(FakeTorchNative, shared_backends.SharedDispatch.KEEP_PROBES_ON_DELTA)
+    probe = batch("extend", PROBED)
+    backend.init_forward_metadata(probe)
+    assert backend.forward_extend(None, None, None, LAYER, probe) == "delta"
+    plain = batch("extend", None)
+    backend.init_forward_metadata(plain)
+    assert backend.forward_extend(None, None, None, LAYER, plain) == "native"
+    assert calls == [("delta", "init"), ("delta", "extend"), ("native", "init"),
+                     ("native", "extend")]
+
+
+class SavingGpuBackend(FakeGpuBackend):
+    """As SGLang's GPU backends: saves the layer's new keys into the pool, then attends."""
+
+    def __init__(self, calls, k_cache):
+        super().__init__(calls)
+        self.k_cache = k_cache
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
+        self.k_cache[fb.out_cache_loc] = k
+        self.calls.append(("gpu", "extend"))
+        return torch.zeros_like(q)
+
+
+def test_a_probe_batch_records_beside_the_backend_what_the_delta_path_records():
+    """Extend rows with probes and nothing borrowed: the backend attends (the delta path is
+    never asked), and at a probe layer each probed row's head mass is read from the layer's
+    queries and the pool's keys; the records equal the delta path's, bit for bit."""
+    from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
+
+    torch.manual_seed(7)
+    h, hkv, d = 4, 2, 16
+    lens, prefix = [11, 7, 20], [8, 0, 13]
+    n_new = [n - p for n, p in zip(lens, prefix)]
+    k_cache, v_cache = torch.randn(64, hkv, d), torch.randn(64, hkv, d)
+    req_to_token = torch.zeros(5, 32, dtype=torch.int64)
+    idx, slots, at = torch.tensor([1, 3, 4]), torch.randperm(64), 0
+    for i, n in enumerate(lens):
+        req_to_token[idx[i], :n] = slots[at : at + n]
+        at += n
+    out_loc = torch.cat([req_to_token[idx[i], p:n] for i, (p, n) in enumerate(zip(prefix, lens))])
+    new_k = k_cache[out_loc].clone()
+    k_cache[out_loc] = 0  # the backend saves them
+    q = torch.randn(sum(n_new), h * d)
+
+    def probed():  # row 1 records nothing; row 2's probe ends before its extend does
+        return (BatchRow(probe=HeadMassProbe.for_row(1, 5, 11)), None,
+                BatchRow(probe=HeadMassProbe.for_row(0, 3, 16)))
+
+    def extend(rows):
+        fb = batch("extend", *rows)
+        fb.req_pool_indices, fb.out_cache_loc, fb.encoder_lens = idx, out_loc, None
+        fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = prefix, n_new
+        return fb
+
+    def layer(layer_id):
+        return SimpleNamespace(layer_id=layer_id, tp_q_head_num=h, qk_head_dim=d,
+                               scaling=d ** -0.5, is_cross_attention=False,
+                               attn_type=AttentionType.DECODER, sliding_window_size=-1)
+
+    calls = []
+    pools = SimpleNamespace(  # the delta read path: its pools only (never called here)
+        token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda layer_id: k_cache),
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), delta_kernel=True)
+    backend = as_shared(SavingGpuBackend(calls, k_cache),
+                        SimpleNamespace(use_mla_backend=False, model_config=None), "triton",
+                        delta_factory=lambda r: pools)
+    stock = probed()
+    for layer_id in (1, 2):  # a layer that does not probe, then one that does
+        fb = extend(stock)
+        backend.init_forward_metadata(fb)
+        assert torch.equal(backend.forward(q, new_k, None, layer(layer_id), fb),
+                           torch.zeros_like(q))
+        assert fb.rids.cache["route"] == Route("stock", "probe")
+        if layer_id == 1:
+            assert not any(r.probe.counts.any() for r in stock if r is not None)
+    assert calls == [("gpu", "init"), ("gpu", "extend")] * 2
+
+    ref = probed()
+    be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the torch path's math; no model runner
+    be._layer_id, be._batch_rows = 2, ref
+    be._run_sdpa_forward_extend(
+        q.view(-1, h, d), torch.empty(sum(n_new), h, d), k_cache, v_cache, req_to_token, idx,
+        torch.tensor(lens), torch.tensor(prefix), torch.tensor(n_new), scaling=d ** -0.5,
+        enable_gqa=True, causal=True)
+    for got, want in zip(stock, ref):
+        if want is not None:
+            assert want.probe.counts.any()
+            assert torch.equal(got.probe.counts, want.probe.counts)
+            assert torch.equal(got.probe.sums, want.probe.sums)
 
 
 def test_the_backend_stays_itself_for_everything_else():
@@ -166,6 +286,7 @@ def test_graphs_are_declined_for_batches_that_read_borrowed_kv():
     runner = object()
     assert graph_gate(True, runner, batch("decode", None, SHIFTED)) is False
     assert graph_gate(True, runner, batch("decode", PROBED)) is None  # the graph's answer stands
+    assert graph_gate(True, runner, batch("extend", PROBED)) is False  # the probe runs eagerly
     assert graph_gate(True, runner, batch("decode", None)) is None
     assert graph_gate(False, runner, batch("decode", SHIFTED)) is None
 

@@ -2,7 +2,9 @@
 interpreter: plain batches go through SGLang's Triton kernels and agree with the torch reference
 (``kvcmas_delta``); batches that read borrowed KV take the delta path and equal the reference bit
 for bit (and differ from what the Triton kernels alone would read); the delta kernels' extend and
-decode of the same batches (the GPU path) agree with the torch path.
+decode of the same batches (the GPU path) agree with the torch path. An owners' probe batch (head
+mass, nothing borrowed) runs on SGLang's Triton kernels, the delta path never asked, and records
+the head mass the torch path records; a reader's probe beside the delta kernels does too.
 
 SGLang's Triton backend runs on CPU tensors under ``TRITON_INTERPRET=1`` once a server-args
 context is installed (float32 or float16; the interpreter's bf16 ``tl.dot`` is wrong). Installing
@@ -20,6 +22,7 @@ import types
 import pytest
 
 HQ, HKV, D, POOL, MAX_REQS, CTX = 4, 2, 64, 64, 4, 32
+LAYERS = 3  # layer 2 records head mass (spans.is_probe_layer)
 
 
 def test_triton_backend_dispatches_in_the_interpreter():
@@ -47,10 +50,11 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     from transformers import LlamaConfig
 
     from sglang_kvcmas.attention.rope import ShiftRope
-    from sglang_kvcmas.attention.spans import BatchRow, RowSpans, SharedSpan
+    from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans, SharedSpan
     from sglang_kvcmas.integration import delta_attention_backend
     from sglang_kvcmas.integration.batch_rows import TaggedRids
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
+    from sglang_kvcmas.integration.dispatch_route import Route
     from sglang_kvcmas.integration.shared_backends import as_shared
 
     # The model's rotary as plain theta RoPE (its derivation from SGLang's modules is tested in
@@ -62,7 +66,7 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     class ModelConfig:
         attention_arch = AttentionArch.MHA
         hf_config = LlamaConfig(num_attention_heads=HQ, num_key_value_heads=HKV,
-                                hidden_size=HQ * D, num_hidden_layers=1)
+                                hidden_size=HQ * D, num_hidden_layers=LAYERS)
         v_head_dim = swa_v_head_dim = head_dim = D
         context_len = CTX
         is_encoder_decoder = False
@@ -78,7 +82,7 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     req_to_token = ReqToTokenPool(size=MAX_REQS, max_context_len=CTX, device="cpu",
                                   enable_memory_saver=False)
     kv = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=D,
-                          layer_num=1, device="cpu", enable_memory_saver=False,
+                          layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                           enable_alt_stream=False)
     alloc = TokenToKVPoolAllocator(size=POOL, dtype=torch.float32, device="cpu", kvcache=kv,
                                    need_sort=False)
@@ -94,8 +98,8 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     shared = as_shared(TritonAttnBackend(runner), runner, "triton")
     plain = TritonAttnBackend(runner)  # what the kernels alone read
     reference = DeltaAttnBackend(runner)  # kvcmas_delta: torch_native + the delta path
-    layer = RadixAttention(num_heads=HQ, head_dim=D, scaling=D ** -0.5, num_kv_heads=HKV,
-                           layer_id=0)
+    layer, probe_layer = (RadixAttention(num_heads=HQ, head_dim=D, scaling=D ** -0.5,
+                                         num_kv_heads=HKV, layer_id=i) for i in (0, 2))
 
     reqs, lens, prefix = [1, 3], [11, 7], [8, 4]
     slots = alloc.alloc(sum(lens) + 2)
@@ -103,9 +107,11 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     rows_slots = [slots[:lens[0]], slots[lens[0]:sum(lens)]]
     for r, s in zip(reqs, rows_slots):
         req_to_token.req_to_token[r, : s.numel()] = s.to(torch.int32)
+    for i in range(LAYERS):
+        k_i, v_i = kv.get_kv_buffer(i)
+        k_i[slots] = torch.randn(slots.numel(), HKV, D)
+        v_i[slots] = torch.randn(slots.numel(), HKV, D)
     k_pool, v_pool = kv.get_kv_buffer(0)
-    k_pool[slots] = torch.randn(slots.numel(), HKV, D)
-    v_pool[slots] = torch.randn(slots.numel(), HKV, D)
     # Row 0 reads keys 2..6 of its prefix from another agent, 3 positions earlier there.
     reader = BatchRow(RowSpans.of_reads("r0", (SharedSpan(2, 5, 3),)))
 
@@ -130,9 +136,9 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
             fb.rids.rows = rows
         return fb
 
-    def run(backend, fb, q, k, v):
+    def run(backend, fb, q, k, v, at=layer):
         backend.init_forward_metadata(fb)
-        return backend.forward(q, k, v, layer, fb).view(q.shape[0], HQ, D)
+        return backend.forward(q, k, v, at, fb).view(q.shape[0], HQ, D)
 
     n_new = sum(lens) - sum(prefix)
     ext_loc = torch.cat([s[p:] for s, p in zip(rows_slots, prefix)])
@@ -155,8 +161,48 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
             dec_plain = run(plain, batch(decode, dec_lens, dec_loc, None), qd, kd, vd)
             checks["shift_matters"] = (dec_plain - dec_ref)[0].abs().max().item()
             checks["reader_row_1_plain"] = (dec_plain - dec_ref)[1].abs().max().item()
+    # An owners' probe batch at a probe layer: SGLang's Triton kernels attend (the delta path is
+    # never asked), the head mass is read beside them from the pool.
+    k2_pool, v2_pool = kv.get_kv_buffer(2)
+    k2, v2 = k2_pool[ext_loc].clone(), v2_pool[ext_loc].clone()
+
+    def probed(spans=None):  # fresh probes: row 0's head rows 1..4, row 1's 0..1
+        return (BatchRow(spans, HeadMassProbe.for_row(1, 5, lens[0])),
+                BatchRow(probe=HeadMassProbe.for_row(0, 2, lens[1])))
+
+    asked = []
+    real_delta = shared.kvcmas_delta
+    shared.kvcmas_delta = types.SimpleNamespace(
+        token_to_kv_pool=real_delta.token_to_kv_pool, delta_kernel=False,
+        req_to_token_pool=real_delta.req_to_token_pool,
+        init_forward_metadata=lambda fb: asked.append("init"),
+        forward=lambda *a: asked.append("forward"))
+    stock_rows, ref_rows = probed(), probed()
+    fb = batch(extend, lens, ext_loc, stock_rows, prefix)
+    ext_stock = run(shared, fb, q, k2, v2, probe_layer)
+    shared.kvcmas_delta = real_delta
+    assert asked == [] and fb.rids.cache["route"] == Route("stock", "probe")
+    ext_plain = run(plain, batch(extend, lens, ext_loc, None, prefix), q, k2, v2, probe_layer)
+    ext_ref = run(reference, batch(extend, lens, ext_loc, ref_rows, prefix), q, k2, v2,
+                  probe_layer)
+    checks["probe_out_is_triton"] = (ext_stock - ext_plain).abs().max().item()
+    checks["probe_out_vs_ref"] = (ext_stock - ext_ref).abs().max().item()
+    checks["probe_mass"] = max((s.probe.sums - r.probe.sums).abs().max().item()
+                               for s, r in zip(stock_rows, ref_rows))
+    assert all(torch.equal(s.probe.counts, r.probe.counts) and r.probe.counts[-1] == 1
+               for s, r in zip(stock_rows, ref_rows))
     # The GPU paths: the delta kernels for the whole batch (here in the interpreter).
     shared.kvcmas_delta.delta_kernel = True
+    # A reader that also records head mass: the kernels attend, the mass is read beside them.
+    kernel_rows, ref_rows = probed(reader.spans), probed(reader.spans)
+    fb = batch(extend, lens, ext_loc, kernel_rows, prefix)
+    ext_kernel = run(shared, fb, q, k2, v2, probe_layer)
+    assert fb.rids.cache["route"] == Route("kernel", "reader")
+    ext_ref = run(reference, batch(extend, lens, ext_loc, ref_rows, prefix), q, k2, v2,
+                  probe_layer)
+    checks["kernel_probe_out"] = (ext_kernel - ext_ref).abs().max().item()
+    checks["kernel_probe_mass"] = max((s.probe.sums - r.probe.sums).abs().max().item()
+                                      for s, r in zip(kernel_rows, ref_rows))
     rows = (reader, None)
     ext_kernel = run(shared, batch(extend, lens, ext_loc, rows, prefix), q, k, v)
     assert any(key[0] == "kernel" for key in shared.kvcmas_delta._groups)
@@ -171,6 +217,9 @@ def _case() -> None:  # noqa: PLR0915 (one scenario, read top to bottom)
     assert checks["reader"] == (0.0, 0.0), checks  # the delta path itself, bit for bit
     assert checks["shift_matters"] > 1e-3 and checks["reader_row_1_plain"] < 1e-5, checks
     assert checks["kernel_extend"] < 1e-5 and checks["kernel_decode"] < 1e-5, checks
+    assert checks["probe_out_is_triton"] == 0.0 and checks["probe_out_vs_ref"] < 1e-5, checks
+    assert checks["probe_mass"] < 1e-6, checks  # the same mass from the same q and keys
+    assert checks["kernel_probe_out"] < 1e-5 and checks["kernel_probe_mass"] < 1e-6, checks
     print("TRITON-DISPATCH OK")
 
 

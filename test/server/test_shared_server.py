@@ -297,6 +297,12 @@ def test_server_info_reports_a_consistent_tree(server):
     tree = state["shared_tree"]
     assert tree["invariants"] == [] and tree["pending_owners"] == 0, tree
     assert tree["shared_nodes"] > 0
+    # Every forward counted once by its attention path: on CPU (kvcmas_delta) exact batches run
+    # torch_native's code, owners' probe batches and readers our torch path.
+    batches, tokens = (state["dispatch"][k] for k in ("forward_batches", "forward_tokens"))
+    assert batches["stock"]["plain"] > 0 and batches["torch"]["no_kernel"] > 0, batches
+    assert batches["torch"]["probe_on_torch_native"] > 0 and "kernel" not in batches, batches
+    assert all(tokens[p][r] >= n for p, by in batches.items() for r, n in by.items()), tokens
 
 
 CHUNK = 64

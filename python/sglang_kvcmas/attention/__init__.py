@@ -8,6 +8,8 @@ Modules (one noun each):
   ``spans``          ``SharedSpan``, a row's borrowed spans, recomputed tokens, head-mass probe
   ``span_reads``     keys re-positioned by span (the reference), head mass on the agent head,
                      the pairs factored leaves are fitted on
+  ``probe_reads``    a batch's head mass recorded beside any attention path (the pool's keys
+                     for rows that read nothing borrowed; on CUDA ``triton_head_mass``)
   ``shifted_query``  decode that rotates the query per shift instead of every borrowed key, one
                      row at a time (the reference for decode)
   ``batched_decode`` the same decode for a whole batch in a few tensor ops per layer (the CPU path)

@@ -224,14 +224,24 @@ class RowSpans:
         return torch.cat([self.positions, torch.arange(have, n)])
 
 
+PROBE_EVERY, PROBE_PHASE = 4, 2
+"""Probe layers: ``layer_id % PROBE_EVERY == PROBE_PHASE`` (2, 6, 10, ...;
+benchmark/lab/owner_mass_study.py compares them with all layers)."""
+
+
+def is_probe_layer(layer_id: int) -> bool:
+    """Whether extend records head mass at this layer."""
+    return layer_id % PROBE_EVERY == PROBE_PHASE
+
+
 @dataclass
 class HeadMassProbe:
     """Records, for a row's extended tokens, their attention mass on the row's agent head.
 
-    The attention backend adds, at each probe layer, the mass every extended token puts on key
-    rows ``[head_from, head_to)`` (softmax mass, mean over query heads); the tree cache reads the
-    mean when it registers the tokens as shared (``policy/recompute.py`` uses it to choose what a
-    reader recomputes).
+    The attention backend adds, at each probe layer (:func:`is_probe_layer`), the mass every
+    extended token puts on key rows ``[head_from, head_to)`` (softmax mass, mean over query
+    heads; ``attention/probe_reads.py``); the tree cache reads the mean when it registers the
+    tokens as shared (``policy/recompute.py`` uses it to choose what a reader recomputes).
 
     Attributes:
         head_from: first head row that can differ across agents (the shared chat preamble and

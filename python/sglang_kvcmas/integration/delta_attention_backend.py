@@ -24,12 +24,15 @@ rows that read nothing borrowed take SDPA as the parent does. On GPU, for a mode
 layer reads the whole batch, each KV tile rotated by its run's shift in registers
 (``attention/kernel_reads.py``): every decode, and every extend's new tokens after its
 recomputed ones (those stay in PyTorch, masked by true position), factored leaves read there
-too; layers with a head-mass probe keep the torch path.
+too; at a probe layer, head mass is read beside the kernel (``attention/probe_reads.py``).
+Whether a batch takes the kernels is decided once per batch (``dispatch_route``).
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
-tokens, extend attention at the probe layers (``layer_id % PROBE_EVERY == PROBE_PHASE``) also
-records each token's softmax mass on the row's agent head (``span_reads.head_mass``). Probing a
-layer costs about one more attention pass over the row at that layer; nothing else changes.
+tokens, extend attention at the probe layers (``spans.is_probe_layer``) also records each
+token's softmax mass on the row's agent head (``probe_reads.add_row_mass``). Probing a layer
+costs about one more attention pass over the row at that layer; nothing else changes. A batch
+whose probed rows read nothing borrowed comes here only over torch_native (``shared_backends``:
+over Triton or FlashInfer it stays on that backend, the mass read beside it).
 
 RoPE: the shift rotates with the model's rotary embedding as SGLang built it
 (``integration/rope_shift.py``: scaled RoPE, partial rotary, GPT-J style); a model the shift
@@ -65,13 +68,9 @@ from sglang_kvcmas.attention.batched_decode import (
 )
 from sglang_kvcmas.attention.deviation_factors import TokenDeltas
 from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
-from sglang_kvcmas.attention.span_reads import (
-    gather_pairs,
-    head_mass,
-    rotate_keys,
-    tail_attention,
-)
-from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans
+from sglang_kvcmas.attention.probe_reads import add_row_mass, record_head_mass
+from sglang_kvcmas.attention.span_reads import gather_pairs, rotate_keys, tail_attention
+from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans, is_probe_layer
 from sglang_kvcmas.attention.kernel_reads import (
     ShiftedPlan,
     kernel_serves,
@@ -79,14 +78,13 @@ from sglang_kvcmas.attention.kernel_reads import (
     shifted_attention,
 )
 from sglang_kvcmas.integration.batch_rows import cache_of_forward, rows_of_forward
+from sglang_kvcmas.integration.dispatch_route import KERNEL, Route, decide, route_of
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 BACKEND_NAME = "kvcmas_delta"
-PROBE_EVERY, PROBE_PHASE = 4, 2
-"""Probe layers: 2, 6, 10, ... (benchmark/lab/owner_mass_study.py compares them with all layers)."""
 
 
 class DeltaAttnBackend(TorchNativeAttnBackend):
@@ -115,6 +113,21 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         if forward_batch.forward_mode.is_extend() and self._batch_rows is not None:
             self._place_recomputed(forward_batch)
         super().init_forward_metadata(forward_batch)
+
+    def kvcmas_route(self, forward_batch) -> Route:
+        """The batch's route (``dispatch_route``) when this backend is the user's
+        (``--attention-backend kvcmas_delta``): probe batches stay here, as over torch_native."""
+        return route_of(forward_batch, False, self)
+
+    def _on_kernel(self, decode: bool) -> bool:
+        """Whether the current batch reads through the delta kernels: its route, decided once
+        per batch (by the dispatcher that sent it here, else now)."""
+        if not self.delta_kernel:
+            return False
+        route = self._groups.get("route")
+        if route is None:
+            route = self._groups["route"] = decide(self._batch_rows, decode, False, True)
+        return route.path == KERNEL
 
     def _entry(self, i: int) -> BatchRow | None:
         rows = self._batch_rows
@@ -162,7 +175,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
 
     def _probes(self, req_pool_indices: torch.Tensor) -> list[HeadMassProbe | None]:
         n = req_pool_indices.shape[0]
-        if self._layer_id % PROBE_EVERY != PROBE_PHASE or self._batch_rows is None:
+        if not is_probe_layer(self._layer_id) or self._batch_rows is None:
             return [None] * n
         return [e.probe if (e := self._entry(i)) is not None else None for i in range(n)]
 
@@ -215,10 +228,17 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                 is_cross_attn, sliding_window_size,
             )
-        if self.delta_kernel and causal and not any(probes) and self._kernel_reads(rows):
-            return self._kernel_extend(query, output, k_cache, v_cache, req_to_token,
-                                       req_pool_indices, seq_lens, extend_prefix_lens,
-                                       extend_seq_lens, scaling, enable_gqa, rows)
+        if causal and any(rows) and self._on_kernel(decode=False):
+            self._kernel_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                seq_lens, extend_prefix_lens, extend_seq_lens, scaling,
+                                enable_gqa, rows)
+            if any(probes):  # beside the kernel: the keys as the torch path reads them
+                record_head_mass(
+                    query, probes, extend_prefix_lens.tolist(), extend_seq_lens.tolist(),
+                    lambda i, n: self._probe_keys(k_cache, v_cache, req_to_token,
+                                                  req_pool_indices[i], n, rows[i]),
+                    scaling if scaling is not None else query.shape[-1] ** -0.5)
+            return output
         q_all = query.movedim(0, query.dim() - 2)  # [H, tokens, d]
         start_q = 0
         for i in range(seq_lens.shape[0]):
@@ -229,10 +249,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
             if probes[i] is not None:
                 pos = rows[i].positions_upto(n_kv) if rows[i] is not None else torch.arange(n_kv)
-                pos = pos.to(q.device)
-                probes[i].add(n_prefix, head_mass(
-                    q, k, pos[n_prefix:], pos, scaling if scaling is not None else
-                    q.shape[-1] ** -0.5, probes[i].head_from, probes[i].head_to))
+                add_row_mass(probes[i], q, k, pos.to(q.device), n_prefix,
+                             scaling if scaling is not None else q.shape[-1] ** -0.5)
             if rows[i] is not None and rows[i].positions is not None and causal:
                 pos = rows[i].positions_upto(n_kv).to(q.device)
                 mask = pos[None, :] <= pos[n_prefix:, None]  # [n_q, n_kv] by true position
@@ -264,7 +282,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                 encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
             )
-        if self.delta_kernel and self._kernel_reads(rows):
+        if self._on_kernel(decode=True):
             # One launch for the whole batch: tiles rotated by their run's shift in registers,
             # factored tokens corrected there.
             planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
@@ -325,12 +343,6 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             self._groups[key] = plan_batched_decode(slots, shifts, self.shift_rope,
                                                     leaves=leaves)
         return self._groups[key]
-
-    def _kernel_reads(self, rows: list[RowSpans | None]) -> bool:
-        """Whether the delta kernels read this batch: every factored token at its position (the
-        kernels rotate a deviation at its row index)."""
-        return not any(r is not None and r.leaves is not None and not r.leaves.kernel_reads
-                       for r in rows)
 
     def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
                      extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:
@@ -394,6 +406,14 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             tokens = req_to_token[req_pool_idx, :n_kv][order.to(req_to_token.device)]
             self._groups[key] = (tokens, groups)
         return self._groups[key]
+
+    def _probe_keys(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([H_kv, n_kv, d] keys of one row as the torch path reads them, [n_kv] their true
+        positions): what its head mass is measured on."""
+        k, _ = self._gather(k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row)
+        pos = row.positions_upto(n_kv) if row is not None else torch.arange(n_kv)
+        return k, pos.to(k.device)
 
     def _gather(self, k_cache, v_cache, req_to_token, req_pool_idx, n_kv, row):
         """[H_kv, n_kv, d] keys and values of one row, spans transformed (transient copies)."""

@@ -10,6 +10,7 @@ registers — no model load, no device initialisation, no environment changes:
   tokens), also added to ``--attention-backend``'s choices; SGLang's ``triton``, ``flashinfer``
   and ``torch_native`` factories wrapped so that, with sharing on, batches that read borrowed KV
   take the delta read path (``shared_backends``), and the graph runners run such batches eagerly;
+  each forward counted by its attention path (AFTER ``ModelRunner.forward``, ``dispatch_counts``);
 - scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``), whole
   reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``), each
   row's span metadata carried with its forward batch (AFTER ``ForwardBatch.init_new``) and the
@@ -40,6 +41,7 @@ from sglang_kvcmas.integration import (
     admission_hook,
     batch_rows,
     chat_split_hook,
+    dispatch_counts,
     lora_hooks,
     request_hooks,
     reuse_accounting,
@@ -111,6 +113,7 @@ def register_all() -> None:
     _register_hook(batch_rows.TARGET, batch_rows.attach_rows, HookType.AFTER)
     for target in GRAPH_GATE_TARGETS:
         _register_hook(target, graph_gate, HookType.AFTER)
+    _register_hook(dispatch_counts.TARGET, dispatch_counts.count_forward, HookType.AFTER)
     _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
     _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
     _register_hook(lora_hooks.TARGET, lora_hooks.load_around, HookType.AROUND)

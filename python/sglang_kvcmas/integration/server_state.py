@@ -5,7 +5,12 @@ each scheduler *instantiated*. An AFTER hook on the scheduler's internal-state r
 ``kvcmas`` entry to every element of ``/server_info``'s ``internal_states``::
 
     "kvcmas": {"tree_cache_class": "sglang_kvcmas.integration.radix_cache_backend.KvcmasRadixCache",
-               "radix_cache_backend": "kvcmas", "plugin_version": "0.1.0"}
+               "radix_cache_backend": "kvcmas", "plugin_version": "0.1.0",
+               "dispatch": {"forward_batches": {"stock": {"plain": 812, "probe": 6}},
+                            "forward_tokens": {"stock": {"plain": 9310, "probe": 4120}}}}
+
+``dispatch``: the scheduler process's forward batches and tokens by attention path and reason
+(``dispatch_counts``; empty with sharing off).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import sglang_kvcmas
 from sglang_kvcmas.attention.deviation_factors import MaterializedBytes
-from sglang_kvcmas.integration import turn_order_hook
+from sglang_kvcmas.integration import dispatch_counts, turn_order_hook
 
 INTERNAL_STATE_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state."
@@ -63,7 +68,8 @@ def add_tree_cache_to_internal_state(result: Any, controller: Any, *args: Any, *
     scheduler = getattr(controller, "scheduler", None)
     tree_cache = getattr(scheduler, "tree_cache", None)
     if tree_cache is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state[STATE_KEY] = describe_tree_cache(tree_cache)
+        result.internal_state[STATE_KEY] = {**describe_tree_cache(tree_cache),
+                                            "dispatch": dispatch_counts.snapshot()}
     return result
 
 

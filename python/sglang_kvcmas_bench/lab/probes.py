@@ -11,9 +11,9 @@ FORCED = 16
 
 def probe_layers(num_layers: int) -> list[int]:
     """The layers where the server records head mass (2, 6, 10, ...)."""
-    from sglang_kvcmas.integration import delta_attention_backend as backend
+    from sglang_kvcmas.attention.spans import is_probe_layer
 
-    return [i for i in range(num_layers) if i % backend.PROBE_EVERY == backend.PROBE_PHASE]
+    return [i for i in range(num_layers) if is_probe_layer(i)]
 
 
 def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
