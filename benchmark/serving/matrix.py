@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sglang_kvcmas_bench.figures import fmt
 from sglang_kvcmas_bench.kv_sampler import KvSampler
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
@@ -382,10 +383,6 @@ def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
     }
 
 
-def fmt(x: float | None, d: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{d}f}"
-
-
 def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
     """Print the table of the last run and the ``HEADLINE`` (medians over ``runs``)."""
     med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
@@ -396,11 +393,12 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
             continue
         for w in names:
             c = runs[-1]["compare"][arm][w]
-            print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'output_tps_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'ttft_ratio_nonowner')):>5}x "
-                  f"{fmt(med(arm, w, 'kv_ratio')):>5}x {fmt(med(arm, w, 'plain_decode_ratio')):>8}x "
-                  f"{fmt(med(arm, w, 'reader_decode_ratio')):>7}x "
+            print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio'), 2):>8}x "
+                  f"{fmt(med(arm, w, 'output_tps_ratio'), 2):>8}x "
+                  f"{fmt(med(arm, w, 'ttft_ratio_nonowner'), 2):>5}x "
+                  f"{fmt(med(arm, w, 'kv_ratio'), 2):>5}x "
+                  f"{fmt(med(arm, w, 'plain_decode_ratio'), 2):>8}x "
+                  f"{fmt(med(arm, w, 'reader_decode_ratio'), 2):>7}x "
                   f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_answer']:>3}/{c['finals']:<3}")
     if "kvcmas" in arms:
         ours = lambda k: [med("kvcmas", w, k) for w in names]
@@ -416,7 +414,7 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
             "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
             "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
         }
-        print("HEADLINE " + " ".join(f"{k}={fmt(v)}" for k, v in head.items()))
+        print("HEADLINE " + " ".join(f"{k}={fmt(v, 2)}" for k, v in head.items()))
 
 
 def rereport(path: Path) -> int:
