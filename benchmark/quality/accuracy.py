@@ -27,11 +27,14 @@ model's name in file names (``model_arg``: ``qwen2-5-coder-0-5b``), none for the
 The summary pairs the arms per item over the items every arm has done: accuracy per arm and task,
 ours − radix in accuracy points with a paired-bootstrap 95% interval and McNemar's exact p, the
 same-final-answer rate (GSM8K: the same voted number; HumanEval: the same pass/fail and the same
-final code), where the first divergent turn lies, and non-owner TTFT (turns where our server read
+final code), the judge consistency rate (``jcr``: the deciding agents' decisions — GSM8K's
+ballots and vote, HumanEval's fixer keeping or changing the code and its pass / fail — that
+match radix's, with an item bootstrap interval), where the first divergent turn lies, and
+non-owner TTFT (turns where our server read
 another agent's KV) against the same turns under radix. It ends with::
 
     HEADLINE model=<name> n=<items per task> acc_radix=<x> acc_ours=<x> gsm8k_delta=<x>
-             humaneval_delta=<x> ci_low=<x> same_answer=<x> ttft_speedup_vs_radix=<x>
+             humaneval_delta=<x> ci_low=<x> same_answer=<x> jcr=<x> ttft_speedup_vs_radix=<x>
 
 (accuracies in [0, 1] averaged over the tasks; deltas and ci_low in points, ours − radix; ci_low
 the worse task's lower bound.)
@@ -52,7 +55,7 @@ from pathlib import Path
 
 from sglang_kvcmas_bench import accuracy_tasks as tasks
 from sglang_kvcmas_bench.model_arg import BenchModel, ModelPathError
-from sglang_kvcmas_bench.paired_stats import paired_diff
+from sglang_kvcmas_bench.paired_stats import agreement, paired_diff
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.sandbox import isolation
@@ -203,6 +206,33 @@ def same_final(task: str, a: dict, b: dict) -> bool:
     return a["correct"] == b["correct"] and a["final"] == b["final"]
 
 
+def decisions(task: str, rec: dict) -> list[str]:
+    """What an item's deciding agents decided. GSM8K: each debater's last-round printed number
+    (the ballots) and the vote; HumanEval: whether the fixer kept the coder's code or changed
+    it after the review, and whether the final code passes. (The reviewer's own output is a
+    free-text list of bugs with no verdict to compare.)"""
+    if task == "gsm8k":
+        last = max(t["step"] for t in rec["turns"])
+        ballots = [str(t.get("printed")) for t in rec["turns"] if t["step"] == last]
+        return [*ballots, str(rec["final"])]
+    by_agent = {t["agent"]: t["text"] for t in rec["turns"]}
+    kept = tasks.code_block(by_agent.get("Fixer", "")).split() == tasks.code_block(
+        by_agent.get("Coder", "")).split()
+    return [f"kept={kept}", f"passed={rec['correct']}"]
+
+
+def judge_consistency(task: str, ours: dict, radix: dict, keys: list[str]) -> dict:
+    """The share of the deciding agents' decisions (:func:`decisions`) that match radix's
+    (exact serving) on the same items, with an item bootstrap 95% interval."""
+    per_item = []
+    for k in keys:
+        a, b = decisions(task, ours[k]), decisions(task, radix[k])
+        per_item.append((sum(x == y for x, y in zip(a, b)), max(len(a), len(b))))
+    got = agreement(per_item)
+    return {"jcr": got.rate, "jcr_ci_low": got.ci_low, "jcr_ci_high": got.ci_high,
+            "decisions": got.decisions}
+
+
 def summarize(args, wanted: list[tuple[str, int]]) -> dict:
     recs = {arm: load(records_path(args, arm)) for arm in args.arms}
     keys = [f"{t}/{i}" for t, i in wanted if all(f"{t}/{i}" in recs[a] for a in args.arms)]
@@ -221,6 +251,7 @@ def summarize(args, wanted: list[tuple[str, int]]) -> dict:
             row.update(delta=d.delta, ci_low=d.ci_low, ci_high=d.ci_high, only_radix=d.only_a,
                        only_ours=d.only_b, mcnemar_p=d.mcnemar_p)
             row["same_answer"] = sum(same_final(task, ours[k], radix[k]) for k in tk) / len(tk)
+            row.update(judge_consistency(task, ours, radix, tk))
             firsts = [first_divergence(ours[k], radix[k]) for k in tk]
             row["identical_items"] = sum(f is None for f in firsts)
             row["first_divergent_turn"] = {str(i): firsts.count(i)
@@ -254,11 +285,14 @@ def headline(s: dict) -> str:
     n = min((r["n"] for r in rows), default=0)
     deltas = {t: r.get("delta") for t, r in s["tasks"].items()}
     lows = [r["ci_low"] for r in rows if r.get("ci_low") is not None]
+    decided = sum(r.get("decisions", 0) for r in rows)
+    jcr = (sum(r["jcr"] * r["decisions"] for r in rows if r.get("decisions")) / decided
+           if decided else None)
     return (f"HEADLINE model={s['model']} n={n} acc_radix={fmt(mean('acc_radix'))} "
             f"acc_ours={fmt(mean('acc_kvcmas'))} gsm8k_delta={fmt(deltas.get('gsm8k'), 1)} "
             f"humaneval_delta={fmt(deltas.get('humaneval'), 1)} "
             f"ci_low={fmt(min(lows) if lows else None, 1)} "
-            f"same_answer={fmt(mean('same_answer'))} "
+            f"same_answer={fmt(mean('same_answer'))} jcr={fmt(jcr)} "
             f"ttft_speedup_vs_radix={fmt(s['ttft_speedup_vs_radix'], 2)}")
 
 
@@ -274,7 +308,9 @@ def print_summary(s: dict) -> None:
                   f"McNemar p={r['mcnemar_p']:.3f} ({r['only_ours']} only ours, "
                   f"{r['only_radix']} only radix); same final answer {r['same_answer']:.3f}; "
                   f"identical items {r['identical_items']}; first divergent turn "
-                  f"{r['first_divergent_turn']}")
+                  f"{r['first_divergent_turn']}; deciding agents' decisions as radix's "
+                  f"{r['jcr']:.3f} [{r['jcr_ci_low']:.3f}, {r['jcr_ci_high']:.3f}] over "
+                  f"{r['decisions']}")
     if s["ttft_speedup_vs_radix"] is not None:
         print(f"non-owner TTFT: radix / ours = {s['ttft_speedup_vs_radix']:.2f}x "
               f"over {s['nonowner_turns']} turns")
@@ -338,13 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.model = BenchModel.resolve(args.model_path)
     except ModelPathError as e:
-        ap.error(f"--model-path: {e}")
+        try:  # a summary of recorded runs needs only the model's name
+            args.model = BenchModel.by_name(args.model_path or "") if args.summary_only \
+                else None
+        except ModelPathError:
+            args.model = None
+        if args.model is None:
+            ap.error(f"--model-path: {e}")
     folder, args.model_name = args.model.folder, args.model.name
     args.stem = "accuracy" + ("_quick" if args.quick else "")
     args.prefix = args.model.named(Path(args.stem)).name  # accuracy[_quick][_<model>]
     args.logs = args.out / f"logs_{args.prefix}"
     args.logs.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = None if args.summary_only else AutoTokenizer.from_pretrained(str(folder))
     wanted = [(t, i) for t in args.tasks for i in range(args.items)]
     say(f"model {args.model_name}, {args.items} items per task, arms {', '.join(args.arms)}, "
         f"sandbox isolation {isolation()}, results in {args.out}")

@@ -99,6 +99,20 @@ class BenchModel:
             kv_bytes_per_token=footprint_of_folder(folder, served_dtype).kv_bytes_per_token,
         )
 
+    @classmethod
+    def by_name(cls, arg: str) -> BenchModel:
+        """A known model by its short name alone, installed or not: what names its results
+        (``name``, ``named``), for summarizing recorded runs; its folder and shape are unknown
+        (empty, 0).
+
+        Raises:
+            ModelPathError: ``arg`` is not a known short name.
+        """
+        if arg not in KNOWN_MODELS:
+            raise ModelPathError(f"{arg!r} is not a known model ({', '.join(KNOWN_MODELS)})")
+        return cls(arg=arg, folder=Path(), name=arg, model_type="?", num_layers=0, num_heads=0,
+                   num_kv_heads=0, head_dim=0, rope_theta=0.0, kv_bytes_per_token=0)
+
     @property
     def is_embedded(self) -> bool:
         return self.arg == EMBEDDED

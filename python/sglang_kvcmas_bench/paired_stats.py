@@ -1,5 +1,6 @@
 """Paired comparison of two arms that answered the same items: accuracy difference with a 95%
-interval (paired bootstrap) and McNemar's exact test.
+interval (paired bootstrap) and McNemar's exact test; the agreement rate of paired decisions
+with an item bootstrap interval.
 
 Every function takes per-item outcomes in the same item order: ``a[i]`` and ``b[i]`` are the two
 arms' results on item ``i`` (1 correct, 0 wrong).
@@ -67,3 +68,41 @@ def paired_diff(a: Sequence[int], b: Sequence[int], resamples: int = 10_000,
                       ci_low=float(np.percentile(boot, 2.5)),
                       ci_high=float(np.percentile(boot, 97.5)),
                       only_a=only_a, only_b=only_b, mcnemar_p=mcnemar_exact(only_a, only_b))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How many of paired decisions agree, over ``n`` items, with a 95% interval.
+
+    Attributes:
+        n: items.
+        decisions: decisions compared (an item has one or more).
+        rate: agreeing decisions / decisions.
+        ci_low, ci_high: the bootstrap's 95% percentile interval of ``rate``, resampling items
+            (an item's decisions stay together).
+    """
+
+    n: int
+    decisions: int
+    rate: float
+    ci_low: float
+    ci_high: float
+
+
+def agreement(per_item: Sequence[tuple[int, int]], resamples: int = 10_000,
+              seed: int = 0) -> Agreement:
+    """The agreement rate of paired decisions, ``per_item[i] = (agreeing, compared)`` on item
+    ``i``, with its item bootstrap interval."""
+    if not per_item:
+        return Agreement(0, 0, 1.0, 1.0, 1.0)
+    agree = np.asarray([a for a, _ in per_item], dtype=np.float64)
+    total = np.asarray([t for _, t in per_item], dtype=np.float64)
+    if (agree > total).any() or (total < 1).any():
+        raise ValueError("each item needs 1 or more decisions and at most that many agreeing")
+    idx = np.random.default_rng(seed).integers(0, len(per_item), size=(resamples, len(per_item)))
+    boot = agree[idx].sum(axis=1) / total[idx].sum(axis=1)
+    return Agreement(n=len(per_item), decisions=int(total.sum()),
+                     rate=float(agree.sum() / total.sum()),
+                     ci_low=float(np.percentile(boot, 2.5)),
+                     ci_high=float(np.percentile(boot, 97.5)))
+

@@ -88,3 +88,39 @@ def test_mcnemar_exact_matches_the_binomial_by_enumeration():
         extreme = sum(1 for bits in itertools.product((0, 1), repeat=n)
                       if min(sum(bits), n - sum(bits)) <= k)
         assert mcnemar_exact(only_a, only_b) == pytest.approx(min(1.0, extreme / 2**n))
+
+
+def test_agreement_counts_decisions_and_resamples_whole_items():
+    from sglang_kvcmas_bench.paired_stats import agreement
+
+    got = agreement([(4, 4), (3, 4), (2, 2), (0, 2)])
+    assert (got.n, got.decisions) == (4, 12) and got.rate == pytest.approx(9 / 12)
+    assert got.ci_low <= got.rate <= got.ci_high and got.ci_low >= 0 and got.ci_high <= 1
+    same = agreement([(3, 3)] * 10)
+    assert same.rate == same.ci_low == same.ci_high == 1.0
+    with pytest.raises(ValueError):
+        agreement([(3, 2)])
+
+
+def test_judge_consistency_compares_ballots_votes_and_the_fixers_choice():
+    from helpers.bench_scripts import load_script
+
+    acc = load_script("benchmark/quality/accuracy.py")
+
+    def debate(printed: list[str], final: str) -> dict:
+        return {"final": final, "turns": [{"step": 1, "agent": a, "printed": p, "text": ""}
+                                          for a, p in zip(("Ada", "Ben", "Cleo"), printed)]}
+
+    def chain(coder: str, fixer: str, correct: bool) -> dict:
+        return {"correct": correct, "turns": [{"step": 0, "agent": "Coder", "text": coder},
+                                              {"step": 2, "agent": "Fixer", "text": fixer}]}
+
+    radix = {"g/0": debate(["4", "4", "5"], "4"), "g/1": debate(["1", "1", "1"], "1")}
+    ours = {"g/0": debate(["4", "5", "5"], "5"), "g/1": debate(["1", "1", "1"], "1")}
+    got = acc.judge_consistency("gsm8k", ours, radix, ["g/0", "g/1"])
+    assert got["decisions"] == 8 and got["jcr"] == pytest.approx(6 / 8)
+    code = "```python\ndef f():\n    return 1\n```"
+    assert acc.decisions("humaneval", chain(code, code + "\n", True)) == ["kept=True",
+                                                                         "passed=True"]
+    assert acc.decisions("humaneval", chain(code, "```python\nreturn 2\n```", False)) == [
+        "kept=False", "passed=False"]
