@@ -95,7 +95,7 @@ RETIRED = ("lora_centroid_ahead", "lora_centroid_handoff", "lora_leaves",
            "turn_max_wait_s", "turn_min_gain", "min_borrowed", "cache_agent_outputs",
            "recompute_mass_max_tokens", "recompute_segment_share", "recompute_max_fraction",
            "recompute_batch_tokens", "leaf_mass_fraction", "factored_reread",
-           "allow_sgl_kernel_standin", "lowrank_rank", "lowrank_chain")
+           "allow_sgl_kernel_standin", "lowrank_rank", "lowrank_chain", "cache_dir")
 """Knobs (and environment variables) this package once served, each in ``REMOVED``."""
 
 
@@ -104,7 +104,7 @@ def test_retired_knobs_are_listed_as_removed_and_served_no_more():
 
     assert set(RETIRED) == set(REMOVED)
     assert not {k.name for k in KNOBS} & set(REMOVED)
-    assert len(KNOBS) <= 12  # with kvcmas_exact, kvcmas_read_leaves and KVCMAS_CACHE_DIR: 15
+    assert len(KNOBS) <= 13  # with kvcmas_exact and kvcmas_read_leaves: 15
 
 
 @pytest.mark.parametrize("name", RETIRED)

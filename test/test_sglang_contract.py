@@ -276,6 +276,29 @@ def test_internal_state_hook_target():
     assert "internal_state" in GetInternalStateReqOutput.__struct_fields__
 
 
+def test_fidelity_monitor_targets():
+    """The HTTP process's ``get_internal_state`` (``/server_info``'s states) is an async method
+    of ``TokenizerManager`` taking nothing; SGLang's ``GenerateReqInput`` has the logprob fields
+    the monitor sets, and puts the log-probabilities where it reads them."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_kvcmas.integration.fidelity_monitor import INTERNAL_STATE_TARGET, LOGPROB_KEYS
+
+    method = pkgutil.resolve_name(INTERNAL_STATE_TARGET)
+    assert asyncio.iscoroutinefunction(method) and _params(method) == []
+    assert TokenizerManager.get_internal_state is method
+    fields = {f.name for f in dataclasses.fields(GenerateReqInput)}
+    assert {"return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+            "cache_salt", "extra_key"} <= fields
+    source = inspect.getsource(TokenizerManager.add_logprob_to_meta_info)
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_top_logprobs",
+                "input_token_ids_logprobs"):
+        assert key in LOGPROB_KEYS and f'meta_info["{key}"]' in source, key
+
+
 def test_server_flags_our_launcher_sets():
     import argparse
 

@@ -207,6 +207,12 @@ class ServingConfig:
     leaf_rank: int = _knob(
         4, "Rank of a reader's factored leaves (leaf mode 'factored'), per layer and KV head.",
         kind=int, low=1, high=64, per_request=True)
+    fidelity_share: float = _knob(
+        0.02, "Share of reader turns the fidelity monitor checks against exact serving "
+        "(their first tokens teacher-forced through an exact prefill of the prompt, after the "
+        "response); readers recompute more, up to exact, in a namespace or agent whose top-1 "
+        "agreement falls below the target (0: no monitor, no loop).",
+        kind=float, low=0, high=1)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
         "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "
@@ -303,6 +309,8 @@ REMOVED: dict[str, str] = {
     "(lora/grouped_ops.py); benchmark/kernels/cpu_lora_bench.py times SGLang's own ops against "
     "them",
     "lowrank_rank": "renamed --kvcmas-leaf-rank (KVCMAS_LEAF_RANK, custom_params.kvcmas_leaf_rank)",
+    "cache_dir": "converted models are kept under $XDG_CACHE_HOME/sglang-kvcmas (default "
+                 "~/.cache/sglang-kvcmas)",
     "lowrank_chain": "it tuned leaf mode 'lowrank+exact', gone too: " + _LOWRANK_GONE,
 }
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request

@@ -25,18 +25,19 @@ class EnvVar:
         return self.get().strip().lower() in ("1", "true", "yes", "on")
 
 
-KVCMAS_CACHE_DIR = EnvVar(
-    "KVCMAS_CACHE_DIR",
-    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang-kvcmas"),
-    "Where converted models and other derived artifacts are kept.",
-)
+def cache_dir() -> Path:
+    """Where converted models and other derived artifacts are kept: ``sglang-kvcmas`` under the
+    user's standard cache directory (``$XDG_CACHE_HOME``, default ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-kvcmas"
+
+
 KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
     "KVCMAS_SGL_KERNEL_STANDIN_LOG",
     "",
     "If set, a file to which the sgl_kernel stand-in appends one line per op call (tests).",
 )
 
-ALL = (KVCMAS_CACHE_DIR, KVCMAS_SGL_KERNEL_STANDIN_LOG)
+ALL = (KVCMAS_SGL_KERNEL_STANDIN_LOG,)
 
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----
 KVCMAS_KERNEL_TESTS_FULL = EnvVar(
@@ -56,6 +57,12 @@ KVCMAS_GPU_CHECK_QUICK = EnvVar(
     "scripts/gpu_check.sh: the quick benchmark grid (0 for the full one).",
 )
 
+KVCMAS_SPARE_PREFILL = EnvVar(
+    "KVCMAS_SPARE_PREFILL",
+    "1",
+    "Tests and read-path benchmarks: 0 turns the spare pass off (policy/turn_order.py: "
+    "is_spare), so readers borrow on an idle server too (read once per scheduler).",
+)
 KVCMAS_BENCH_SERVER_ARGS = EnvVar(
     "KVCMAS_BENCH_SERVER_ARGS",
     "",
@@ -64,4 +71,4 @@ KVCMAS_BENCH_SERVER_ARGS = EnvVar(
 )
 
 ALL = ALL + (KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK,
-             KVCMAS_BENCH_SERVER_ARGS)
+             KVCMAS_SPARE_PREFILL, KVCMAS_BENCH_SERVER_ARGS)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_kvcmas.config import knob
-from sglang_kvcmas.envs import KVCMAS_CACHE_DIR
+from sglang_kvcmas.envs import cache_dir
 from sglang_kvcmas.models.adapter_check import AdapterError
 from sglang_kvcmas.models.registry import known_model
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
@@ -88,7 +88,7 @@ def centroid_argv(options: LauncherOptions, ranks: dict[str, int]) -> list[str]:
     adapters = named_adapters(options.sglang_argv)
     if CENTROID in adapters:
         raise AdapterError(f"--lora-paths: the name {CENTROID!r} is reserved for the centroid")
-    folder = build_centroid(list(adapters.values()), KVCMAS_CACHE_DIR.get())
+    folder = build_centroid(list(adapters.values()), str(cache_dir()))
     rank = sum(ranks.values())
     print(f"[sglang-kvcmas] lora_share=rebase: centroid of {len(adapters)} adapters "
           f"(rank {rank}) at {folder}", file=sys.stderr, flush=True)

@@ -121,3 +121,25 @@ def test_budget_request_fields_are_parsed_strictly():
             RequestOptions.parse(bad)
     with pytest.raises(RequestOptionError, match="needs a workflow"):
         RequestOptions.parse({"kvcmas_budget_tokens": 5})
+
+
+def test_fidelity_samples_reach_the_route_and_later_usage(ledger):
+    """A workflow's sampled turns (the fidelity monitor's scores) show in the route and in the
+    usage of its responses after them; a workflow without samples shows none."""
+    from sglang_kvcmas.policy.fidelity import TurnScore
+
+    wa.observe(finished("wf", 100, 50))
+    ledger.add_fidelity("wf", TurnScore(16, 15, 3, 0.01))
+    ledger.add_fidelity("gone", TurnScore(16, 16, None, 0.0))  # not held: not created
+    assert ledger.get("gone") is None
+    out = finished("wf", 20, 10)
+    wa.observe(out)
+    fields = ra.usage_fields(out["meta_info"]["kvcmas_reuse"])
+    assert fields["kvcmas_fidelity_turns"] == 1 and fields["kvcmas_fidelity_diverged"] == 1
+    assert fields["kvcmas_fidelity_top1_agreement"] == pytest.approx(15 / 16)
+    assert fields["kvcmas_fidelity_kl"] == pytest.approx(0.01)
+    assert ledger.get("wf").to_json()["fidelity"]["turns"] == 1
+    plain = finished("other", 5, 5)
+    wa.observe(plain)
+    assert "kvcmas_fidelity_turns" not in ra.usage_fields(plain["meta_info"]["kvcmas_reuse"])
+    assert ledger.get("other").to_json()["fidelity"] is None

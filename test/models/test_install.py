@@ -70,7 +70,7 @@ def test_registry_names_both_models():
 
 
 def test_known_but_missing_model_names_the_install_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(ModelPathError) as e:
         resolve.resolve_model_path("qwen2.5-coder-0.5b")
     assert "python -m sglang_kvcmas.models.install qwen2.5-coder-0.5b" in str(e.value)

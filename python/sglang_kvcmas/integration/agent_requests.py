@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sglang_kvcmas.policy.fidelity import EXACT_LEVEL
 from sglang_kvcmas.policy.lora_share import (
     is_centroid,
     lora_agent,
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 READERS_ATTR = "_kvcmas_readers"
 """Request attribute: the most readers the turn-order hook saw wait with it for one leader."""
+SPARE_ATTR = "_kvcmas_spare_exact"
+"""Request attribute: set by the turn-order hook when its scheduling pass had prefill to spare
+(the request is then served exactly)."""
 REGISTERED_ATTR = "_kvcmas_registered_to"
 """Request attribute: the shared offset its last registration (chunk) ended at."""
 
@@ -120,9 +124,14 @@ class AgentRequests:
         return writes_shared(self.lora_share, getattr(req, "lora_id", None), req.rid)
 
     def wants_exact(self, req: Req) -> bool:
-        """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), or it
-        is a centroid prefill (``lora_share=rebase``: the base every adapter reads)."""
-        return self.options(req).exact or (self.lora_share == "rebase" and is_centroid(req.rid))
+        """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), its
+        scheduling pass had prefill to spare (:data:`SPARE_ATTR`), the fidelity loop serves
+        its namespace or agent exactly, or it is a centroid prefill (``lora_share=rebase``: the base every adapter reads)."""
+        if getattr(req, SPARE_ATTR, False):
+            return True
+        options = self.options(req)
+        return options.exact or options.fidelity_level >= EXACT_LEVEL or (
+            self.lora_share == "rebase" and is_centroid(req.rid))
 
     def shared_tokens(self, req: Req) -> np.ndarray:
         """[n] int64 the request's shared-context token ids (copied once: a lasting view would

@@ -27,6 +27,12 @@ def gauge(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
                                            multiprocess_mode="mostrecent"))
 
 
+def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Any | None:
+    """The process's ``prometheus_client.Histogram`` called ``name`` (created on first call),
+    or None when prometheus_client is not installed."""
+    return _metric(name, lambda p: p.Histogram(name, documentation, buckets=list(buckets)))
+
+
 def _metric(name: str, make: Callable[[Any], Any]) -> Any | None:
     if name not in _COUNTERS:
         try:

@@ -19,6 +19,8 @@ registers — no model load, no device initialisation, no environment changes:
   the ``X-KVCMAS-Workflow`` header applied (``request_hooks``); on the OpenAI chat route, each
   request's agent head named from its system messages (AROUND
   ``OpenAIServingChat._convert_to_internal_request``, ``chat_split_hook``);
+- the fidelity monitor's state in ``/server_info`` (AROUND the HTTP process's
+  ``get_internal_state``, ``fidelity_monitor``);
 - ``/load_lora_adapter``: the adapter checked against the served model first (``lora_hooks``);
 - OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details``, streamed or not, and
   its JSON.
@@ -42,6 +44,7 @@ from sglang_kvcmas.integration import (
     batch_rows,
     chat_split_hook,
     dispatch_counts,
+    fidelity_monitor,
     lora_hooks,
     request_hooks,
     reuse_accounting,
@@ -116,6 +119,8 @@ def register_all() -> None:
     _register_hook(dispatch_counts.TARGET, dispatch_counts.count_forward, HookType.AFTER)
     _register_hook(request_hooks.GENERATE_TARGET, request_hooks.generate_around, HookType.AROUND)
     _register_hook(request_hooks.VALIDATE_TARGET, request_hooks.validate_around, HookType.AROUND)
+    _register_hook(fidelity_monitor.INTERNAL_STATE_TARGET, fidelity_monitor.internal_state_around,
+                   HookType.AROUND)
     _register_hook(lora_hooks.TARGET, lora_hooks.load_around, HookType.AROUND)
     _register_hook(chat_split_hook.TARGET, chat_split_hook.convert_around, HookType.AROUND)
     _register_hook(usage_stream.CHAT_TARGET, usage_stream.stream_around, HookType.AROUND)

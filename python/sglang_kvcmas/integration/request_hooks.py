@@ -17,7 +17,8 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   catch-ups of the workflow's other adapters (``lora_catchup.py``); under ``rebase`` an adapter
   request waits for the centroid adapter's prefill of its prompt (``lora_rebase.py``). An
   agent's first request over a long transcript has its head prefilled on its own, so it can
-  borrow (``head_first.py``).
+  borrow (``head_first.py``). Sampled reader turns are checked against exact serving, and
+  every request is served at the fidelity loop's level (``fidelity_monitor.py``).
 - AROUND ``TokenizerManager._validate_one_request``: with the prompt's token ids known, an
   explicit head or shared end past the prompt is refused the same way.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_kvcmas.integration import (
+    fidelity_monitor,
     head_first,
     lora_catchup,
     lora_rebase,
@@ -36,7 +38,7 @@ from sglang_kvcmas.integration import (
     workflow_accounting,
 )
 from sglang_kvcmas.policy.request_options import (
-    HEAD_FIRST_FIELD,
+    SERVER_ONLY_FIELDS,
     WORKFLOW_FIELD,
     WORKFLOW_HEADER,
     RequestOptionError,
@@ -72,9 +74,9 @@ def label_and_check(obj: Any, headers: Any) -> list[RequestOptions]:
     parsed = []
     for params in _sampling_dicts(obj, create=workflow is not None):
         custom = params.get("custom_params")
-        if isinstance(custom, dict) and HEAD_FIRST_FIELD in custom:
-            raise RequestOptionError(f"custom_params.{HEAD_FIRST_FIELD} is set by the server "
-                                     "only")
+        for name in SERVER_ONLY_FIELDS:
+            if isinstance(custom, dict) and name in custom:
+                raise RequestOptionError(f"custom_params.{name} is set by the server only")
         if workflow is not None:
             if custom is None:
                 custom = params["custom_params"] = {}
@@ -96,8 +98,10 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     raises before the generator exists, so SGLang's callers answer 400."""
     options = label_and_check(obj, getattr(request, "headers", None))
     workflow_accounting.admit_options(options)  # budgets: recorded, and enforced (a 400)
+    ticket = fidelity_monitor.before_request(obj, options)
     head_first.before_request(original, manager, obj, options)
     outputs = original(manager, obj, request, *args, **kwargs)
+    outputs = fidelity_monitor.watching(outputs, ticket, original, manager)
     outputs = lora_catchup.around_request(original, manager, obj, options, outputs)
     outputs = lora_rebase.around_request(original, manager, obj, options, outputs)
     workflows = [opts.workflow if opts is not None else None for opts in options]

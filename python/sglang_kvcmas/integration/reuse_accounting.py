@@ -38,6 +38,9 @@ META_KEY = "kvcmas_reuse"
 BUDGET_KEY = "budget"
 """A record's entry with its workflow's budget fields (``kvcmas_budget_*``), added in the HTTP
 process when the workflow has a budget (``workflow_accounting.observe``)."""
+FIDELITY_KEY = "fidelity"
+"""A record's entry with its workflow's fidelity fields so far (``kvcmas_fidelity_*``), added in
+the HTTP process once the monitor has sampled a turn of the workflow."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +154,10 @@ def usage_fields(records: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {f"kvcmas_{name}": sum(r.get(name, 0) for r in records)
                            for name in COUNTED}
     out["kvcmas_workflow"] = records[0].get("workflow") if records else None
-    budget = records[-1].get(BUDGET_KEY) if records else None
-    if isinstance(budget, dict):
-        out.update(budget)
+    for key in (BUDGET_KEY, FIDELITY_KEY):
+        extra = records[-1].get(key) if records else None
+        if isinstance(extra, dict):
+            out.update(extra)
     return out
 
 

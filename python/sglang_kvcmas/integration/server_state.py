@@ -32,7 +32,8 @@ STATE_KEY = "kvcmas"
 
 def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
     """The ``kvcmas`` entry for one scheduler's tree cache: its class, the KV pool's slots
-    (``pool``), and with sharing on the shared tree's sizes, the leaders in flight, faults, the
+    (``pool``), and with sharing on the shared tree's sizes, the leaders in flight, the
+    scheduling passes with prefill to spare and the requests they served exactly, faults, the
     factored deviations running rows hold materialized (``materialized_leaf_bytes``: now and
     peak) and any bookkeeping drift (``invariants``, empty when consistent)."""
     cls = type(tree_cache)
@@ -49,6 +50,8 @@ def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
         out["shared_tree"] = {**tree_cache.shared_stats(),
                               "pending_owners": len(tree_cache.pending_owners),
                               "held_back": turn_order_hook.held_count(),
+                              "spare_passes": turn_order_hook.SPARE["passes"],
+                              "spare_exact_requests": turn_order_hook.SPARE["requests"],
                               "faults": tree_cache.faults,
                               "namespaces_without_sharing": len(tree_cache.broken_namespaces),
                               "materialized_leaf_bytes": {"now": MaterializedBytes.now,

@@ -59,12 +59,13 @@ from __future__ import annotations
 
 import logging
 import time
-from http import HTTPStatus
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
@@ -72,7 +73,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
-from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -88,6 +88,13 @@ from sglang_kvcmas.integration.agent_requests import (
 )
 from sglang_kvcmas.integration.leaf_metrics import LeafGauge
 from sglang_kvcmas.integration.radix_cache_backend import KvcmasRadixCache
+from sglang_kvcmas.policy.fidelity import LEVELS
+from sglang_kvcmas.policy.leaf_mode import LeafConfig
+from sglang_kvcmas.policy.lora_share import (
+    LORA_RECOMPUTE_BOUNDARY,
+    LORA_RECOMPUTE_MASS_FRACTION,
+    LORA_RECOMPUTE_TAIL,
+)
 from sglang_kvcmas.policy.recompute import (
     BorrowedSpan,
     RecomputeConfig,
@@ -96,15 +103,8 @@ from sglang_kvcmas.policy.recompute import (
     select_recompute_arrays,
     split_spans,
 )
-from sglang_kvcmas.policy.leaf_mode import LeafConfig
-from sglang_kvcmas.policy.lora_share import (
-    LORA_RECOMPUTE_BOUNDARY,
-    LORA_RECOMPUTE_MASS_FRACTION,
-    LORA_RECOMPUTE_TAIL,
-)
 from sglang_kvcmas.policy.turn_order import TurnConfig
 from sglang_kvcmas.tree.agent_split import AgentSplit
-from sglang_kvcmas.tree.template_markers import TemplateMarkers
 from sglang_kvcmas.tree.borrowed import (
     SharedPrefixHandle,
     adopt_factored,
@@ -114,6 +114,7 @@ from sglang_kvcmas.tree.borrowed import (
     row_spans,
 )
 from sglang_kvcmas.tree.shared_tree import SharedTree
+from sglang_kvcmas.tree.template_markers import TemplateMarkers
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -284,9 +285,13 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             config = self._across_adapters(config, own_knobs)
             spans = self._at_messages(spans, shared_tokens)
         config = config.with_readers(readers_of(req))
+        if 0 < options.fidelity_level < len(LEVELS):  # the fidelity loop raised it
+            config = LEVELS[options.fidelity_level].applied_to(config)
         recompute = self._recompute_for(req, handle, config, spans)
         leaf = LeafConfig.from_serving(self.config, **own_knobs) if own_knobs \
             else self.leaf_config
+        if options.fidelity_level > 0:  # a raised level keeps what it recomputes exactly
+            leaf = replace(leaf, mode="exact")
         handle = replace(handle, recompute=recompute, factor_rank=leaf.factor_rank)
         return base._replace(device_prefix_len=handle.prefix_len, last_device_node=handle)
 

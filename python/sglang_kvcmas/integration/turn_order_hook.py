@@ -6,6 +6,11 @@ its front, unchanged. Nothing else in the scheduler changes. Active only when th
 :class:`KvcmasSharedTreeCache` with sharing on. Leaders are the exact owners in flight. A request
 whose head is not cached waits only when its head is being prefilled on its own
 (``head_first.py``); otherwise it could not borrow after the wait.
+
+A pass with prefill to spare (``policy.turn_order.is_spare``: the waiting requests, computed
+exactly, fit in one prefill batch, and few requests run) holds nobody back and marks every
+waiting request to be served exactly (``SPARE_ATTR``), as under radix; counted in
+:data:`SPARE`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from sglang_kvcmas.policy.turn_order import TurnCandidate, TurnLeader, TurnPlan, plan_turns
+from sglang_kvcmas.integration.agent_requests import SPARE_ATTR
+from sglang_kvcmas.policy.turn_order import (
+    SPARE_RUNNING_ROWS,
+    TurnCandidate,
+    TurnLeader,
+    TurnPlan,
+    is_spare,
+    plan_turns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +54,40 @@ _prefix_memo: dict[tuple[int, int], tuple] = {}
 """Common shared prefixes of (leader, candidate) pairs for ``plan_turns``, keyed by their token
 views (``cache.requests.shared_tokens``, one object per request): each pair is compared once while
 both are queued or in flight."""
+
+
+SPARE = {"passes": 0, "requests": 0}
+"""Scheduling passes with prefill to spare, and the requests they served exactly."""
+_SPARE_ON: list[bool] = []
+"""Whether spare passes serve exactly (``envs.KVCMAS_SPARE_PREFILL``, read once)."""
+
+
+def spare_on() -> bool:
+    if not _SPARE_ON:
+        from sglang_kvcmas.envs import KVCMAS_SPARE_PREFILL
+
+        _SPARE_ON.append(KVCMAS_SPARE_PREFILL.get_bool())
+    return _SPARE_ON[0]
+
+
+def _spare(scheduler: Any, cache: Any, waiting: list[Any]) -> bool:
+    """Whether this pass has prefill to spare (``policy.turn_order.is_spare``); if so, every
+    waiting request is marked to be served exactly."""
+    budget = getattr(scheduler, "chunked_prefill_size", None) or getattr(
+        scheduler, "max_prefill_tokens", 0)
+    running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
+    if len(running) > SPARE_RUNNING_ROWS or not spare_on():
+        return False  # the usual case under load: no need to price the queue
+    exact = [len(r.origin_input_ids) - cache.radix_peek(r, len(r.origin_input_ids))
+             for r in waiting]
+    if not is_spare(exact, len(running), budget or 0):
+        return False
+    SPARE["passes"] += 1
+    for req in waiting:
+        if not getattr(req, SPARE_ATTR, False):
+            setattr(req, SPARE_ATTR, True)
+            SPARE["requests"] += 1
+    return True
 
 
 def held_count() -> int:
@@ -131,6 +178,12 @@ def turn_order_around(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         for rid in [r for r in held_at if r not in live]:
             del held_at[rid]
     waiting = scheduler.waiting_queue = _heads_first(waiting)
+    try:
+        if _spare(scheduler, cache, waiting):
+            return original(scheduler, *args, **kwargs)
+    except Exception:  # our bug must not take the scheduler down: the pass goes on as usual
+        cache.faults += 1
+        logger.exception("sglang-kvcmas: the spare-prefill check failed")
     in_flight = [TurnLeader(p.rid, p.namespace, p.shared) for p in cache.pending_owners.values()]
     try:
         candidates, head_pending = _candidates(cache, waiting, now)

@@ -27,6 +27,10 @@ entry, which ``reuse_accounting.usage_fields`` turns into ``prompt_tokens_detail
 kvcmas_budget_*``), and under enforcement :func:`admit` refuses its further turns with a 400
 naming the workflow, its spend and forecast (``policy/spend_budget.py``).
 
+Once the fidelity monitor has scored a sampled turn of a workflow (``fidelity_monitor.py``),
+the route shows ``fidelity: {turns, top1_agreement, diverged, kl}`` and every later response's
+usage carries them as ``kvcmas_fidelity_*``.
+
 Requests without a workflow are not in the ledger (SGLang's own metrics count them). Accounting
 never fails a response: an error here is logged and the output passes on unchanged.
 """
@@ -41,7 +45,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from sglang_kvcmas.integration import metrics
-from sglang_kvcmas.integration.reuse_accounting import BUDGET_KEY, META_KEY
+from sglang_kvcmas.integration.reuse_accounting import BUDGET_KEY, FIDELITY_KEY, META_KEY
 from sglang_kvcmas.policy import spend_forecast
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.policy.spend_budget import Budget
@@ -169,6 +173,9 @@ def observe(out: Any, now: float | None = None) -> list[str]:
         status = LEDGER.budget_status(rec["workflow"], default_budget())
         if status is not None:
             rec[BUDGET_KEY] = status.usage_fields()
+        tally = LEDGER.get(rec["workflow"]).fidelity
+        if tally is not None:
+            rec[FIDELITY_KEY] = {f"kvcmas_fidelity_{k}": v for k, v in tally.to_json().items()}
         counter, kv = _counter(), _kv_counter()
         label = metric_label(rec["workflow"])
         if counter is not None:

