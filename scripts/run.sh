@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install if needed, then run one multi-agent workflow (a 3-agent GSM8K debate, an SGLang
-# frontend program) on SGLang's radix cache and on sglang-kvcmas with sharing on, one server at
-# a time (same binary, embedded model), and print a side-by-side table per turn with a summary.
+# Install if needed, then run one multi-agent workflow (a 16-agent review panel over one
+# document, an SGLang frontend program) on SGLang's radix cache and on sglang-kvcmas with sharing
+# on, one server at a time (same binary, embedded model), and print a side-by-side table per turn
+# with a summary.
 #
-#   scripts/run.sh                                   # 3 rounds, 64-token answers
-#   scripts/run.sh --rounds 2 --max-new-tokens 48    # args go to sglang_kvcmas_examples.side_by_side
+#   scripts/run.sh                                   # the panel, 64-token answers
+#   scripts/run.sh --workflow debate                 # args go to sglang_kvcmas_examples.side_by_side
 #   scripts/run.sh --server-args "--model-path /path/to/hf-folder"
 #
 # Environment: VENV (default .venv, see scripts/install.sh), SKIP_INSTALL=1 (do not run

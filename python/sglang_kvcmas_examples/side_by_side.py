@@ -2,9 +2,13 @@
 
 Boots the same server binary twice, one at a time so they never compete for cores: first with
 SGLang's own tree cache (``--kvcmas-stock-cache``, the baseline a user would otherwise run), then
-with cross-agent sharing on (``--kvcmas-share-context``). Against each it runs the 3-agent GSM8K
-debate of :mod:`sglang_kvcmas_examples.debate` (an SGLang frontend program; by default the agents
-of a round answer at the same time over the rounds before, ``--sequential`` one after another),
+with cross-agent sharing on (``--kvcmas-share-context``). Against each it runs one SGLang
+frontend program: by default the review panel of :mod:`sglang_kvcmas_examples.panel` (16 agents
+with their own system prompts over one document, a round's agents at once: where sharing pays);
+``--workflow debate``: the 3-agent GSM8K debate of :mod:`sglang_kvcmas_examples.debate` (the
+agents of a round at the same time, ``--sequential`` one after another; small enough that an
+idle sharing server serves it exactly, as radix does); ``--workflow fanout``: planner, workers,
+aggregator. It
 then prints one row per turn and a summary::
 
     turn agent | radix: prompt cached prefill ttft | kvcmas: prompt exact fact repos recomp ttft | same
@@ -201,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sequential", action="store_true",
                    help="debate: agents answer one after another, each over every answer so far")
-    p.add_argument("--workflow", choices=("debate", "panel", "fanout"), default="debate",
-                   help="the program run: the 3-agent debate, the review panel "
-                        "(examples/panel.py) or planner -> workers -> aggregator "
-                        "(examples/fanout.py)")
+    p.add_argument("--workflow", choices=("debate", "panel", "fanout"), default="panel",
+                   help="the program run: the review panel of 16 agents over one document "
+                        "(examples/panel.py, where sharing pays), the 3-agent debate (on an "
+                        "idle server sharing serves it exactly, as radix) or planner -> "
+                        "workers -> aggregator (examples/fanout.py)")
     p.add_argument("--agents", type=int, default=None,
                    help="panel: panelists (2..16, default 16); fanout: most workers (1..8, "
                         "default 8)")

@@ -487,3 +487,27 @@ def test_a_sample_queued_as_the_worker_finishes_is_still_checked():
 
     run(scenario())
     assert len(fake.checks) == 2 and fidelity_monitor.TOTALS.scores.turns == 2
+
+
+def test_a_burst_whose_first_request_leads_still_gives_its_sample(knobs):
+    """Requests that arrive together are all marked while the monitor is behind: the first is
+    usually the leader and borrows nothing, and a later one that reads becomes the sample; the
+    share still holds (one sample, not one per marked request)."""
+    knobs(fidelity_share=0.02)
+    leader, reader = FakeSGLang(reused=0), FakeSGLang()
+
+    async def scenario():
+        objs = [request() for _ in range(4)]
+        tickets = [fidelity_monitor.before_request(o, label_and_check(o, None)) for o in objs]
+        assert all(t.sampled for t in tickets)  # marked: output log-probabilities on
+        for i, (obj, ticket) in enumerate(zip(objs, tickets)):
+            fake = leader if i == 0 else reader
+            async for _ in fidelity_monitor.watching(fake.original(fake.manager, obj), ticket,
+                                                     fake.original, fake.manager):
+                pass
+        await drain()
+
+    run(scenario())
+    totals = fidelity_monitor.TOTALS
+    assert (totals.reader_turns, totals.sampled, totals.pending) == (3, 1, 0)
+    assert len(reader.checks) == 1 and totals.scores.turns == 1

@@ -6,13 +6,16 @@ In the HTTP process, around ``TokenizerManager.generate_request`` (``request_hoo
    served at the level the loop holds for its namespace and agent (``policy/fidelity.py``):
    above 0 the request is marked ``custom_params.kvcmas_fidelity_level`` (set by the server
    only), and the tree cache raises what it recomputes, up to exact serving.
-2. **Sampling.** A request that could borrow (sharing on, not exact, token ids known, no
-   logprobs asked by the client, one choice) is sampled while the monitor is behind its share
-   of reader turns (``--kvcmas-fidelity-share``, counted over finished turns that borrowed, and
-   turns the loop served exactly, which stand for the readers they would have been):
-   it runs with SGLang's output log-probabilities on (top ``TOP_LOGPROBS`` per token), which
-   are taken out of every output before anyone else sees them, so the response is the one the
-   client would get. A sampled request that borrowed nothing is not a sample.
+2. **Sampling.** The monitor keeps its samples at its share of reader turns
+   (``--kvcmas-fidelity-share``, counted over finished turns that borrowed, and turns the loop
+   served exactly, which stand for the readers they would have been). While it is behind,
+   every request that could borrow (sharing on, not exact, token ids known, no logprobs asked
+   by the client, one choice) is marked: it runs with SGLang's output log-probabilities on
+   (top ``TOP_LOGPROBS`` per token), which are taken out of every output before anyone else
+   sees them, so the response is the one the client would get. Marking is cheap and a burst's
+   first request is usually its leader, which borrows nothing: so every request of the burst is
+   marked, and a marked turn becomes a sample when it finished as a reader while the monitor is
+   still behind.
 3. **The exact side.** After the sampled turn has finished, its prompt and its first
    ``FORCED_TOKENS`` generated tokens are prefilled exactly in a namespace of their own (a
    fresh ``cache_salt``: nothing is shared, and no other request can ever read that KV), with
@@ -135,8 +138,7 @@ def before_request(obj: Any, options: list[RequestOptions | None]) -> Ticket | N
             obj.sampling_params["custom_params"] = {}  # the OpenAI routes pass None
         obj.sampling_params["custom_params"][FIDELITY_LEVEL_FIELD] = ticket.level
     ticket.candidate = has_ids and _may_sample(obj, opts, ids)
-    if ticket.candidate and TOTALS.sampled + TOTALS.pending < share() * (
-                TOTALS.reader_turns + TOTALS.pending + 1):
+    if ticket.candidate and TOTALS.sampled < share() * (TOTALS.reader_turns + 1):
         TOTALS.pending += 1
         params = obj.sampling_params
         ticket.sampled, ticket.prompt = True, list(ids)
@@ -217,8 +219,9 @@ def _finished(ticket: Ticket, meta: dict, taken: dict, original: Any, manager: A
     TOTALS.pending -= 1
     tops = taken.get("output_top_logprobs") or []
     forced = [t[1] for t in (taken.get("output_token_logprobs") or [])][:fidelity.FORCED_TOKENS]
-    if not borrowed or not forced or len(tops) < len(forced):
-        return
+    if not borrowed or not forced or len(tops) < len(forced) \
+            or TOTALS.sampled >= share() * TOTALS.reader_turns:
+        return  # not a reader, or another marked reader of the same burst came first
     reader_top = [{int(e[1]): float(e[0]) for e in tops[j] if e[0] is not None}
                   for j in range(len(forced))]
     if _queue().full():
