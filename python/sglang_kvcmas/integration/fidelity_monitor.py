@@ -14,8 +14,8 @@ In the HTTP process, around ``TokenizerManager.generate_request`` (``request_hoo
    (top ``TOP_LOGPROBS`` per token), which are taken out of every output before anyone else
    sees them, so the response is the one the client would get. Marking is cheap and a burst's
    first request is usually its leader, which borrows nothing: so every request of the burst is
-   marked, and a marked turn becomes a sample when it finished as a reader while the monitor is
-   still behind.
+   marked, and a marked turn becomes a sample when it finishes as a reader while the monitor
+   is still behind.
 3. **The exact side.** After the sampled turn has finished, its prompt and its first
    ``FORCED_TOKENS`` generated tokens are prefilled exactly in a namespace of their own (a
    fresh ``cache_salt``: nothing is shared, and no other request can ever read that KV), with
@@ -92,7 +92,9 @@ class Totals:
 
 @dataclass
 class Ticket:
-    """One request as the monitor follows it."""
+    """One request as the monitor follows it: its namespace and agent keys, the level it is
+    served at, whether it could be a sample (``candidate``) and whether it runs marked, with
+    its output log-probabilities on (``sampled``), and what its exact check needs."""
 
     namespace: Hashable
     agent: Hashable | None
