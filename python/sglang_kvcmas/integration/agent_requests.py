@@ -126,7 +126,8 @@ class AgentRequests:
     def wants_exact(self, req: Req) -> bool:
         """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), its
         scheduling pass had prefill to spare (:data:`SPARE_ATTR`), the fidelity loop serves
-        its namespace or agent exactly, or it is a centroid prefill (``lora_share=rebase``: the base every adapter reads)."""
+        its namespace or agent exactly, or it is a centroid prefill (``lora_share=rebase``: the
+        base every adapter reads)."""
         if getattr(req, SPARE_ATTR, False):
             return True
         options = self.options(req)

@@ -272,7 +272,8 @@ def exact_request(ticket: Ticket, forced: list[int], reader_top: list[dict[int, 
     prompt = ticket.prompt or []
     ids = sorted({t for top in reader_top for t in top})
     return GenerateReqInput(
-        input_ids=prompt + forced, lora_path=ticket.lora_path, rid=f"{RID_PREFIX}{uuid.uuid4().hex}",
+        input_ids=prompt + forced, lora_path=ticket.lora_path,
+        rid=f"{RID_PREFIX}{uuid.uuid4().hex}",
         sampling_params={"max_new_tokens": 1, "temperature": 0,
                          "custom_params": {EXACT_FIELD: True}},
         cache_salt=f"{RID_PREFIX}{uuid.uuid4().hex}", extra_key=ticket.extra_key,
