@@ -135,46 +135,48 @@ def summarize_fault(state: dict, waves: list[dict]) -> dict:
             "recovered": bool(ups) and (agreement.get(settled) or 0.0) >= TARGET}
 
 
-def idle_phase(model, tok, args, logs: Path) -> dict:
-    """Debates one at a time, under radix and under sharing (defaults)."""
+def _each_arm(phase: str, w: Workload, at_once: bool, model, args, logs: Path,
+              kvcmas_extra=None) -> dict:
+    """``w`` under radix, then under sharing (defaults), one server at a time: each arm's turns,
+    makespan and monitor state, plus ``kvcmas_extra(url)``'s entries for the sharing arm."""
     out = {}
-    w = build("debate", tok, args.idle_debates, args.idle_answer, 3, args.doc_tokens)
     for arm in ("radix", "kvcmas"):
-        with ArmServer(arm, logs / f"idle_{arm}.log",
+        with ArmServer(arm, logs / f"{phase}_{arm}.log",
                        [*model.server_args, "--max-total-tokens", str(args.pool)]) as server:
             served = _served(server.url)
             chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
             t0 = time.perf_counter()
-            turns = _run(server.url, served, w, f"idle-{arm}", at_once=False)
+            turns = _run(server.url, served, w, f"{phase}-{arm}", at_once=at_once)
             out[arm] = {"turns": turns, "makespan_s": time.perf_counter() - t0,
                         "fidelity": kvcmas_state(server.url).get("fidelity")}
-            say(f"idle {arm}: {out[arm]['makespan_s']:.1f} s")
+            if arm == "kvcmas" and kvcmas_extra is not None:
+                out[arm].update(kvcmas_extra(server.url))
+            say(f"{phase} {arm}: {out[arm]['makespan_s']:.1f} s")
         _fresh(w)
+    return out
+
+
+def idle_phase(model, tok, args, logs: Path) -> dict:
+    """Debates one at a time, under radix and under sharing (defaults)."""
+    w = build("debate", tok, args.idle_debates, args.idle_answer, 3, args.doc_tokens)
+    out = _each_arm("idle", w, False, model, args, logs)
     return compare(out, "debate") | {"arms": out}
+
+
+def _cost(url: str) -> dict:
+    """What the loaded run's workflows and head requests computed."""
+    flows = json.loads(urllib.request.urlopen(url + "/kvcmas/workflows?limit=1000",
+                                              timeout=60).read())["workflows"]
+    return {"workflow_computed": sum(f["computed"] for f in flows
+                                     if f["workflow"].startswith("loaded-")),
+            "head_prefilled": _metric(url, "kvcmas:head_prefill_tokens_total",
+                                      'kind="prefilled"')}
 
 
 def loaded_phase(model, tok, args, logs: Path) -> dict:
     """``--loaded-flows`` panels at once, under radix and under sharing (defaults)."""
-    out = {}
     w = build("panel", tok, args.loaded_flows, args.loaded_answer, args.agents, args.doc_tokens)
-    for arm in ("radix", "kvcmas"):
-        with ArmServer(arm, logs / f"loaded_{arm}.log",
-                       [*model.server_args, "--max-total-tokens", str(args.pool)]) as server:
-            served = _served(server.url)
-            chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
-            t0 = time.perf_counter()
-            turns = _run(server.url, served, w, f"loaded-{arm}", at_once=True)
-            out[arm] = {"turns": turns, "makespan_s": time.perf_counter() - t0}
-            if arm == "kvcmas":
-                out[arm]["fidelity"] = kvcmas_state(server.url).get("fidelity")
-                flows = json.loads(urllib.request.urlopen(
-                    server.url + "/kvcmas/workflows?limit=1000", timeout=60).read())["workflows"]
-                out[arm]["workflow_computed"] = sum(
-                    f["computed"] for f in flows if f["workflow"].startswith("loaded-"))
-                out[arm]["head_prefilled"] = _metric(
-                    server.url, "kvcmas:head_prefill_tokens_total", 'kind="prefilled"')
-            say(f"loaded {arm}: {out[arm]['makespan_s']:.1f} s")
-        _fresh(w)
+    out = _each_arm("loaded", w, True, model, args, logs, _cost)
     result = compare(out, "panel") | {"arms": out}
     mon = out["kvcmas"].get("fidelity") or {}
     spent = mon.get("prefilled_tokens", 0)

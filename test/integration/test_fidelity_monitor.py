@@ -160,6 +160,19 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def burst(fakes: list[FakeSGLang]) -> None:
+    """One request per stand-in, all sent (and marked: output log-probabilities on) before any
+    finishes, then each finished through its stand-in before the worker runs."""
+    objs = [request() for _ in fakes]
+    tickets = [fidelity_monitor.before_request(o, label_and_check(o, None)) for o in objs]
+    assert all(t.sampled for t in tickets)
+    for fake, obj, ticket in zip(fakes, objs, tickets):
+        async for _ in fidelity_monitor.watching(fake.original(fake.manager, obj), ticket,
+                                                 fake.original, fake.manager):
+            pass
+    await drain()
+
+
 # ----- the response -----
 
 @pytest.mark.parametrize("stream,chunks,incremental",
@@ -329,18 +342,7 @@ def test_a_busy_monitor_drops_samples_rather_than_queueing_them():
     """Turns that finish while ``MAX_QUEUED`` exact prefills wait are dropped (counted)."""
     n = fidelity_monitor.MAX_QUEUED + 2
     fake = FakeSGLang()
-
-    async def scenario():
-        objs = [request() for _ in range(n)]
-        tickets = [fidelity_monitor.before_request(o, label_and_check(o, None)) for o in objs]
-        assert all(t.sampled for t in tickets)
-        for obj, ticket in zip(objs, tickets):  # all finish before the worker runs
-            async for _ in fidelity_monitor.watching(fake.original(fake.manager, obj), ticket,
-                                                     fake.original, fake.manager):
-                pass
-        await drain()
-
-    run(scenario())
+    run(burst([fake] * n))
     totals = fidelity_monitor.TOTALS
     assert (totals.sampled, totals.dropped, totals.pending) == (fidelity_monitor.MAX_QUEUED, 2, 0)
     assert len(fake.checks) == totals.scores.turns == fidelity_monitor.MAX_QUEUED
@@ -495,19 +497,7 @@ def test_a_burst_whose_first_request_leads_still_gives_its_sample(knobs):
     share still holds (one sample, not one per marked request)."""
     knobs(fidelity_share=0.02)
     leader, reader = FakeSGLang(reused=0), FakeSGLang()
-
-    async def scenario():
-        objs = [request() for _ in range(4)]
-        tickets = [fidelity_monitor.before_request(o, label_and_check(o, None)) for o in objs]
-        assert all(t.sampled for t in tickets)  # marked: output log-probabilities on
-        for i, (obj, ticket) in enumerate(zip(objs, tickets)):
-            fake = leader if i == 0 else reader
-            async for _ in fidelity_monitor.watching(fake.original(fake.manager, obj), ticket,
-                                                     fake.original, fake.manager):
-                pass
-        await drain()
-
-    run(scenario())
+    run(burst([leader, reader, reader, reader]))
     totals = fidelity_monitor.TOTALS
     assert (totals.reader_turns, totals.sampled, totals.pending) == (3, 1, 0)
     assert len(reader.checks) == 1 and totals.scores.turns == 1

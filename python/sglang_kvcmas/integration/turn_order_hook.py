@@ -78,8 +78,12 @@ def _spare(scheduler: Any, cache: Any, waiting: list[Any]) -> bool:
     running = getattr(getattr(scheduler, "running_batch", None), "reqs", None) or []
     if len(running) > SPARE_RUNNING_ROWS or not spare_on():
         return False  # the usual case under load: no need to price the queue
-    exact = [len(r.origin_input_ids) - cache.radix_peek(r, len(r.origin_input_ids))
-             for r in waiting]
+    exact, total = [], 0
+    for r in waiting:  # priced until the queue is past the budget
+        exact.append(len(r.origin_input_ids) - cache.radix_peek(r, len(r.origin_input_ids)))
+        total += exact[-1]
+        if total > (budget or 0):
+            return False
     if not is_spare(exact, len(running), budget or 0):
         return False
     SPARE["passes"] += 1

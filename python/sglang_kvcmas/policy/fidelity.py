@@ -129,6 +129,11 @@ class Tally:
             self.kl_sum += score.kl
             self.kl_turns += 1
 
+    @property
+    def agreement(self) -> float:
+        """Top-1 agreement over every position added (1.0 before any)."""
+        return self.agreed / self.positions if self.positions else 1.0
+
     def to_json(self) -> dict[str, Any]:
         """``turns`` sampled, their ``top1_agreement`` over all positions, ``diverged`` turns
         (greedy decoding would have left exact serving's tokens) and mean ``kl`` (None
@@ -215,15 +220,11 @@ class Step:
 
 @dataclass
 class _Window:
-    level: int = 0
-    agreed: int = 0
-    positions: int = 0
-    samples: int = 0
-    exact_turns: int = 0
+    """One key's level, and the samples and exact turns served at it since it was reached."""
 
-    @property
-    def agreement(self) -> float:
-        return self.agreed / self.positions if self.positions else 1.0
+    level: int = 0
+    scores: Tally = field(default_factory=Tally)
+    exact_turns: int = 0
 
 
 @dataclass
@@ -280,14 +281,13 @@ class FidelityLoop:
             window = self._window(key)
             if level is not None and window.level != level:
                 continue
-            window.agreed += score.agreed
-            window.positions += score.positions
-            window.samples += 1
-            if window.samples >= self.min_samples and window.agreement < self.target \
+            scores = window.scores
+            scores.add(score)
+            if scores.turns >= self.min_samples and scores.agreement < self.target \
                     and window.level < EXACT_LEVEL:
                 out.append(self._move(key, window, +1))
-            elif window.level > 0 and window.samples >= self.healthy_samples \
-                    and window.agreement >= self.target:
+            elif window.level > 0 and scores.turns >= self.healthy_samples \
+                    and scores.agreement >= self.target:
                 out.append(self._move(key, window, -1))
         return out
 
@@ -303,7 +303,8 @@ class FidelityLoop:
 
     def _move(self, key: Hashable, window: _Window, by: int) -> Step:
         step = Step(key, window.level, window.level + by,
-                    1.0 if window.level == EXACT_LEVEL else window.agreement, window.samples)
+                    1.0 if window.level == EXACT_LEVEL else window.scores.agreement,
+                    window.scores.turns)
         self._windows[key] = _Window(level=step.after)
         self.steps.append(step)
         return step
