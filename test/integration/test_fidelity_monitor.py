@@ -501,3 +501,18 @@ def test_a_burst_whose_first_request_leads_still_gives_its_sample(knobs):
     totals = fidelity_monitor.TOTALS
     assert (totals.reader_turns, totals.sampled, totals.pending) == (3, 1, 0)
     assert len(reader.checks) == 1 and totals.scores.turns == 1
+
+
+def test_an_idle_server_whose_turns_read_nothing_stops_marking_until_a_reader_finishes():
+    """Marking costs every decode step its log-probabilities: once ``READER_WINDOW`` finished
+    candidates in a row borrowed nothing (an idle server's spare passes serve them exactly),
+    no request is marked; a reader turn finishing unmarked starts it again."""
+    window = fidelity_monitor.READER_WINDOW
+    exact = FakeSGLang(reused=0)
+    marked = [t.sampled for t, _ in run(turns(exact, [request() for _ in range(window + 3)]))]
+    assert marked == [True] * window + [False] * 3
+    assert exact.checks == [] and fidelity_monitor.TOTALS.reader_turns == 0
+    reader = FakeSGLang()
+    (unmarked, _), (next_one, _) = run(turns(reader, [request(), request()]))
+    assert not unmarked.sampled and next_one.sampled
+    assert len(reader.checks) == 1 and fidelity_monitor.TOTALS.reader_turns == 2

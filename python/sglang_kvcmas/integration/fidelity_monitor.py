@@ -12,10 +12,12 @@ In the HTTP process, around ``TokenizerManager.generate_request`` (``request_hoo
    every request that could borrow (sharing on, not exact, token ids known, no logprobs asked
    by the client, one choice) is marked: it runs with SGLang's output log-probabilities on
    (top ``TOP_LOGPROBS`` per token), which are taken out of every output before anyone else
-   sees them, so the response is the one the client would get. Marking is cheap and a burst's
-   first request is usually its leader, which borrows nothing: so every request of the burst is
-   marked, and a marked turn becomes a sample when it finishes as a reader while the monitor
-   is still behind.
+   sees them, so the response is the one the client would get. A burst's first request is
+   usually its leader, which borrows nothing: so every request of the burst is marked, and a
+   marked turn becomes a sample when it finishes as a reader while the monitor is still behind.
+   Marking costs every decode step its log-probabilities, so none of the last
+   ``READER_WINDOW`` finished candidates having read (an idle server, whose spare passes serve
+   every request exactly) stops it until a reader turn finishes.
 3. **The exact side.** After the sampled turn has finished, its prompt and its first
    ``FORCED_TOKENS`` generated tokens are prefilled exactly in a namespace of their own (a
    fresh ``cache_salt``: nothing is shared, and no other request can ever read that KV), with
@@ -63,6 +65,8 @@ MAX_QUEUED = 4
 """Sampled turns waiting for their exact prefill; one past this is dropped."""
 RECENT = 64
 """Last sampled turns kept for ``/server_info`` (their level and scores)."""
+READER_WINDOW = 16
+"""Finished candidate turns looked back over: with no reader among them, nothing is marked."""
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
                 "input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
                 "output_token_ids_logprobs")
@@ -82,6 +86,14 @@ class Totals:
     prompt_tokens: int = 0
     prefilled_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    read: deque = field(default_factory=lambda: deque(maxlen=READER_WINDOW))
+    """Whether each of the last finished candidate turns borrowed."""
+
+    def behind(self, share: float) -> bool:
+        """Whether a candidate should be marked: fewer samples than ``share`` of the reader
+        turns (one more counted, so the first readers are sampled) while readers are seen."""
+        readers_seen = len(self.read) < READER_WINDOW or any(self.read)
+        return readers_seen and self.sampled < share * (self.reader_turns + 1)
 
     def to_json(self) -> dict[str, Any]:
         return {"reader_turns": self.reader_turns, "sampled": self.sampled,
@@ -140,7 +152,7 @@ def before_request(obj: Any, options: list[RequestOptions | None]) -> Ticket | N
             obj.sampling_params["custom_params"] = {}  # the OpenAI routes pass None
         obj.sampling_params["custom_params"][FIDELITY_LEVEL_FIELD] = ticket.level
     ticket.candidate = has_ids and _may_sample(obj, opts, ids)
-    if ticket.candidate and TOTALS.sampled < share() * (TOTALS.reader_turns + 1):
+    if ticket.candidate and TOTALS.behind(share()):
         TOTALS.pending += 1
         params = obj.sampling_params
         ticket.sampled, ticket.prompt = True, list(ids)
@@ -216,6 +228,8 @@ def _finished(ticket: Ticket, meta: dict, taken: dict, original: Any, manager: A
     borrowed = borrowed or (ticket.level == fidelity.EXACT_LEVEL and ticket.candidate)
     if borrowed:
         TOTALS.reader_turns += 1
+    if ticket.candidate:
+        TOTALS.read.append(borrowed)
     if not ticket.sampled:
         return
     TOTALS.pending -= 1
