@@ -160,3 +160,22 @@ def test_the_low_rank_leaf_modes_and_their_knobs_fail_naming_what_to_use():
     assert RequestOptions.parse({"kvcmas_leaf_rank": 8}).overrides == {"leaf_rank": 8}
     assert knob("leaf_mode").choices == ("exact", "factored")
     assert ServingConfig.from_env({"KVCMAS_LEAF_RANK": "8"}).leaf_rank == 8
+
+
+def test_the_retired_lora_modes_fail_naming_what_to_use():
+    import re
+
+    from sglang_kvcmas.server.options import parse_launcher_args
+
+    use = ("use 'borrow' (an adapter reads the transcript another computed, bounded by the "
+           "fidelity monitor) or 'separate' (the default: each adapter's own exact cache)")
+    for mode, why in (("catchup", "it was exact as 'separate' is"),
+                      ("rebase", "its centroid prefill sat on every turn's critical path")):
+        with pytest.raises(SystemExit, match=re.escape(
+                f"--kvcmas-lora-share={mode} is no longer served: {why}")) as err:
+            parse_launcher_args(["--kvcmas-lora-share", mode, "--port", "1"])
+        assert use in str(err.value)
+        with pytest.raises(ConfigError, match=re.escape(f"KVCMAS_LORA_SHARE={mode} is no "
+                                                        "longer served")):
+            ServingConfig.from_env({"KVCMAS_LORA_SHARE": mode})
+    assert ServingConfig.from_env({"KVCMAS_LORA_SHARE": "borrow"}).lora_share == "borrow"

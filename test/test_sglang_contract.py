@@ -74,7 +74,7 @@ CONTRACT: dict[tuple[str, str], tuple[str, ...] | None] = {
     ("sglang.srt.layers.rotary_embedding.rope_variant", "Llama3RotaryEmbedding"): None,
     ("sglang.srt.layers.rotary_embedding.yarn", "YaRNScalingRotaryEmbedding"): None,
     # LoRA agents: the CPU LoRA backend (cpu_lora.py), /load_lora_adapter's check
-    # (lora_hooks.py), background catch-up requests (lora_catchup.py)
+    # (lora_hooks.py), prefills the HTTP process sends (head_first.py, fidelity_monitor.py)
     ("sglang.srt.lora.backend.lora_registry", "LORA_SUPPORTED_BACKENDS"): None,
     ("sglang.srt.managers.io_struct", "GenerateReqInput"): ("text", "input_ids"),
     ("sglang.srt.managers.io_struct", "LoadLoRAAdapterReqOutput"): None,  # success=, error_message=

@@ -3,8 +3,9 @@
 SGLang's ``torch_native`` LoRA ops walk a batch segment by segment (one per request when their
 adapters alternate); ``lora/grouped_ops.py`` groups the batch's tokens by adapter once per
 forward and runs one matmul per adapter present. Both compute every LoRA projection of a
-SmolLM2-135M forward (30 layers; qkv, o, gate_up, down; ranks 8, and 24 for the ``rebase``
-centroid, SGLang's LoRA buffers sized to the largest rank) for the batches a LoRA panel serves:
+SmolLM2-135M forward (30 layers; qkv, o, gate_up, down; ranks 8, and 24 for the centroid of the
+retired ``rebase`` mode, SGLang's LoRA buffers sized to the largest rank) for the batches a LoRA
+panel serves:
 
 - ``decode 9``: 9 requests, one token each, 3 adapters alternating (stock's decode step);
 - ``decode 12``: the same plus 3 centroid requests (``rebase``);

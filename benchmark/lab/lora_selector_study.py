@@ -1,6 +1,7 @@
 """Study: which borrowed tokens should an adapter reader recompute over the centroid's KV?
 
-Under ``--kvcmas-lora-share rebase`` the adapters' centroid computes the shared transcript and
+Under ``rebase`` (a LoRA mode served until 2026-12-06, here rebuilt offline) the adapters'
+centroid computes the shared transcript and
 every adapter reads it: its own head (system prompt) exact, the centroid's KV elsewhere, and a set
 of picked tokens recomputed with its own adapter through every layer (attending to the centroid's
 KV where nothing was recomputed). The server's picks are the first 8 tokens of every message and

@@ -14,19 +14,11 @@ server binary, one server at a time, the same KV pool for every arm:
 
     stock           --kvcmas-stock-cache: SGLang's LoRA serving; its radix cache keys every
                     prefix by adapter, so each adapter prefills the transcript itself
-    borrow          --kvcmas-share-context --kvcmas-lora-share borrow: an adapter reads the
-                    transcript another adapter computed (re-positioned; boundary tokens and
-                    the last 32 tokens recomputed with its own adapter, kept as its leaves)
-    catchup         --kvcmas-lora-share catchup: each adapter's own exact cache, as stock, and a
-                    turn's prompt prefilled in the background for the workflow's other adapters
-                    while the turn decodes
-    rebase          --kvcmas-share-context --kvcmas-lora-share rebase (the headline's mode):
-                    every adapter request's prompt prefilled first under the adapters' centroid
-                    (the mean of their deltas), the only writer of the shared transcript; each
-                    adapter reads it as borrow reads, its recomputed tokens kept as factored
-                    leaves (its naive replay measures the centroid base alone, ``base_*``; its KL
-                    recovered is against the borrow arm's naive reuse on the same turns)
-    rebase_*        the same with one flag changed: ``exact`` (exact leaves); or with
+    borrow          --kvcmas-share-context --kvcmas-lora-share borrow (the headline's mode): an
+                    adapter reads the transcript another adapter computed (re-positioned;
+                    boundary tokens and the last 32 tokens recomputed with its own adapter, kept
+                    as its leaves)
+    borrow_*        the same with one flag changed: ``exact`` (exact leaves); or with
                     an adapter reader's picks (served: the first 8 tokens of every span and
                     message, the last 32, none by head mass) set by every request of the arm
                     (:data:`ARM_FIELDS`): ``noboundary`` / ``boundary16`` (no span's first
@@ -34,7 +26,10 @@ server binary, one server at a time, the same KV pool for every arm:
                     boundary, a 48-token tail), ``notail`` / ``tail16`` / ``tail64``,
                     ``mass10`` / ``mass25`` (a tenth / a quarter of the borrowed tokens by
                     head mass), ``naive`` (no boundary, no tail: nothing recomputed but what
-                    the reader's suffix needs, the ceiling of the centroid base's TTFT)
+                    the reader's suffix needs, the ceiling of cross-adapter reuse's TTFT)
+
+The modes ``catchup`` and ``rebase`` this benchmark once compared are no longer served: their
+figures are in ``docs/results.md`` ("Serving: LoRA agents").
 
 By default every arm but stock replays the stock arm's transcripts: each turn's prompt is built
 from the stock turns' messages and it decodes as many tokens as the stock turn did
@@ -56,14 +51,13 @@ the stock arm's turns are replayed in workflow order (each turn's prompt + the s
 continuation, teacher-forced, so each reads what it would read as served) and compared per
 position with an exact prefill of the same request (fresh ``cache_salt``: nothing shared or
 cached): top-1 agreement and KL on the exact top-20, over the replayed turns that read another
-adapter's KV
-(for ``catchup``, every turn after a workflow's first step); for the cross-adapter arms the replay
+adapter's KV; for the cross-adapter arms the replay
 is repeated after a cache flush with naive reuse (nothing recomputed) for
 ``kl_recovered = 1 - KL(mode) / KL(naive)``.
 
-    python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, 4 arms, ~10 min
+    python benchmark/serving/lora_head_to_head.py --quick     # 3 flows x 3 rounds, 2 arms, ~6 min
     python benchmark/serving/lora_head_to_head.py [--flows 6 --rounds 3 --max-new-tokens 96]
-        [--shape panel|chain] [--shots K] [--arms stock,borrow,catchup,rebase,...]
+        [--shape panel|chain] [--shots K] [--arms stock,borrow,borrow_tail64,...]
         [--own-transcripts] [--profile]
         [--adapters name=path,...] [--model-path NAME]
 
@@ -72,8 +66,8 @@ server flags, as for the other serving benchmarks.
 
 Ends with ``HEADLINE mode=<default> ttft_speedup_vs_stock=... kv_ratio_vs_stock=... tf_top1=...
 kl_recovered=... bg_prefill_tokens_ratio=...`` (``kv_ratio`` = stock peak KV / ours;
-``bg_prefill_tokens_ratio`` = tokens the mode prefills, foreground and background (``catchup``'s
-from its ``kvcmas:lora_catchup_tokens`` metric), / tokens stock prefills). Writes
+``bg_prefill_tokens_ratio`` = tokens the mode prefills, foreground and background (the heads
+an agent's first request prefills on its own), / tokens stock prefills). Writes
 ``lora_head_to_head[_<shape>][_quick][_shots<K>][_<model>]`` ``.txt`` (the table and the
 headline), ``.jsonl`` (one record per arm) and ``.png`` in ``--out`` (default ``results/``, each
 with its row in the folder's index); each arm's turns and the servers' logs go to a folder of
@@ -113,46 +107,35 @@ from sglang_kvcmas_bench.server_calls import stream_generate
 from sglang_kvcmas_bench.workload_runs import replay_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_MODE = "rebase"
-"""The mode the headline reports: the one that meets the most targets (peak KV, top-1, KL
-recovered; not TTFT on two cores), rather than ``catchup``, which is exact but holds as much KV
-as stock."""
+DEFAULT_MODE = "borrow"
+"""The mode the headline reports: the one served mode that shares across adapters."""
 SHARE = ["--kvcmas-share-context", "--kvcmas-lora-share", "borrow"]
-REBASE = ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"]
 ARMS: dict[str, list[str]] = {
     "stock": ["--kvcmas-stock-cache"],
     "borrow": SHARE,
-    "catchup": ["--kvcmas-lora-share", "catchup"],
-    "rebase": REBASE,
-    "rebase_exact": [*REBASE, "--kvcmas-leaf-mode", "exact"],
+    "borrow_exact": [*SHARE, "--kvcmas-leaf-mode", "exact"],
 }
-_PICKS = {"rebase_noboundary": {"kvcmas_recompute_boundary": 0},
-          "rebase_boundary16": {"kvcmas_recompute_boundary": 16},
-          "rebase_noboundary_tail48": {"kvcmas_recompute_boundary": 0,
+_PICKS = {"borrow_noboundary": {"kvcmas_recompute_boundary": 0},
+          "borrow_boundary16": {"kvcmas_recompute_boundary": 16},
+          "borrow_noboundary_tail48": {"kvcmas_recompute_boundary": 0,
                                        "kvcmas_recompute_tail": 48},
-          "rebase_notail": {"kvcmas_recompute_tail": 0},
-          "rebase_tail16": {"kvcmas_recompute_tail": 16},
-          "rebase_tail64": {"kvcmas_recompute_tail": 64},
-          "rebase_mass10": {"kvcmas_recompute_mass_fraction": 0.1},
-          "rebase_mass25": {"kvcmas_recompute_mass_fraction": 0.25},
-          "rebase_naive": {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_tail": 0}}
+          "borrow_notail": {"kvcmas_recompute_tail": 0},
+          "borrow_tail16": {"kvcmas_recompute_tail": 16},
+          "borrow_tail64": {"kvcmas_recompute_tail": 64},
+          "borrow_mass10": {"kvcmas_recompute_mass_fraction": 0.1},
+          "borrow_mass25": {"kvcmas_recompute_mass_fraction": 0.25},
+          "borrow_naive": {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_tail": 0}}
 ARM_FIELDS: dict[str, dict] = {arm: {**picks, "kvcmas_read_leaves": True}
                                for arm, picks in _PICKS.items()}
-"""Arms served as ``rebase`` whose every request (turn and replay) sets an adapter reader's picks
+"""Arms served as ``borrow`` whose every request (turn and replay) sets an adapter reader's picks
 in ``custom_params``, each pick it does not set the served one, and reads its leaves as a reader
 with the served picks does. Unlike one with the served picks, such a request borrows even fewer
 tokens than ``policy.recompute.MIN_BORROWED``."""
-ARMS.update(dict.fromkeys(ARM_FIELDS, REBASE))
-QUICK_ARMS = ("stock", "borrow", "catchup", DEFAULT_MODE)
-"""What ``--quick`` runs unless ``--arms`` says otherwise (about 10 minutes on two cores):
-stock, the three modes; ``borrow`` also measures the naive cross-adapter reuse the
-``rebase`` arms' KL recovered is against."""
-CENTROID_BASE = tuple(arm for arm in ARMS if arm.startswith("rebase"))
-"""Arms whose adapters read the centroid's KV: their replay without recompute measures the
-centroid base alone, and their KL recovered is against the naive cross-adapter reuse a borrow
-arm of the same run measured on the same turns."""
-CROSS_ADAPTER = ("borrow", *CENTROID_BASE)
-"""Arms whose adapters read KV another adapter computed (the others' caches are exact)."""
+ARMS.update(dict.fromkeys(ARM_FIELDS, SHARE))
+QUICK_ARMS = ("stock", DEFAULT_MODE)
+"""What ``--quick`` runs unless ``--arms`` says otherwise."""
+CROSS_ADAPTER = tuple(arm for arm in ARMS if arm.startswith("borrow"))
+"""Arms whose adapters read KV another adapter computed (stock's caches are exact)."""
 NAIVE = {"kvcmas_recompute_boundary": 0, "kvcmas_recompute_mass_fraction": 0.0,
          "kvcmas_recompute_tail": 0}
 """Per-request knobs of naive cross-adapter reuse: every borrowed token read as computed."""
@@ -292,8 +275,7 @@ def run_flows(url: str, flows: list[LoraFlow], tok, max_new: int,
 
 
 def workflow_id(wid: int) -> dict:
-    """A turn's workflow id (``custom_params``): what the ``catchup`` mode keys on; the other
-    arms only count it."""
+    """A turn's workflow id (``custom_params``): the server counts each workflow's turns."""
     return {"kvcmas_workflow": f"lora-{wid}"}
 
 
@@ -356,7 +338,7 @@ def replay(url: str, ref_turns: list[dict], custom: dict | None, exact: bool) ->
         rec = {"wid": t["wid"], "step": t["step"], "agent": t["agent"], "cont": cont,
                "got": forced(url, t["prompt_ids"], cont, body=body,
                              custom={**workflow_id(t["wid"]), **(custom or {})})}
-        if exact:  # kvcmas_exact: under rebase no centroid prefill either
+        if exact:
             rec["exact"] = forced(url, t["prompt_ids"], cont, salt=f"x-{uuid.uuid4()}",
                                   body=body, custom={"kvcmas_exact": True})
         return rec
@@ -427,33 +409,14 @@ def metric_total(url: str, names: tuple[str, ...], label: str = "") -> int:
 
 
 def background_prefilled(url: str) -> int:
-    """Tokens the server prefilled for other adapters than the request's own: background
-    catch-ups (``kvcmas:lora_catchup_tokens``) and centroid prefills
-    (``kvcmas:lora_centroid_tokens``)."""
-    return metric_total(url, ("kvcmas:lora_catchup_tokens_total",
-                              "kvcmas:lora_centroid_tokens_total"), 'kind="prefilled"')
-
-
-def against_cross_adapter_naive(f: dict, naive_from: dict) -> dict:
-    """A centroid-base arm's fidelity with its replay without recompute renamed ``base_*`` and
-    its KL recovered taken against ``naive_from``'s (a borrow arm's) naive cross-adapter reuse,
-    over the turns both measured."""
-    out = {k: v for k, v in f.items() if not k.startswith("naive_") and k != "kl_recovered"}
-    if f.get("naive_kl20") is not None:
-        out["base_kl20"], out["base_tf_top1"] = f["naive_kl20"], f.get("naive_tf_top1")
-    ours, theirs = f.get("per_turn", {}), naive_from.get("per_turn", {})
-    common = [k for k in ours if k in theirs and theirs[k][1] is not None]
-    if common:
-        kl = statistics.fmean(ours[k][0] for k in common)
-        naive = statistics.fmean(theirs[k][1] for k in common)
-        out.update(naive_kl20=naive, naive_turns=len(common),
-                   kl_recovered=1 - kl / naive if naive else None)
-    return out
+    """Tokens the server prefilled on its own: the heads an agent's first request over a long
+    transcript prefills first (``kvcmas:head_prefill_tokens``)."""
+    return metric_total(url, ("kvcmas:head_prefill_tokens_total",), 'kind="prefilled"')
 
 
 def flush(url: str, timeout_s: float = 120.0) -> None:
-    """Flush the server's caches once background prefills (catch-ups) have drained: SGLang
-    refuses (400) while requests run."""
+    """Flush the server's caches once every request has drained: SGLang refuses (400) while
+    requests run."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -603,9 +566,6 @@ def main() -> int:
                 print(f"[lora_head_to_head] arm {arm}: fidelity {shown} "
                       f"(at {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
-    for arm in CENTROID_BASE:
-        if arm in fid:
-            fid[arm] = against_cross_adapter_naive(fid[arm], fid.get("borrow", {}))
     ours_default = DEFAULT_MODE if DEFAULT_MODE in runs else arms[1]
     per_round = 1 if args.shape == "panel" else len(adapters)
     non_owner = {key(t) for t in runs["stock"][0] if t["step"] >= per_round}

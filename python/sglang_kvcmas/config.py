@@ -215,17 +215,12 @@ class ServingConfig:
         kind=float, low=0, high=1)
     lora_share: str = _knob(
         "separate", "LoRA agents (requests naming an adapter): 'separate' keeps each adapter's "
-        "own cache of the transcript, as SGLang does; 'catchup' too, and prefills each turn's "
-        "prompt in the background for the workflow's other adapters while the turn decodes "
-        "(exact; costs background prefill); 'borrow' lets an adapter read the transcript "
-        "another adapter computed, through the same read path as prompt agents (recompute, "
-        "leaf mode); 'rebase' has every adapter request's prompt prefilled first under the "
-        "adapters' centroid (a synthetic adapter, the mean of their deltas), which alone "
-        "writes the shared transcript, and every adapter reads it as 'borrow' reads. Under "
-        "both a reader with an adapter recomputes the first 8 tokens of every span and message "
-        "it borrows and at least the last 32, unless its request sets kvcmas_recompute_boundary "
-        "/ kvcmas_recompute_tail. Requests without an adapter never read an adapter's KV.",
-        kind=str, choices=("separate", "catchup", "borrow", "rebase"))
+        "own cache of the transcript, as SGLang does; 'borrow' lets an adapter read the "
+        "transcript another adapter computed, through the same read path as prompt agents, "
+        "recomputing the first 8 tokens of every span and message and at least the last 32 "
+        "(unless its request sets its own). Requests without an adapter never read an "
+        "adapter's KV.",
+        kind=str, choices=("separate", "borrow"))
 
     def __post_init__(self) -> None:
         for knob in KNOBS:  # defined below, before any instance exists
@@ -316,7 +311,14 @@ REMOVED: dict[str, str] = {
 """Knobs once served and no longer: name -> what replaced it. Their flag, variable and request
 field fail with that message (:func:`removed_message`) instead of being ignored."""
 
+_LORA_GONE = ("use 'borrow' (an adapter reads the transcript another computed, bounded by the "
+              "fidelity monitor) or 'separate' (the default: each adapter's own exact cache)")
+
 REMOVED_CHOICES: dict[tuple[str, str], str] = {
+    ("lora_share", "catchup"): "it was exact as 'separate' is, with a longer makespan; "
+                               + _LORA_GONE,
+    ("lora_share", "rebase"): "its centroid prefill sat on every turn's critical path, slower "
+                              "than 'borrow'; " + _LORA_GONE,
     ("leaf_mode", "lowrank"): _LOWRANK_GONE,
     ("leaf_mode", "lowrank+exact"): _LOWRANK_GONE,
 }

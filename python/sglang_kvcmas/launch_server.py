@@ -36,22 +36,17 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from sglang_kvcmas.config import knob
-from sglang_kvcmas.envs import cache_dir
 from sglang_kvcmas.models.adapter_check import AdapterError
 from sglang_kvcmas.models.registry import known_model
 from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
 from sglang_kvcmas.policy import spend_forecast
-from sglang_kvcmas.policy.lora_share import CENTROID
 from sglang_kvcmas.policy.spend_forecast import ForecastArtifactError
-from sglang_kvcmas.server.lora_args import check_lora_paths, named_adapters
-from sglang_kvcmas.server.lora_centroid import build_centroid, with_centroid
+from sglang_kvcmas.server.lora_args import check_lora_paths
 from sglang_kvcmas.server.options import (
-    LauncherOptions,
     build_sglang_argv,
     knobs_help,
     parse_launcher_args,
@@ -76,25 +71,6 @@ def forecast_artifact(options: Any) -> Path:
     return path.resolve()
 
 
-def centroid_argv(options: LauncherOptions, ranks: dict[str, int]) -> list[str]:
-    """SGLang's argv with ``rebase``'s centroid adapter served beside the named ones.
-
-    Raises:
-        AdapterError: sharing is off, fewer than two adapters are named, or one is not a plain
-            LoRA adapter.
-    """
-    if not options.share_context:
-        raise AdapterError("--kvcmas-lora-share rebase needs --kvcmas-share-context")
-    adapters = named_adapters(options.sglang_argv)
-    if CENTROID in adapters:
-        raise AdapterError(f"--lora-paths: the name {CENTROID!r} is reserved for the centroid")
-    folder = build_centroid(list(adapters.values()), str(cache_dir()))
-    rank = sum(ranks.values())
-    print(f"[sglang-kvcmas] lora_share=rebase: centroid of {len(adapters)} adapters "
-          f"(rank {rank}) at {folder}", file=sys.stderr, flush=True)
-    return with_centroid(list(options.sglang_argv), folder, rank, CENTROID)
-
-
 CPU_THREADS = 1
 """OpenMP threads of a CPU server when ``OMP_NUM_THREADS`` is unset."""
 
@@ -113,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang-kvcmas-server: error: bad --model-path: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
     try:
-        ranks = check_lora_paths(options.sglang_argv, model_path)
+        check_lora_paths(options.sglang_argv, model_path)
     except AdapterError as e:
         print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
         return EXIT_BAD_MODEL
@@ -133,12 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_kvcmas.integration.cpu_runtime import prepare_cpu_server_process
 
         kernel = prepare_cpu_server_process()
-    if options.config.lora_share == "rebase":  # after the threads are set: it loads torch
-        try:
-            options = replace(options, sglang_argv=tuple(centroid_argv(options, ranks)))
-        except AdapterError as e:
-            print(f"sglang-kvcmas-server: error: {e}", file=sys.stderr)
-            return EXIT_BAD_MODEL
     from sglang_kvcmas.integration.serve import explicit_dests, serve
 
     sglang_argv = build_sglang_argv(

@@ -7,9 +7,8 @@ import pytest
 from helpers.bench_scripts import load_script
 
 bench = load_script("benchmark/serving/lora_head_to_head.py")
-ARM_FIELDS, ARMS, CENTROID_BASE, CROSS_ADAPTER = (bench.ARM_FIELDS, bench.ARMS,
-                                                  bench.CENTROID_BASE, bench.CROSS_ADAPTER)
-LoraFlow, against_cross_adapter_naive = bench.LoraFlow, bench.against_cross_adapter_naive
+ARM_FIELDS, ARMS, CROSS_ADAPTER = bench.ARM_FIELDS, bench.ARMS, bench.CROSS_ADAPTER
+LoraFlow = bench.LoraFlow
 build_flows, flow_steps, last_answer = bench.build_flows, bench.flow_steps, bench.last_answer
 parse_adapters, prefilled, request_fields = (bench.parse_adapters, bench.prefilled,
                                              bench.request_fields)
@@ -63,15 +62,15 @@ def test_requests_name_their_adapter_and_workflow():
         "kvcmas_workflow": "lora-3", "kvcmas_head_len": 30, "kvcmas_shared_end": 90}
 
 
-def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatch):
-    """An arm that varies an adapter reader's picks serves as ``rebase`` and sends its fields
+def test_pick_arms_are_borrow_servers_whose_requests_set_valid_fields(monkeypatch):
+    """An arm that varies an adapter reader's picks serves as ``borrow`` and sends its fields
     with every turn (and they are fields the server accepts)."""
     from sglang_kvcmas.policy.request_options import RequestOptions
 
 
-    assert {"rebase_tail64", "rebase_mass10", "rebase_naive"} <= set(ARM_FIELDS)
+    assert {"borrow_tail64", "borrow_mass10", "borrow_naive"} <= set(ARM_FIELDS)
     for arm, fields in ARM_FIELDS.items():
-        assert ARMS[arm] == ARMS["rebase"] and arm in CENTROID_BASE
+        assert ARMS[arm] == ARMS["borrow"] and arm in CROSS_ADAPTER
         opts = RequestOptions.parse(fields)
         assert opts.reads_leaves and opts.overrides
     sent = []
@@ -86,8 +85,8 @@ def test_pick_arms_are_rebase_servers_whose_requests_set_valid_fields(monkeypatc
 
     monkeypatch.setattr(bench, "stream_generate", fake_generate)
     bench.run_flows("url", [LoraFlow(0, "Q?", [["planner"]])], Tok(), 8,
-                    custom=ARM_FIELDS["rebase_tail64"])
-    assert sent == [{"kvcmas_workflow": "lora-0", **ARM_FIELDS["rebase_tail64"]}]
+                    custom=ARM_FIELDS["borrow_tail64"])
+    assert sent == [{"kvcmas_workflow": "lora-0", **ARM_FIELDS["borrow_tail64"]}]
 
 
 def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_path):
@@ -100,23 +99,6 @@ def test_adapters_default_to_the_packaged_roles_and_bad_folders_are_refused(tmp_
     assert parse_adapters(f"a={tmp_path}") == {"a": tmp_path}
     with pytest.raises(SystemExit, match="name=folder"):
         parse_adapters(f"a={tmp_path / 'missing'}")
-
-
-def test_centroid_arms_are_judged_against_the_borrow_arms_naive_reuse_on_common_turns():
-    assert set(CENTROID_BASE) <= set(CROSS_ADAPTER) <= set(ARMS)
-    assert all("rebase" in ARMS[a] for a in CENTROID_BASE)
-    ours = {"tf_top1": 0.98, "kl20": 0.02, "naive_kl20": 0.05, "naive_tf_top1": 0.97,
-            "kl_recovered": 0.6, "per_turn": {"a": [0.01, 0.05], "b": [0.03, 0.05],
-                                              "c": [0.9, 0.9]}}
-    borrow = {"per_turn": {"a": [0.05, 0.1], "b": [0.05, 0.1], "d": [0.1, 0.2],
-                           "c": [0.1, None]}}
-    out = against_cross_adapter_naive(ours, borrow)
-    assert out["base_kl20"] == 0.05 and out["base_tf_top1"] == 0.97
-    assert out["naive_turns"] == 2 and out["naive_kl20"] == pytest.approx(0.1)
-    assert out["kl_recovered"] == pytest.approx(1 - 0.02 / 0.1)
-    assert "naive_tf_top1" not in out
-    alone = against_cross_adapter_naive(ours, {})
-    assert "kl_recovered" not in alone and alone["base_kl20"] == 0.05
 
 
 def test_a_replayed_arm_serves_the_stock_arms_prompts_and_decode_lengths(monkeypatch):
@@ -170,10 +152,10 @@ def test_background_prefills_are_read_from_the_servers_metrics():
     background_prefilled = bench.background_prefilled
 
     body = b"\n".join([
-        b'kvcmas:lora_centroid_tokens_total{kind="prompt"} 500.0',
-        b'kvcmas:lora_centroid_tokens_total{kind="prefilled"} 300.0',
-        b'kvcmas:lora_catchup_tokens_total{kind="prefilled"} 20.0',
-        b'kvcmas:lora_centroid_tokens_created{kind="prefilled"} 1.7e9', b""])
+        b'kvcmas:head_prefill_tokens_total{kind="prompt"} 500.0',
+        b'kvcmas:head_prefill_tokens_total{kind="prefilled"} 300.0',
+        b'kvcmas:other_tokens_total{kind="prefilled"} 20.0',
+        b'kvcmas:head_prefill_tokens_created{kind="prefilled"} 1.7e9', b""])
 
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -188,7 +170,7 @@ def test_background_prefills_are_read_from_the_servers_metrics():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}"
-        assert background_prefilled(url) == 320
+        assert background_prefilled(url) == 300
         body = b"# nothing of ours\n"
         assert background_prefilled(url) == 0
     finally:

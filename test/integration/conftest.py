@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture
 def knobs(monkeypatch):
-    """``knobs(lora_share="rebase", ...)``: the deployment's knobs as the LoRA hooks read them
+    """``knobs(lora_share="borrow", ...)``: the deployment's knobs as the LoRA hooks read them
     (``prefill_requests.serving_config``), defaults elsewhere; each call changes the ones named."""
     from sglang_kvcmas.config import ServingConfig
     from sglang_kvcmas.integration import prefill_requests

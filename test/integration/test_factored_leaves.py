@@ -241,8 +241,8 @@ def test_an_adapter_reader_at_its_own_positions_keeps_its_slots():
 
     adapter, prompt = Req("r1", [1, 2, 3]), Req("r2", [1, 2, 3])
     adapter.lora_id = adapter.extra_key = "solver"
-    h.cache.requests.lora_share = "rebase"
-    assert not h.cache._rereads(adapter, handle([0, 0, 0]))  # the centroid's own positions
+    h.cache.requests.lora_share = "borrow"
+    assert not h.cache._rereads(adapter, handle([0, 0, 0]))  # the owner's own positions
     assert h.cache._rereads(adapter, handle([0, 7, 7]))
     assert h.cache._rereads(prompt, handle([0, 0, 0]))  # prompt agents: as measured before
     h.cache._overlap = True  # a launched batch may read the row: never

@@ -1,4 +1,4 @@
-"""An adapter reader's picks (``policy/lora_share.py``): under ``lora_share=borrow|rebase`` a
+"""An adapter reader's picks (``policy/lora_share.py``): under ``lora_share=borrow`` a
 reader that names an adapter recomputes at least the last ``LORA_RECOMPUTE_TAIL`` borrowed tokens
 before its suffix, the first ``LORA_RECOMPUTE_BOUNDARY`` of every span and message, and the LoRA
 share by owner head mass, each in place of the deployment's (the tree cache, no server); a
@@ -15,7 +15,6 @@ pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang_kvcmas.policy.lora_share import CENTROID, CENTROID_RID  # noqa: E402
 from test_shared_tree_cache import END, NL, SUFFIX, T1, T2, Harness, Req, head  # noqa: E402
 
 
@@ -73,12 +72,11 @@ def _recomputed(lora_picks, tail: int | None, adapter: str | None, mode: str = "
     h.cache.requests.lora_share = mode
     h.cache.recompute_config = replace(h.cache.recompute_config, mass_fraction=mass)
     a, b = head(50, 20), head(60, 8)
-    # The owner: another adapter, or under rebase the centroid (the only writer there).
-    owner, rid = ("planner", "a") if mode != "rebase" else (CENTROID, CENTROID_RID)
-    h.serve(_req(f"{rid}1", a + T1 + SUFFIX, adapter and owner), 0)
+    owner = "planner"  # another adapter
+    h.serve(_req("a1", a + T1 + SUFFIX, adapter and owner), 0)
     h.serve(_req("b1", b + T1 + SUFFIX, adapter), 1)
     peaks = {len(a) + len(T1) + i for i in (3, 9, 17)}
-    h.serve(_req(f"{rid}2", a + T1 + T2 + SUFFIX, adapter and owner), 2,  # it owns T2
+    h.serve(_req("a2", a + T1 + T2 + SUFFIX, adapter and owner), 2,  # it owns T2
             mass=lambda i: 0.9 if i in peaks else 0.01)
     b2 = _req("b2", b + T1 + T2 + SUFFIX, adapter)
     if custom:
@@ -92,7 +90,6 @@ def _recomputed(lora_picks, tail: int | None, adapter: str | None, mode: str = "
 def test_an_adapter_reader_recomputes_the_tail(lora_picks):
     assert _recomputed(lora_picks, 0, "solver") == 0  # no boundary, no head mass recorded here
     assert _recomputed(lora_picks, 8, "solver") == 8
-    assert _recomputed(lora_picks, 8, "solver", mode="rebase") == 8
     with pytest.raises(AssertionError):  # separate: nothing borrowed across adapters
         _recomputed(lora_picks, 8, "solver", mode="separate")
 
@@ -109,8 +106,8 @@ def test_the_served_picks_and_a_requests_own(lora_picks):
     assert (lora_share.LORA_RECOMPUTE_TAIL, lora_share.LORA_RECOMPUTE_BOUNDARY,
             lora_share.LORA_RECOMPUTE_MASS_FRACTION) == (32, 8, 0.0)
     borrowed = len(T2) + END
-    assert _recomputed(lora_picks, None, "solver", mode="rebase") == borrowed // 2
-    assert _recomputed(lora_picks, None, "solver", mode="rebase", custom={
+    assert _recomputed(lora_picks, None, "solver") == borrowed // 2
+    assert _recomputed(lora_picks, None, "solver", custom={
         "kvcmas_recompute_tail": 4, "kvcmas_recompute_boundary": 0}) == 4
     assert _recomputed(lora_picks, None, None) == 0  # no adapter: the deployment's picks
 
@@ -123,7 +120,7 @@ def test_an_adapter_reader_takes_the_lora_mass_share(lora_picks):
     three = round(0.1 * borrowed)
     assert _recomputed(lora_picks, 0, "solver", mass=0.5) == 0  # the LoRA share (0) replaces it
     assert _recomputed(lora_picks, 0, "solver", lora_mass=0.1) == three
-    assert _recomputed(lora_picks, 0, "solver", mode="rebase", lora_mass=0.1, mass=0.5) == three
+    assert _recomputed(lora_picks, 0, "solver", lora_mass=0.1, mass=0.5) == three
     assert _recomputed(lora_picks, 0, None, lora_mass=0.5, mass=0.1) == three
     assert _recomputed(lora_picks, 0, "solver", lora_mass=0.5,
                        custom={"kvcmas_recompute_mass_fraction": 0.1,
@@ -136,12 +133,12 @@ def test_an_adapter_reader_keeps_what_it_recomputes_unless_it_asks_not_to(lora_p
     keeps nothing."""
     lora_picks(tail=8)
     h = LoraHarness(boundary=0)
-    h.cache.requests.lora_share = "rebase"
+    h.cache.requests.lora_share = "borrow"
     a, b = head(50, 20), head(60, 8)
-    h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
+    h.serve(_req("a1", a + T1 + SUFFIX, "planner"), 0)
     h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
     h.serve(_req("c1", b + T1 + SUFFIX, "critic"), 2)
-    h.serve(_req(f"{CENTROID_RID}2", a + T1 + T2 + SUFFIX, CENTROID), 3)
+    h.serve(_req("a2", a + T1 + T2 + SUFFIX, "planner"), 3)
     b2 = _req("b2", b + T1 + T2 + SUFFIX, "solver")
     h.serve(b2, 4)
     assert b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"] == 8
@@ -159,12 +156,12 @@ def test_an_adapter_reader_takes_the_lora_boundary(lora_picks):
     def recomputed(lora_boundary: int, adapter: str | None) -> int:
         lora_picks(tail=0, boundary=lora_boundary)
         h = LoraHarness(boundary=0)
-        h.cache.requests.lora_share = "rebase"
+        h.cache.requests.lora_share = "borrow"
         a, b = head(50, 20), head(60, 8)
-        owner = CENTROID if adapter else None
-        h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, owner), 0)
+        owner = "planner" if adapter else None
+        h.serve(_req("a1", a + T1 + SUFFIX, owner), 0)
         h.serve(_req("b1", b + T1 + SUFFIX, adapter), 1)
-        h.serve(_req(f"{CENTROID_RID}2", a + T1 + T2 + SUFFIX, owner), 2)
+        h.serve(_req("a2", a + T1 + T2 + SUFFIX, owner), 2)
         b2 = _req("b2", b + T1 + T2 + SUFFIX, adapter)
         h.serve(b2, 3)
         return b2.customized_info["kvcmas_reuse"][0]["recomputed_borrowed"]
@@ -175,20 +172,20 @@ def test_an_adapter_reader_takes_the_lora_boundary(lora_picks):
 
 
 def test_an_adapter_readers_boundary_opens_every_message_it_borrows(lora_picks):
-    """A turn's new messages, prefilled by the centroid in one pass, are one borrowed span; the
+    """A turn's new messages, prefilled by another adapter in one pass, are one borrowed span; the
     reader's boundary picks open each message the chat template closes inside it, and without a
     detected chat template only the span."""
     def picks(template: bool) -> tuple[int, ...]:
         lora_picks(tail=0, boundary=3)
         h = LoraHarness(boundary=0)
-        h.cache.requests.lora_share = "rebase"
+        h.cache.requests.lora_share = "borrow"
         if not template:
             h.cache.markers = None
         a, b = head(50, 20), head(60, 8)
         msgs = T2[:10] + [2, NL] + T2[10:20] + [2, NL] + T2[20:]  # three messages
-        h.serve(_req(f"{CENTROID_RID}1", a + T1 + SUFFIX, CENTROID), 0)
+        h.serve(_req("a1", a + T1 + SUFFIX, "planner"), 0)
         h.serve(_req("b1", b + T1 + SUFFIX, "solver"), 1)
-        h.serve(_req(f"{CENTROID_RID}2", a + T1 + msgs + SUFFIX, CENTROID), 2)
+        h.serve(_req("a2", a + T1 + msgs + SUFFIX, "planner"), 2)
         b2 = _req("b2", b + T1 + msgs + SUFFIX, "solver")
         h.match(b2)
         return b2.last_node.recompute

@@ -6,12 +6,9 @@ import pytest
 
 from sglang_kvcmas.policy.lora_share import (
     ADAPTERS,
-    CENTROID_RID,
     caller_extra_key,
-    is_centroid,
     lora_agent,
     sharing_namespace,
-    writes_shared,
 )
 
 A, B = "4ee63f2be01d54428eb8e55a637c4c51", "067056debdcd52e8b39a812851a75344"
@@ -45,8 +42,9 @@ def test_borrow_never_crosses_cache_salt_or_the_callers_extra_key():
 
 
 def test_an_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="lora_share"):
-        sharing_namespace(A, None, A, "mixed")
+    for gone in ("mixed", "catchup", "rebase"):
+        with pytest.raises(ValueError, match="lora_share"):
+            sharing_namespace(A, None, A, gone)
 
 
 def test_two_adapters_behind_one_head_are_two_agents():
@@ -54,19 +52,3 @@ def test_two_adapters_behind_one_head_are_two_agents():
     assert lora_agent(head, None) == head
     assert lora_agent(head, A) != lora_agent(head, B)
     assert lora_agent(head, A).startswith(head)
-
-
-def test_rebase_shares_like_borrow():
-    for salt in (None, "s"):
-        assert sharing_namespace(A, salt, A, "rebase") == sharing_namespace(B, salt, B, "borrow")
-    assert sharing_namespace(None, None, None, "rebase") == (None, None)
-
-
-def test_under_rebase_only_the_centroid_writes_the_shared_transcript():
-    centroid = f"{CENTROID_RID}abc"
-    assert is_centroid(centroid) and not is_centroid("abc") and not is_centroid(None)
-    assert writes_shared("rebase", A, centroid)
-    assert not writes_shared("rebase", A, "user-request-1")
-    assert writes_shared("rebase", None, "user-request-1")  # the base model: as always
-    for mode in ("separate", "catchup", "borrow"):
-        assert writes_shared(mode, A, "user-request-1")

@@ -13,22 +13,14 @@ What ``borrow`` promises, checked here end to end:
   ``/load_lora_adapter`` (400, nothing loaded), and the server keeps serving with nothing
   leaked from its pool.
 
-And what ``catchup`` promises (on the stock server: its requests that name no workflow are plain
-stock serving): after a workflow's adapters have spoken once, each turn finds all but the newest
-message in its own exact cache, with the answers of an exact prefill, and the background prefill
-is counted in ``/metrics``.
-
-And what ``rebase`` promises: every adapter reads the transcript the centroid adapter computed
-and none writes it; exact and base-model requests are stock's; with every borrowed token
-recomputed a reader is its own exact prefill, with none its deviation is the centroid base's,
-below another adapter's KV (``borrow`` with nothing recomputed), and its default picks bring it
-closer.
+And what a ``borrow`` reader's picks promise: with every borrowed token recomputed it is its own
+exact prefill, and its default picks read closer to exact than naive cross-adapter reuse; a
+request that asks to read no other agent's KV is stock's.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -76,7 +68,7 @@ def prompt(question: str, *messages: str) -> str:
 
 
 def borrowed_in(rec: dict) -> int:
-    """Prompt tokens a reuse record read off another agent's (or the centroid's) transcript:
+    """Prompt tokens a reuse record read off another agent's transcript:
     re-positioned, corrected, or recomputed at the reader's picks (the last
     ``LORA_RECOMPUTE_TAIL`` among them)."""
     return (rec.get("reused_repositioned", 0) + rec.get("reused_factored", 0)
@@ -98,9 +90,7 @@ def boot(tmp_path_factory, name: str, flags: list[str]):
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    # Stock LoRA serving; requests that name a workflow also start catch-ups (no other change).
-    stock = boot(tmp_path_factory, "lora-stock", ["--kvcmas-stock-cache",
-                                                  "--kvcmas-lora-share", "catchup"])
+    stock = boot(tmp_path_factory, "lora-stock", ["--kvcmas-stock-cache"])
     try:
         ours = boot(tmp_path_factory, "lora-borrow",
                     ["--kvcmas-share-context", "--kvcmas-lora-share", "borrow"])
@@ -188,105 +178,29 @@ def test_bad_adapters_get_a_clear_400_and_the_server_keeps_serving(servers, tmp_
     assert pool_balanced(ours)
 
 
-def catchup_tokens(url: str, kind: str = "prefilled") -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("kvcmas:lora_catchup_tokens_total{") and kind in line)
-
-
-def settle(url: str, timeout_s: float = 60.0) -> None:
-    """Until the background catch-ups a turn started have finished (their counter is still)."""
-    last, deadline = -1.0, time.monotonic() + timeout_s
-    time.sleep(0.5)
-    while time.monotonic() < deadline:
-        now = catchup_tokens(url, "prompt")
-        if now == last:
-            return
-        last = now
-        time.sleep(0.7)
-
-
-def test_catchup_prefills_the_next_adapters_prompt_exactly(servers):
-    stock, _ = servers
+def test_an_exact_request_reads_no_other_adapters_kv(servers):
+    stock, ours = servers
     q = QUESTION + uuid.uuid4().hex[:6]
-    flow = {"custom_params": {"kvcmas_workflow": f"catchup-{uuid.uuid4().hex[:8]}"}}
-    messages: list[str] = []
-    before = catchup_tokens(stock)
-    for turn, role in enumerate([*ROLES, *ROLES]):
-        text = prompt(q, *messages)
-        body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8, **flow}}
-        got = generate(stock, text, role, **body)
-        exact = generate(stock, text, role, cache_salt=f"x-{uuid.uuid4()}")  # nothing cached
-        assert got["output_ids"] == exact["output_ids"]
-        if turn >= len(ROLES):  # every adapter has spoken: all but the last message is cached
-            new = len(got["output_ids"]) + 12  # the message and its chat markers
-            assert got["meta_info"]["cached_tokens"] >= got["meta_info"]["prompt_tokens"] - new
-        messages.append(got["text"].strip())
-        settle(stock)
-    assert catchup_tokens(stock) > before
-
-
-@pytest.fixture(scope="module")
-def rebase(tmp_path_factory, servers):
-    """Ours with ``--kvcmas-lora-share rebase`` (the centroid joins ``--lora-paths``, and
-    ``--max-lora-rank 8`` is raised to its rank 24; a read asking every borrowed token by mass,
-    as the control read below does, recomputes every one), beside the stock server."""
-    process = boot(tmp_path_factory, "lora-rebase",
-                   ["--kvcmas-share-context", "--kvcmas-lora-share", "rebase"])
-    try:
-        for role in ROLES:
-            generate(process.url, prompt("What is 2 + 2?"), role)
-        yield servers[0], process.url
-    finally:
-        process.stop()
-
-
-def centroid_tokens(url: str, kind: str = "prompt") -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("kvcmas:lora_centroid_tokens_total{") and kind in line)
-
-
-def test_rebase_adapters_read_the_centroids_transcript_and_write_none(rebase):
-    """Every adapter, the first included, reads the transcript the centroid computed; only
-    the centroid writes shared nodes; exact and base-model requests are stock's."""
-    stock, url = rebase
-    q = QUESTION + uuid.uuid4().hex[:6]
-    before = centroid_tokens(url)
-    first = generate(url, prompt(q), "planner")
-    assert borrowed(first) > 80  # the question, computed by the centroid just before
-    assert centroid_tokens(url) >= before + 100
-    second = generate(url, prompt(q, PLAN), "solver")
-    assert borrowed(second) > 80
-    # Asked to read no other agent's KV: no centroid prefill, stock's tokens.
-    before = centroid_tokens(url)
-    exact = generate(url, prompt(q, PLAN), "critic",
+    generate(ours, prompt(q), "planner")
+    exact = generate(ours, prompt(q, PLAN), "critic",
                      sampling_params={"temperature": 0, "max_new_tokens": 8,
                                       "custom_params": {"kvcmas_exact": True}})
-    assert borrowed(exact) == 0 and centroid_tokens(url) == before
+    assert borrowed(exact) == 0
     assert exact["output_ids"] == generate(stock, prompt(q, PLAN), "critic")["output_ids"]
-    base = {u: generate(u, prompt(q, PLAN)) for u in (stock, url)}
-    assert borrowed(base[url]) == 0 and centroid_tokens(url) == before
-    assert base[url]["output_ids"] == base[stock]["output_ids"]
-    assert pool_balanced(url)
+    assert pool_balanced(ours)
 
 
-def test_rebase_reads_the_centroid_base_within_the_adapters_spread(rebase, servers):
-    """What ``rebase`` promises a reader: its view of the transcript is the centroid adapter's
-    exact prefill of it, its picks recomputed with its own adapter over that base. So with every
-    borrowed token picked it is its own exact prefill; with none, its deviation from exact is the
-    centroid base's, which lies within the adapters' spread (less than reading another
-    adapter's exact KV, ``borrow`` with nothing recomputed); its default picks take it closer.
-    Teacher-forced over the exact greedy continuation, each read under a fresh ``cache_salt``."""
+def test_a_borrow_readers_picks_bring_it_closer_to_exact(servers):
+    """With every borrowed token picked a reader is its own exact prefill; with its default
+    picks it deviates from exact less than naive cross-adapter reuse (nothing recomputed).
+    Teacher-forced over the exact greedy continuation, each read under a fresh ``cache_salt``,
+    the transcript owned by another adapter."""
     from transformers import AutoTokenizer
 
     from sglang_kvcmas.models.resolve import resolve_model_path
     from sglang_kvcmas_bench.forced_reads import compare, forced
 
     stock, borrow = servers
-    _, url = rebase
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     ids = tok.encode(prompt(QUESTION + uuid.uuid4().hex[:6], PLAN), add_special_tokens=False)
     solver = {"lora_path": "solver"}
@@ -294,19 +208,17 @@ def test_rebase_reads_the_centroid_base_within_the_adapters_spread(rebase, serve
                     sampling_params={"temperature": 0, "max_new_tokens": 16})["output_ids"]
     ref = forced(stock, ids, cont, f"exact-{uuid.uuid4()}", body=solver)
 
-    def read(server: str, config: tuple[int, float, int] | None, owner: str | None = None):
+    def read(config: tuple[int, float, int] | None):
         salt = f"read-{uuid.uuid4()}"
-        generate(server, prompt("What is 2 + 2?"), "solver", cache_salt=salt)  # its head
-        if owner is not None:  # the first adapter to compute the transcript owns it
-            generate(server, None, owner, input_ids=ids + cont, cache_salt=salt)
-        got = forced(server, ids, cont, salt, config=config, body=solver)
+        generate(borrow, prompt("What is 2 + 2?"), "solver", cache_salt=salt)  # its head
+        generate(borrow, None, "planner", input_ids=ids + cont, cache_salt=salt)  # the owner
+        got = forced(borrow, ids, cont, salt, config=config, body=solver)
         assert borrowed_in(got["record"]) > 80, got["record"]
         return compare(ref, got, cont)
 
-    picked_all = read(url, (0, 1.0, 0))
-    centroid = read(url, (0, 0.0, 0))
-    default = read(url, None)
-    naive = read(borrow, (0, 0.0, 0), owner="planner")
+    picked_all = read((0, 1.0, 0))
+    default = read(None)
+    naive = read((0, 0.0, 0))
     assert picked_all["top1"] == 1.0 and picked_all["kl20"] < 1e-6, picked_all
-    assert default["kl20"] < centroid["kl20"] < naive["kl20"], (default, centroid, naive)
-    assert pool_balanced(url) and pool_balanced(borrow)
+    assert default["kl20"] < naive["kl20"], (default, naive)
+    assert pool_balanced(borrow)

@@ -3,9 +3,8 @@
 A request's ``kvcmas_*`` options and its split into agent head + shared transcript + suffix are
 parsed once and kept on the request (``req._kvcmas_state``), so nothing outlives a request that
 is aborted while it waits. Beside them: the request's sharing namespace, its shared-context token
-ids (copied once), whether its computed transcript tokens join the shared tree (``rebase``: only
-the centroid's) and whether it reads no other agent's KV. The request attributes the cache and the
-turn-order hook share are named here too.
+ids (copied once) and whether it reads no other agent's KV. The request attributes the cache and
+the turn-order hook share are named here too.
 """
 
 from __future__ import annotations
@@ -17,12 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sglang_kvcmas.policy.fidelity import EXACT_LEVEL
-from sglang_kvcmas.policy.lora_share import (
-    is_centroid,
-    lora_agent,
-    sharing_namespace,
-    writes_shared,
-)
+from sglang_kvcmas.policy.lora_share import lora_agent, sharing_namespace
 from sglang_kvcmas.policy.request_options import RequestOptions
 from sglang_kvcmas.tokens import as_token_array
 from sglang_kvcmas.tree.agent_split import AgentSplit, split_request
@@ -108,31 +102,23 @@ class AgentRequests:
 
     def namespace(self, req: Req) -> tuple:
         """The request's sharing namespace: never across ``extra_key`` or ``cache_salt``; across
-        LoRA adapters only under ``lora_share=borrow|rebase`` (``policy/lora_share.py``)."""
+        LoRA adapters only under ``lora_share=borrow`` (``policy/lora_share.py``)."""
         return sharing_namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None),
                                  getattr(req, "lora_id", None), self.lora_share)
 
     def reads_across_adapters(self, req: Req) -> bool:
-        """Whether ``req`` names an adapter and may read KV another adapter (or the centroid)
-        computed (``lora_share=borrow|rebase``)."""
-        return self.lora_share in ("borrow", "rebase") and getattr(req, "lora_id", None) \
-            is not None
-
-    def writes_shared(self, req: Req) -> bool:
-        """Whether the request's computed transcript tokens join the shared tree (under
-        ``lora_share=rebase`` only the centroid's do)."""
-        return writes_shared(self.lora_share, getattr(req, "lora_id", None), req.rid)
+        """Whether ``req`` names an adapter and may read KV another adapter computed
+        (``lora_share=borrow``)."""
+        return self.lora_share == "borrow" and getattr(req, "lora_id", None) is not None
 
     def wants_exact(self, req: Req) -> bool:
         """Whether the request reads no other agent's KV: it asked to (``kvcmas_exact``), its
-        scheduling pass had prefill to spare (:data:`SPARE_ATTR`), the fidelity loop serves
-        its namespace or agent exactly, or it is a centroid prefill (``lora_share=rebase``: the
-        base every adapter reads)."""
+        scheduling pass had prefill to spare (:data:`SPARE_ATTR`), or the fidelity loop serves
+        its namespace or agent exactly."""
         if getattr(req, SPARE_ATTR, False):
             return True
         options = self.options(req)
-        return options.exact or options.fidelity_level >= EXACT_LEVEL or (
-            self.lora_share == "rebase" and is_centroid(req.rid))
+        return options.exact or options.fidelity_level >= EXACT_LEVEL
 
     def shared_tokens(self, req: Req) -> np.ndarray:
         """[n] int64 the request's shared-context token ids (copied once: a lasting view would

@@ -12,10 +12,7 @@ answered with a 400 that names it and never reaches the scheduler, whose loop mu
   every prompt's ``custom_params`` is parsed strictly
   (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
   (an error event on a stream that has not started). While an OpenAI stream is being served it
-  also collects the reuse records for the stream's usage chunk (``usage_stream.py``). Under
-  ``--kvcmas-lora-share catchup`` an adapter request of a workflow starts the background
-  catch-ups of the workflow's other adapters (``lora_catchup.py``); under ``rebase`` an adapter
-  request waits for the centroid adapter's prefill of its prompt (``lora_rebase.py``). An
+  also collects the reuse records for the stream's usage chunk (``usage_stream.py``). An
   agent's first request over a long transcript has its head prefilled on its own, so it can
   borrow (``head_first.py``). Sampled reader turns are checked against exact serving, and
   every request is served at the fidelity loop's level (``fidelity_monitor.py``).
@@ -32,8 +29,6 @@ from typing import Any
 from sglang_kvcmas.integration import (
     fidelity_monitor,
     head_first,
-    lora_catchup,
-    lora_rebase,
     usage_stream,
     workflow_accounting,
 )
@@ -102,8 +97,6 @@ def generate_around(original: Any, manager: Any, obj: Any, request: Any = None, 
     head_first.before_request(original, manager, obj, options)
     outputs = original(manager, obj, request, *args, **kwargs)
     outputs = fidelity_monitor.watching(outputs, ticket, original, manager)
-    outputs = lora_catchup.around_request(original, manager, obj, options, outputs)
-    outputs = lora_rebase.around_request(original, manager, obj, options, outputs)
     workflows = [opts.workflow if opts is not None else None for opts in options]
     return usage_stream.collecting(workflow_accounting.observing(outputs, workflows))
 

@@ -297,9 +297,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     @staticmethod
     def _across_adapters(config: RecomputeConfig, own_knobs: dict) -> RecomputeConfig:
-        """``config`` for a reader with an adapter under ``borrow`` or ``rebase``: at least the
-        LoRA tail, the LoRA boundary and the LoRA mass share (``policy/lora_share.py``), each
-        where the request does not set its own."""
+        """``config`` for a reader with an adapter under ``borrow``: at least the LoRA tail,
+        the LoRA boundary and the LoRA mass share (``policy/lora_share.py``), each where the
+        request does not set its own."""
         changes: dict = {}
         if "recompute_tail" not in own_knobs:
             changes["tail_tokens"] = max(config.tail_tokens, LORA_RECOMPUTE_TAIL)
@@ -443,7 +443,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             ))
             req._kvcmas_accounted = True
         covered = split.head_len + handle.shared_end if handle is not None else req.prefix_len
-        if split is not None and covered < split.shared_end and self.requests.writes_shared(req):
+        if split is not None and covered < split.shared_end:
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
             ns = self.requests.namespace(req)
@@ -473,8 +473,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if isinstance(req.last_node, SharedPrefixHandle):
             try:
                 self._adopt_recomputed(req, req.last_node, up_to)
-                if self.requests.writes_shared(req):
-                    self._register_borrowed(req, req.last_node, up_to)
+                self._register_borrowed(req, req.last_node, up_to)
             except Exception:  # what it computed is not shared; its slots go at release
                 self._fault(req, "checkpoint")
         else:
@@ -482,8 +481,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 # Outputs re-enter through the shared transcript; keep only the prompt.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
-            if split is not None and self.requests.writes_shared(req) \
-                    and self.requests.namespace(req) not in self.broken_namespaces:
+            if split is not None and self.requests.namespace(req) not in self.broken_namespaces:
                 try:
                     self._register_exact(req, split, up_to)
                 except Exception:  # the radix cache holds its KV; only sharing is lost
@@ -560,9 +558,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _rereads(self, req: Req, handle: SharedPrefixHandle) -> bool:
         """Whether a factored reader's row is re-pointed right after its prefill: never while a
         launched batch may still read it; else always but for a reader with an adapter
-        (``lora_share=borrow|rebase``) that reads every borrowed token at its own position
-        (``rebase``: the centroid prefilled the same prompt), whose decode stays on the plain
-        path with its recomputed slots (re-reading would leave it for the deviations alone)."""
+        (``lora_share=borrow``) that reads every borrowed token at its own position, whose
+        decode stays on the plain path with its recomputed slots (re-reading would leave it for
+        the deviations alone)."""
         if self.rows_in_flight:
             return False
         if not self.requests.reads_across_adapters(req):
