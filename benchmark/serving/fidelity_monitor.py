@@ -24,6 +24,10 @@ benchmark's full run, not from here: the line prints ``jcr=n/a``.
 
     python benchmark/serving/fidelity_monitor.py --quick       # all three phases
     python benchmark/serving/fidelity_monitor.py --phases fault --fault-waves 4
+    python benchmark/serving/fidelity_monitor.py --quick --phases idle --idle-debates 6 --profile
+
+``--profile`` samples each arm's scheduler with py-spy while the idle and loaded phases run and
+writes where its time went (``sglang_kvcmas_bench.scheduler_profile``) beside the result.
 
 Writes ``results/fidelity_monitor[_quick][_<model>].json`` and its index row (server logs under
 ``results/fidelity_monitor[_quick]/``) and prints a ``HEADLINE`` line.
@@ -46,6 +50,8 @@ from sglang_kvcmas_bench.chat_workloads import Workload, answer_of, build, chat,
 from sglang_kvcmas_bench.figures import fmt
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
+from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
+from sglang_kvcmas_bench.scheduler_profile import report as profile_report
 from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, run_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -145,8 +151,14 @@ def _each_arm(phase: str, w: Workload, at_once: bool, model, args, logs: Path,
                        [*model.server_args, "--max-total-tokens", str(args.pool)]) as server:
             served = _served(server.url)
             chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
+            raw = logs / f"profile_{phase}_{arm}.raw"
+            spy = SchedulerProfile(server.proc.pid, raw).start() if args.profile else None
             t0 = time.perf_counter()
             turns = _run(server.url, served, w, f"{phase}-{arm}", at_once=at_once)
+            if spy is not None and spy.stop() is not None:
+                record(logs.parent / f"{logs.name}_profile_{phase}_{arm}.txt",
+                       profile_report(raw), what=f"py-spy profile of the {arm} scheduler "
+                       f"during the {phase} phase")
             out[arm] = {"turns": turns, "makespan_s": time.perf_counter() - t0,
                         "fidelity": kvcmas_state(server.url).get("fidelity")}
             if arm == "kvcmas" and kvcmas_extra is not None:
@@ -247,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-tokens", type=int, default=1200, help="(quick: 600)")
     p.add_argument("--pool", type=int, default=60000)
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy each arm's scheduler in the idle and loaded phases")
     p.add_argument("--keep", type=Path, help="a result file of this benchmark: the phases not "
                    "run now are taken from it (each phase records the commit it ran at)")
     add_model_arg(p)
