@@ -82,6 +82,7 @@ from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import reuse_accounting
 from sglang_kvcmas.integration.agent_requests import (
     REGISTERED_ATTR,
+    SPARE_ATTR,
     AgentRequests,
     continues_at,
     readers_of,
@@ -477,8 +478,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             except Exception:  # what it computed is not shared; its slots go at release
                 self._fault(req, "checkpoint")
         else:
-            if split is not None and req.finished():
-                # Outputs re-enter through the shared transcript; keep only the prompt.
+            if split is not None and req.finished() and not getattr(req, SPARE_ATTR, False):
+                # Outputs re-enter through the shared transcript; keep only the prompt. Served in
+                # a spare pass, the outputs stay on its path as the radix cache keeps them: an
+                # idle server's next turn, served exactly too, finds them there.
                 up_to = max(min(up_to, len(req.origin_input_ids)), req.kv.cache_protected_len)
             super().checkpoint(req, up_to=up_to, **kwargs)
             if split is not None and self.requests.namespace(req) not in self.broken_namespaces:
