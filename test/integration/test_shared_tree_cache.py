@@ -96,19 +96,23 @@ class Harness:
         req.prefix_len, req.last_node = res.device_prefix_len, res.last_device_node
         req.kv.cache_protected_len = req.num_matched_prefix_tokens = req.prefix_len
 
-    def serve(self, req, row, mass=None):
+    def serve(self, req, row, mass=None, outputs=()):
         """Match, lock, allocate, prefill, checkpoint, finish and release, as the scheduler.
 
-        ``mass(i)`` stands in for the backend's head-mass probe: the mass of row index i."""
+        ``mass(i)`` stands in for the backend's head-mass probe: the mass of row index i.
+        ``outputs``: tokens the request generated; its last checkpoint covers them too."""
         n = len(req.origin_input_ids)
+        total = n + len(outputs)
+        if outputs:
+            req.full_untruncated_fill_ids = array("q", [*req.origin_input_ids, *outputs])
         self.match(req)
         req.lock = self.cache.lock(req.last_node)
         prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                   else torch.empty(0, dtype=torch.int64))
-        new = torch.arange(self.next_slot, self.next_slot + n - req.prefix_len)
+        new = torch.arange(self.next_slot, self.next_slot + total - req.prefix_len)
         self.next_slot += len(new)
         self.allocated += new.tolist()
-        self.pool.req_to_token[row, :n] = torch.cat([prefix, new])
+        self.pool.req_to_token[row, :total] = torch.cat([prefix, new])
         req.kv.req_pool_idx = row
         self.cache.maybe_hand_to_session(req)
         entry = getattr(req, "kvcmas_row", None)
@@ -119,8 +123,8 @@ class Harness:
         prefix_slots = self.pool.req_to_token[row, : req.prefix_len].tolist()
         self.cache.checkpoint(req, up_to=n)
         req.done = True
-        self.cache.checkpoint(req, up_to=n)
-        self.alloc.free(self.pool.req_to_token[row, req.kv.cache_protected_len : n])
+        self.cache.checkpoint(req, up_to=total)
+        self.alloc.free(self.pool.req_to_token[row, req.kv.cache_protected_len : total])
         self.cache.unlock(req.lock)
         self.cache.on_release(req, checkpointed=True)
         assert self.cache.shared.check_invariants() == []

@@ -5,11 +5,9 @@ exactly, as under radix; otherwise the turn order is as before and nothing is ma
 
 from __future__ import annotations
 
-from array import array
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
@@ -154,29 +152,6 @@ def test_a_fault_in_the_spare_check_leaves_the_turn_order_as_it_was(fresh, monke
     assert h.cache.faults == faults + 1 and not hasattr(reader, SPARE_ATTR)
 
 
-def finished_with_outputs(h, req, row, outputs):
-    """Serve ``req`` (its prompt) and finish it having generated ``outputs``: the scheduler's
-    last checkpoint covers the prompt and the outputs."""
-    n = len(req.origin_input_ids)
-    req.full_untruncated_fill_ids = array("q", list(req.origin_input_ids) + outputs)
-    h.match(req)
-    req.lock = h.cache.lock(req.last_node)
-    prefix = (h.cache.prefix_device_indices(req) if req.prefix_len
-              else torch.empty(0, dtype=torch.int64))
-    total = n + len(outputs)
-    new = torch.arange(h.next_slot, h.next_slot + total - req.prefix_len)
-    h.next_slot += len(new)
-    h.pool.req_to_token[row, :total] = torch.cat([prefix, new])
-    req.kv.req_pool_idx = row
-    h.cache.maybe_hand_to_session(req)
-    h.cache.checkpoint(req, up_to=n)
-    req.done = True
-    h.cache.checkpoint(req, up_to=total)
-    h.alloc.free(h.pool.req_to_token[row, req.kv.cache_protected_len : total])
-    h.cache.unlock(req.lock)
-    h.cache.on_release(req, checkpointed=True)
-
-
 @pytest.mark.parametrize("spare", [True, False])
 def test_outputs_stay_on_the_radix_path_only_when_a_spare_pass_served_the_turn(fresh, spare):
     """Served in a spare pass, an exact turn keeps its outputs on its radix path, as the radix
@@ -186,7 +161,7 @@ def test_outputs_stay_on_the_radix_path_only_when_a_spare_pass_served_the_turn(f
     if spare:
         setattr(leader, SPARE_ATTR, True)
     outputs = list(range(300, 340))
-    finished_with_outputs(h, leader, 2, outputs)
+    h.serve(leader, 2, outputs=outputs)
     nxt = Req("a3", A + T1 + T2 + SUFFIX + outputs + [7, 8])
     found = h.cache.radix_peek(nxt, len(nxt.origin_input_ids))
     prompt = len(leader.origin_input_ids)
