@@ -10,6 +10,9 @@ Parts (each one server at a time, same binary, same KV pool):
   then decode ``--decode-tokens`` tokens each, all at once (after one warm turn each, so radix
   decodes from its own exact copies and ours from the owner's, re-positioned, plus each reader's
   leaves). Decode rate = tokens after the first / time from first to last token, over the batch.
+  The spare pass is off here (``KVCMAS_SPARE_PREFILL=0``, every arm): one warm turn at a time,
+  it would serve each reader exactly, and the part would time radix's path twice.
+  ``--decode-variants`` adds kvcmas arms with other flags (e.g. exact leaves).
 - ``panel``: 16 agents with their own system prompts introduce themselves in one short round,
   then review one essay document (≥ 7k tokens) in two rounds (the second reads the first's
   answers): makespan, non-owner TTFT (document rounds), peak KV held vs the one-copy ideal. The
@@ -68,13 +71,16 @@ def say(text: str) -> None:
 
 
 def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool: int,
-               out: Path, model_args: list[str] | None = None) -> dict:
+               out: Path, model_args: list[str] | None = None,
+               flags: list[str] | None = None, server_arm: str | None = None) -> dict:
     """Decode tokens/s of ``readers`` agents at once over each context, one server
-    (``model_args``: the launcher's ``--model-path``, default the embedded model)."""
+    (``model_args``: the launcher's ``--model-path``, default the embedded model; the server is
+    ``server_arm``, default ``arm``, with ``flags`` added), the spare pass off."""
     heads = [system_prompt(p) for p in PERSONAS[: readers + 1]]
     rows = {}
-    with ArmServer(arm, out / f"scale_decode_{arm}.log",
-                   [*(model_args or []), "--max-total-tokens", str(pool)]) as server:
+    with ArmServer(server_arm or arm, out / f"scale_decode_{arm}.log",
+                   [*(model_args or []), "--max-total-tokens", str(pool), *(flags or [])],
+                   env={"KVCMAS_SPARE_PREFILL": "0"}) as server:
         for c in contexts:
             stream(server.url, tok.encode("Warm up."), 2)
             doc = essay_ids(tok, c)
@@ -107,7 +113,7 @@ def parse_variants(text: str) -> dict[str, list[str]]:
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, flags = part.partition("=")
         if not sep or not name.strip() or name.strip() in ("radix", "kvcmas"):
-            raise SystemExit(f"--panel-variants: expected NAME=FLAGS (NAME not radix or "
+            raise SystemExit(f"--*-variants: expected NAME=FLAGS (NAME not radix or "
                              f"kvcmas), got {part!r}")
         out[name.strip()] = flags.split()
     return out
@@ -121,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8000])
     ap.add_argument("--readers", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-variants", default="",
+                    help="more kvcmas decode arms, 'NAME=FLAGS;...', e.g. "
+                         "'exact=--kvcmas-leaf-mode exact'")
     ap.add_argument("--panel-agents", type=int, default=16)
     ap.add_argument("--panel-doc", type=int, default=7000, help="document tokens")
     ap.add_argument("--panel-tokens", type=int, default=24, help="answer tokens per turn")
@@ -159,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         result["host"] = {k: host[k] for k in ("host_ms_per_admission", "hook_ms_per_iter",
                                                "hook_waiting", "hook_held")}
     if "decode" in parts:
-        decode = {arm: decode_arm(arm, tok, args.contexts, args.readers, args.decode_tokens,
-                                  args.pool, logs, model.server_args)
-                  for arm in ("radix", "kvcmas")}
+        arms = {"radix": ("radix", []), "kvcmas": ("kvcmas", []),
+                **{n: ("kvcmas", f) for n, f in parse_variants(args.decode_variants).items()}}
+        decode = {name: decode_arm(name, tok, args.contexts, args.readers, args.decode_tokens,
+                                   args.pool, logs, model.server_args, flags, server_arm)
+                  for name, (server_arm, flags) in arms.items()}
         ratios = {c: decode["kvcmas"][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
                   for c in args.contexts}
-        result["decode"] = {"arms": decode, "ratio_by_context": ratios}
+        result["decode"] = {"arms": decode, "ratio_by_context": ratios, "variant_ratios": {
+            name: {c: decode[name][c]["decode_tok_s"] / decode["radix"][c]["decode_tok_s"]
+                   for c in args.contexts} for name in arms if name not in ("radix", "kvcmas")}}
     if "panel" in parts:
         variants = {"kvcmas": [], **parse_variants(args.panel_variants)}
         stock = [a for a in args.panel_arms.split(",") if a]
@@ -217,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode at {result['decode']['arms']['radix'][c]['context']} tokens, {args.readers} readers: "
               f"kvcmas {result['decode']['arms']['kvcmas'][c]['decode_tok_s']:.1f} tok/s vs "
               f"radix {result['decode']['arms']['radix'][c]['decode_tok_s']:.1f} ({r:.2f}x)")
+        for name, by in result["decode"]["variant_ratios"].items():
+            print(f"  variant {name}: {by[c]:.2f}x radix")
     if "panel" in result:
         p = result["panel"]
         print(f"panel ({args.panel_agents} agents, {args.panel_doc}-token document), peak KV / "
@@ -240,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"hook_ms_per_iter_16agents={fmt(host and host['hook_ms_per_iter'], 3)} "
                 f"decode_ratio_vs_radix={fmt(min(ratios.values()) if ratios else None, 2)} "
                 f"router_sharing_ratio={router_txt}")
+    variants = "".join(
+        f"; decode {name} {', '.join(f'{r:.2f}x' for r in by.values())}"
+        for name, by in result.get("decode", {}).get("variant_ratios", {}).items())
     record(out, json.dumps(result, indent=1) + "\n", command=result["command"],
            what=f"sharing at scale ({model.name}, pool {args.pool}), parts "
-                f"{', '.join(sorted(parts))}: `{headline}`; {result['seconds']:.0f} s")
+                f"{', '.join(sorted(parts))}: `{headline}`{variants}; "
+                f"{result['seconds']:.0f} s")
     print(headline)
     return 0
 

@@ -117,7 +117,7 @@ def test_factored_tokens_add_their_deviations_as_the_gathered_rows_do(rope_name)
 
     rope = ROPES[rope_name]
     lens, n_shifts, h, hkv, d, layers = [40, 45, 50, 130], [2, 1, 0, 3], 6, 2, 64, 2
-    pool, slots, shifts = batch(lens, n_shifts, hkv, seed=17)
+    pool, slots, first = batch(lens, n_shifts, hkv, seed=17)
     g = torch.Generator().manual_seed(4)
 
     def factors(m, r, zero_layer=None):
@@ -139,9 +139,12 @@ def test_factored_tokens_add_their_deviations_as_the_gathered_rows_do(rope_name)
               LeafReads([part([100, 101], 4, moved=3)])]  # positions not the row indices
     k_cache, v_cache = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
     query = torch.randn(len(lens), h, d)
-    plan = plan_batched_decode(slots, shifts, rope, leaves=leaves)
-    assert not plan.rest
-    for layer in range(layers):
+    # The same leaves read under other shifts (a plan of other rows' shifts): the deviations
+    # kept rotated for the first shifts must not be read under the second.
+    other = batch(lens, n_shifts, hkv, seed=18)[2]
+    for layer, shifts in [(0, first), (1, first), (0, other), (1, other), (0, first)]:
+        plan = plan_batched_decode(slots, shifts, rope, leaves=leaves)
+        assert not plan.rest
         out = torch.full_like(query, float("nan"))
         batched_shift_decode(query, k_cache, v_cache, plan, rope, d**-0.5, out, layer)
         for i, (sl, ks, lr) in enumerate(zip(slots, shifts, leaves)):

@@ -263,6 +263,14 @@ def test_materialized_deviations_are_counted_while_their_row_lives():
     held = 2 * (2 * 5 * 2 * 8 * 4)  # two layers of K and V, [5, 2, 8] float32 each
     assert reads.materialized_nbytes() == held == MaterializedBytes.now - before
     assert MaterializedBytes.peak >= MaterializedBytes.now
+    shift, rope, cpu = torch.tensor([0, 3, 3, -2, 0]), rope_inv_freq(8), torch.device("cpu")
+    dk, _ = reads.in_owner_frame(1, shift, rope, cpu)
+    assert reads.in_owner_frame(1, shift.clone(), rope, cpu)[0] is dk
+    held += 5 * 2 * 8 * 4  # the keys rotated for the decode's shifts: kept, and counted
+    assert reads.materialized_nbytes() == held == MaterializedBytes.now - before
+    moved = reads.in_owner_frame(1, shift + 1, rope, cpu)[0]
+    torch.testing.assert_close(moved, apply_rope(first.k, first.positions - shift - 1, rope))
+    assert reads.materialized_nbytes() == held  # other shifts replace them
     reads.release()  # the request is done: given back at once
     assert reads.materialized_nbytes() == 0 and MaterializedBytes.now == before
     reads.layer(2)  # read again (a stale plan): expanded again, and counted

@@ -21,9 +21,9 @@ A row's tokens read through factored leaves (``attention/deviation_factors.py``:
 re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)
 have their deviations added to the bucket's gathered copies of their keys and values, the key's
 rotated to the owner's position ``p − δ`` as the gathered key sits there:
-``R(−δ)q · (k + R(p−δ)Δk) = q · (R(δ)k + R(p)Δk)``. The deviations come materialized once per
-layer and request (``LeafReads.layer``), so a decode step pays a gather-add for them, not a
-re-expansion of their factors.
+``R(−δ)q · (k + R(p−δ)Δk) = q · (R(δ)k + R(p)Δk)``. The deviations come expanded and rotated
+once per layer and request (``LeafReads.in_owner_frame``), so a decode step pays one index-add
+per row for them, not a re-expansion of their factors or a rotation.
 
 The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
 the keys); ``test/attention/test_batched_decode.py`` compares them over awkward batches, and
@@ -39,7 +39,6 @@ import torch
 from sglang_kvcmas.attention.deviation_factors import LeafReads
 from sglang_kvcmas.attention.rope import (
     ShiftRope,
-    apply_rope,
     as_shift_rope,
     rope_cos_sin,
     rotate,
@@ -69,7 +68,9 @@ class DecodeBucket:
         pad_bias: [R, 1, 1, L] float32, 0 for a key, -inf for padding.
         cos, sin: [R, S, rotary_dim // 2] float32 of each row's shifts negated (padding: 0).
         shifts: [R, S] int64 each row's shifts (padding: 0).
-        leaves: (bucket row, its factored-leaf tokens) for the rows that read some.
+        leaves: per row that reads factored leaves: (its factored tokens, [m] int64 each
+            token's shift in the row, [m] int64 the tokens' indices into the bucket's
+            flattened ``[R * L]`` keys).
     """
 
     rows: torch.Tensor
@@ -79,7 +80,7 @@ class DecodeBucket:
     cos: torch.Tensor
     sin: torch.Tensor
     shifts: torch.Tensor
-    leaves: tuple[tuple[int, LeafReads], ...] = ()
+    leaves: tuple[tuple[LeafReads, torch.Tensor, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,10 @@ def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope,
     bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
     cos, sin = rope_cos_sin(neg.flatten(), rope.inv_freq)
     half = cos.shape[-1]
+    read = [] if leaves is None else [
+        (r, leaves[i]) for r, i in enumerate(rows) if leaves[i] is not None and len(leaves[i])]
+    leaf_rows = tuple(
+        (lr, -neg[r, index[r, lr.rows]], (r * n_max + lr.rows).to(device)) for r, lr in read)
     return DecodeBucket(
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
         slots=slots,
@@ -161,36 +166,8 @@ def _bucket(rows: list[int], kv_slots, shifts, table, rope: ShiftRope,
         cos=cos.view(len(rows), s_max, half).to(device),
         sin=sin.view(len(rows), s_max, half).to(device),
         shifts=-neg,
-        leaves=tuple((r, leaves[i]) for r, i in enumerate(rows)
-                     if leaves is not None and leaves[i] is not None and len(leaves[i])),
+        leaves=leaf_rows,
     )
-
-
-def _leaf_terms(b: DecodeBucket, layer: int, rope: ShiftRope, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The bucket's factored tokens at ``layer``: (bucket rows [T], key indices [T], key
-    deviations rotated to their owner's positions [T, H_kv, d], value deviations
-    [T, H_kv, d]), or None where there are none (or all are zero there).
-
-    The gathered keys sit at their owners' positions and each row's query is rotated back by
-    the key's shift, so a deviation rotated to the token's own position ``p`` joins its key
-    rotated to ``p - shift``: ``R(−δ)q · R(p−δ)Δk = q · R(p)Δk``."""
-    rows, keys, pos, dks, dvs = [], [], [], [], []
-    for r, lr in b.leaves:
-        td = lr.layer(layer)
-        if td is None:
-            continue
-        rows.append(torch.full((td.rows.numel(),), r, dtype=torch.int64))
-        keys.append(td.rows)
-        pos.append(td.positions)
-        dks.append(td.k)
-        dvs.append(td.v)
-    if not rows:
-        return None
-    t_rows, t_keys, t_pos = torch.cat(rows), torch.cat(keys), torch.cat(pos)
-    shift = b.shifts[t_rows, b.shift_index.cpu()[t_rows, t_keys]]
-    dk = apply_rope(torch.cat(dks), t_pos - shift, rope)
-    return t_rows.to(device), t_keys.to(device), dk.to(device), torch.cat(dvs).to(device)
 
 
 def batched_shift_decode(
@@ -224,11 +201,12 @@ def batched_shift_decode(
         # gathered [R, L, H_kv, d] through strided views, no transposed copy.
         k = k_cache.index_select(0, flat).view(r, n_kv, hkv, d).to(torch.float32)
         v = v_cache.index_select(0, flat).view(r, n_kv, hkv, d).to(torch.float32)
-        terms = _leaf_terms(b, layer, rope, k.device) if b.leaves else None
-        if terms is not None:  # factored tokens: deviations added to the gathered copies
-            t_rows, t_keys, dk, dv = terms
-            k.index_put_((t_rows, t_keys), dk, accumulate=True)
-            v.index_put_((t_rows, t_keys), dv, accumulate=True)
+        flat_k, flat_v = k.view(r * n_kv, hkv, d), v.view(r * n_kv, hkv, d)
+        for leaves, shift, index in b.leaves:  # deviations added to the gathered copies
+            terms = leaves.in_owner_frame(layer, shift, rope, k.device)
+            if terms is not None:
+                flat_k.index_add_(0, index, terms[0])
+                flat_v.index_add_(0, index, terms[1])
         q = query[b.rows].reshape(r, hkv, g, d).to(torch.float32)
         q_s = rotate(q[:, :, None], b.cos[:, None, :, None, :], b.sin[:, None, :, None, :],
                      rope) * scale  # [R, H_kv, S, g, d]: each row's query once per shift

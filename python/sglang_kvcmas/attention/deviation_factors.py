@@ -285,6 +285,7 @@ class LeafReads:
         self.rows = torch.cat([p[0] for p in self.parts]) if self.parts else empty
         self.positions = torch.cat([p[1] for p in self.parts]) if self.parts else empty
         self._layers: dict[int, TokenDeltas | None] = {}
+        self._owner_frame: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held = [0]  # bytes materialized, released when the row is dropped
         weakref.finalize(self, MaterializedBytes.release, self._held)
 
@@ -318,10 +319,40 @@ class LeafReads:
         self._layers[layer_id] = out
         return out
 
+    def in_owner_frame(self, layer_id: int, shift: torch.Tensor, rope: ShiftRope | torch.Tensor,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's deviations as a decode step adds them to its gathered keys and values:
+        (key deviations rotated to ``positions − shift``, where the gathered owner's key sits,
+        [m, H_kv, d]; value deviations [m, H_kv, d]), float32 on ``device``, or None as
+        :meth:`layer`.
+
+        Kept per layer with the shifts they were rotated for (a row's shifts hold while it
+        decodes), so a decode step pays no rotation; counted in :meth:`materialized_nbytes`.
+
+        Args:
+            shift: [m] int64 each factored token's shift in the reading row.
+        """
+        kept = self._owner_frame.get(layer_id)
+        if kept is not None and kept[0].device == device and torch.equal(kept[0], shift.to(device)):
+            return kept[1], kept[2]
+        td = self.layer(layer_id)
+        if td is None:
+            return None
+        dk = apply_rope(td.k, td.positions - shift.to(td.positions.device), rope).to(device)
+        dv = td.v.to(device)
+        if kept is None:
+            n = dk.numel() * dk.element_size() + (dv.numel() * dv.element_size()
+                                                  if dv.device != td.v.device else 0)
+            self._held[0] += n
+            MaterializedBytes.add(n)
+        self._owner_frame[layer_id] = (shift.to(device), dk, dv)
+        return dk, dv
+
     def release(self) -> None:
         """Drop the expanded deviations now (the request is done; a batch plan of its last step
         may still hold this object): a later read expands them again."""
         self._layers.clear()
+        self._owner_frame.clear()
         MaterializedBytes.release(self._held)
 
     def materialized_nbytes(self) -> int:
