@@ -39,6 +39,7 @@ TAKE_MODEL_PATH = [
     "benchmark/serving/reliability.py",
     "benchmark/serving/router_scale.py",
     "benchmark/serving/scale.py",
+    "benchmark/serving/sglang_bench_serving.py",
     "benchmark/serving/soak.py",
     "benchmark/serving/throughput.py",
 ]
