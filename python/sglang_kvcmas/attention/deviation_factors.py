@@ -302,11 +302,12 @@ class LeafReads:
         would without them, bit for bit).
 
         Materialized once per layer and kept while the row is read: a decode step reads every
-        layer again, and re-expanding the factors at each step cost readers a third of their
-        decode time on CPU (``benchmark/kernels/batched_decode_bench.py``). So while its
+        layer again, and re-expanding the factors at each step was most of what leaves cost a
+        reader's decode on CPU (``benchmark/kernels/batched_decode_bench.py``). So while its
         request runs, a row holds its factored tokens' deviations at full size, float32
         (:meth:`materialized_nbytes`: as much as exact leaves of those tokens in a float32
-        pool); the tree keeps only the factors, and they go with the request."""
+        pool, and the keys again as :meth:`in_owner_frame` rotates them); the tree keeps only
+        the factors, and they go with the request."""
         if layer_id in self._layers:
             return self._layers[layer_id]
         out = None
