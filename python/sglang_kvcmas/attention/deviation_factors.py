@@ -333,8 +333,9 @@ class LeafReads:
         Args:
             shift: [m] int64 each factored token's shift in the reading row.
         """
+        shift = shift.cpu()  # compared on the host: no device copy on a step that hits
         kept = self._owner_frame.get(layer_id)
-        if kept is not None and kept[0].device == device and torch.equal(kept[0], shift.to(device)):
+        if kept is not None and kept[1].device == device and torch.equal(kept[0], shift):
             return kept[1], kept[2]
         td = self.layer(layer_id)
         if td is None:
@@ -346,7 +347,7 @@ class LeafReads:
                                                   if dv.device != td.v.device else 0)
             self._held[0] += n
             MaterializedBytes.add(n)
-        self._owner_frame[layer_id] = (shift.to(device), dk, dv)
+        self._owner_frame[layer_id] = (shift, dk, dv)
         return dk, dv
 
     def release(self) -> None:
@@ -357,7 +358,7 @@ class LeafReads:
         MaterializedBytes.release(self._held)
 
     def materialized_nbytes(self) -> int:
-        """Bytes of the deviations :meth:`layer` holds now."""
+        """Bytes of the deviations :meth:`layer` and :meth:`in_owner_frame` hold now."""
         return self._held[0]
 
 
