@@ -107,13 +107,13 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
     return rows
 
 
-def parse_variants(text: str) -> dict[str, list[str]]:
+def parse_variants(text: str, flag: str = "--panel-variants") -> dict[str, list[str]]:
     """``name=flags;name=flags`` (flags split on spaces) -> name -> flags of a kvcmas arm."""
     out: dict[str, list[str]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, flags = part.partition("=")
         if not sep or not name.strip() or name.strip() in ("radix", "kvcmas"):
-            raise SystemExit(f"--*-variants: expected NAME=FLAGS (NAME not radix or "
+            raise SystemExit(f"{flag}: expected NAME=FLAGS (NAME not radix or "
                              f"kvcmas), got {part!r}")
         out[name.strip()] = flags.split()
     return out
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "hook_waiting", "hook_held")}
     if "decode" in parts:
         arms = {"radix": ("radix", []), "kvcmas": ("kvcmas", []),
-                **{n: ("kvcmas", f) for n, f in parse_variants(args.decode_variants).items()}}
+                **{n: ("kvcmas", f) for n, f in parse_variants(args.decode_variants, "--decode-variants").items()}}
         decode = {name: decode_arm(name, tok, args.contexts, args.readers, args.decode_tokens,
                                    args.pool, logs, model.server_args, flags, server_arm)
                   for name, (server_arm, flags) in arms.items()}
