@@ -37,7 +37,7 @@ pip install --upgrade pip setuptools wheel
 log "torch 2.14.1 + torchvision 0.29.1"
 pip install torch==2.14.1 torchvision==0.29.1
 # Everything else without dependency resolution: `sglang` declares a CUDA stack we must not pull.
-log "SGLang 0.5.23, the packages it needs on CPU, its router (--no-deps, pinned)"
+log "SGLang 0.5.23, the packages it needs on CPU, its gateway SMG (--no-deps, pinned)"
 pip install --no-deps -r "$ROOT/scripts/requirements-cpu.txt"
 log "test and lab tools (--no-deps, pinned)"
 pip install --no-deps -r "$ROOT/scripts/requirements-dev.txt"
@@ -50,13 +50,13 @@ pip install --no-deps --no-build-isolation -e "$ROOT"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, sglang, sglang_router, transformers
+import torch, sglang, smg.launch_router, transformers
 assert sglang.__version__ == "0.5.23", sglang.__version__
-assert sglang_router.__version__ == "0.3.2", sglang_router.__version__
+assert md.version("smg") == "1.13.0", md.version("smg")
 eps = [e.value for e in md.entry_points(group="sglang.srt.plugins")]
 assert "sglang_kvcmas.plugin:register" in eps, eps
 print(f"[install] ok: torch {torch.__version__}, sglang {sglang.__version__}, "
-      f"sglang-router {sglang_router.__version__}, transformers {transformers.__version__}")
+      f"smg {md.version('smg')}, transformers {transformers.__version__}")
 PY
 echo "$stamp_want" > "$stamp_file"
 log "done in $(( $(date +%s) - start )) s"

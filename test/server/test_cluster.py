@@ -1,12 +1,14 @@
-"""Several servers behind SGLang's router (``sglang_kvcmas.server.cluster``).
+"""Several servers behind SGLang's gateway SMG (``sglang_kvcmas.server.cluster``).
 
-The router's contract first, against two stub workers (no model, a few seconds): a routing key
-stays on one worker and keys spread over both; only ``X-SMG-Routing-Key`` of our headers reaches
-a worker and the body loses ``custom_params``; a dead worker's keys move. Then two CPU sharing
-servers behind the router (one boot for the module; the kill test runs last): every request of a
+The gateway's contract first, against two stub workers (no model, a few seconds): a routing key
+stays on one worker and keys spread over both; of our headers only ``X-SMG-Routing-Key`` and
+``Authorization`` reach a worker, the body keeps ``custom_params`` and ``cache_salt``; with
+tenant keys any other key is refused; a dead worker's keys move. Then two CPU sharing servers
+behind the gateway (one boot for the module; the kill test runs last): every request of a
 workflow lands on one server, workflows spread over both, readers there read the leader's KV; one
-server SIGKILLed mid-run: the router takes it out, every request is answered or fails clearly,
-none is lost, the other server's workflows finish.
+server SIGKILLed mid-run: the gateway takes it out, every request is answered or fails clearly,
+none is lost, the other server's workflows finish. Tenant isolation through the gateway with
+real servers is ``benchmark/serving/isolation.py``'s (its test: ``test_isolation.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +27,7 @@ from sglang_kvcmas.server.cluster import (
     ROUTING_KEY_HEADER,
     Cluster,
     RouterSettings,
+    Tenants,
     cluster_from_args,
     free_ports,
     router_process,
@@ -32,7 +36,7 @@ from sglang_kvcmas.server.cluster import (
     workflow_headers,
 )
 
-pytest.importorskip("sglang_router")
+pytest.importorskip("smg")
 
 
 def test_clients_send_the_workflow_in_the_routers_header_too():
@@ -48,12 +52,31 @@ def test_command_line_gives_every_other_argument_to_every_server():
     assert "--policy" in RouterSettings().argv() and "manual" in RouterSettings().argv()
 
 
+def test_tenants_are_checked_and_refused_where_they_could_not_hold(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# tenants\nacme: k-1\n\nglobex:k-2\n")
+    t = Tenants.from_file(keys)
+    assert t.keys == {"acme": "k-1", "globex": "k-2"} and t.headers("acme") == {
+        "Authorization": "Bearer k-1"}
+    assert t.argv()[:4] == ["--tenant-api-key", "acme:k-1", "--tenant-api-key", "globex:k-2"]
+    assert t.control_key not in t.keys.values() and Tenants().argv() == []
+    with pytest.raises(ValueError, match="share an API key"):
+        Tenants({"a": "k", "b": "k"})
+    keys.write_text("a:k\na:j\n")
+    with pytest.raises(ValueError, match="keys.txt:2"):
+        Tenants.from_file(keys)
+    with pytest.raises(ValueError, match="--api-key"):
+        Cluster(worker_args=["--api-key", "x"], tenants=Tenants({"a": "k"}),
+                log_dir=tmp_path).start()
+
+
 # ----- the router's contract, against stub workers ---------------------------------------------
 
 class StubWorker:
-    """An HTTP server that answers what the router asks a worker and records each
-    ``/generate`` it receives (headers, body), answering after ``delay_s`` once ``gate`` is
-    open (it is unless a test closes it, to hold requests in flight)."""
+    """An HTTP server that answers what the gateway asks a worker (SGLang's info routes and
+    ``/v1/models``) and records each POST it receives (headers, path, body), answering after
+    ``delay_s`` once ``gate`` is open (it is unless a test closes it, to hold requests in
+    flight)."""
 
     def __init__(self, port: int, delay_s: float = 0.2):
         self.port, self.received = port, []
@@ -71,14 +94,24 @@ class StubWorker:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                if self.path.startswith("/v1/models"):
+                    return self._answer({"object": "list", "data": [
+                        {"id": "stub", "object": "model", "owned_by": "stub", "root": "stub"}]})
                 self._answer({"model_path": "stub", "tokenizer_path": "stub",
-                              "is_generation": True, "dp_size": 1})
+                              "served_model_name": "stub", "is_generation": True, "dp_size": 1})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 stub.gate.wait(timeout=60)
                 time.sleep(delay_s)
+                if "chat" in self.path:
+                    return self._answer({
+                        "id": "c", "object": "chat.completion", "created": 0, "model": "stub",
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                            "role": "assistant", "content": "ok"}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                  "total_tokens": 2}, "port": stub.port})
                 self._answer({"text": "ok", "port": stub.port,
                               "meta_info": {"finish_reason": {"type": "stop"}}})
 
@@ -104,24 +137,32 @@ def post(url: str, body: dict, headers: dict, path: str = "/generate") -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture
-def stub_router(tmp_path):
+TENANTS = Tenants({"acme": "key-acme", "globex": "key-globex"})
+
+
+@pytest.fixture(params=[None, TENANTS], ids=["open", "tenants"])
+def stub_router(tmp_path, request):
+    tenants = request.param
     router_port, *ports = free_ports(3, 32000, 32999)
     stubs = [StubWorker(p) for p in ports]
     router = router_process([s.url for s in stubs], router_port, tmp_path / "router.log",
-                            RouterSettings(log_level="info"))
+                            RouterSettings(log_level="info"), tenants)
     try:
         router.start()
-        wait_for_workers(router.url, 2, timeout_s=60)
-        yield router.url, stubs
+        wait_for_workers(router.url, 2, timeout_s=60, tenants=tenants)
+        yield router.url, stubs, tenants
     finally:
         router.stop()
         for s in stubs:
             s.close()
 
 
+def key_headers(tenants: Tenants | None, key: str, tenant: str = "acme") -> dict[str, str]:
+    return {**workflow_headers(key), **(tenants.headers(tenant) if tenants else {})}
+
+
 def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
-    url, stubs = stub_router
+    url, stubs, tenants = stub_router
     keys = [f"wf-{i}" for i in range(8)]
     # min_group: a new key goes to the worker with the fewest keys in flight (equal counts: at
     # random). Each key's first request is sent once every earlier one is held in flight at a
@@ -131,7 +172,7 @@ def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
     first: dict[str, int] = {}
 
     def send_first(key: str) -> None:
-        first[key] = post(url, {"input_ids": [1, 2, 3]}, workflow_headers(key))["port"]
+        first[key] = post(url, {"input_ids": [1, 2, 3]}, key_headers(tenants, key))["port"]
 
     threads = []
     for i, key in enumerate(keys):
@@ -148,7 +189,7 @@ def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
     assert sorted(first) == sorted(keys), first
 
     def later(key: str) -> set[int]:  # the key's next requests, with nothing else in flight
-        return {post(url, {"input_ids": [1, 2, 3]}, workflow_headers(key))["port"]
+        return {post(url, {"input_ids": [1, 2, 3]}, key_headers(tenants, key))["port"]
                 for _ in range(2)}
 
     with ThreadPoolExecutor(len(keys)) as pool:
@@ -158,44 +199,69 @@ def test_router_keeps_a_key_on_one_worker_and_spreads_keys(stub_router):
     assert per_worker == [4, 4], per_worker
 
 
-def test_router_forwards_the_routing_key_only(stub_router):
-    """What reaches a worker through sglang-router 0.3.2: why the cluster's clients send the
-    workflow in ``X-SMG-Routing-Key`` and why ``kvcmas_*`` fields and ``cache_salt`` cannot be
-    used behind it."""
-    url, stubs = stub_router
+def test_a_new_keys_concurrent_first_requests_reach_one_worker(stub_router):
+    """A workflow's agents send their first requests together: the policy must pin the key
+    once (SMG's sticky sessions over ``cache_aware`` split most such keys)."""
+    url, _stubs, tenants = stub_router
+    got: dict[str, list[int]] = {}
+    lock = threading.Lock()
+
+    def send(key: str) -> None:
+        port = post(url, {"input_ids": [1, 2, 3]}, key_headers(tenants, key))["port"]
+        with lock:
+            got.setdefault(key, []).append(port)
+
+    with ThreadPoolExecutor(18) as pool:
+        list(pool.map(send, [f"new-{k}" for k in range(6) for _ in range(3)]))
+    assert all(len(set(ports)) == 1 for ports in got.values()), got
+
+
+def test_gateway_forwards_our_fields_the_salt_and_the_credential(stub_router):
+    """What reaches a worker through SMG 1.13: the body's ``custom_params`` and ``cache_salt``,
+    the routing key and the credential; not our workflow header, nor a forged tenant header.
+    With tenant keys, a request with any other key (or none) is refused there."""
+    url, stubs, tenants = stub_router
     custom = {"kvcmas_workflow": "wf-x", "kvcmas_exact": True}
-    post(url, {"input_ids": [1, 2, 3], "cache_salt": "tenant-a", "rid": "r-1",
-               "sampling_params": {"max_new_tokens": 4, "custom_params": custom}},
-         workflow_headers("wf-x"))
-    post(url, {"model": "default", "max_tokens": 4, "cache_salt": "tenant-a",
-               "custom_params": custom, "messages": [{"role": "user", "content": "hi"}]},
-         workflow_headers("wf-x"), path="/v1/chat/completions")
+    headers = {**key_headers(tenants, "wf-x"), "X-SMG-Tenant-Id": "globex"}
+    post(url, {"input_ids": [1, 2, 3], "cache_salt": "s-1", "rid": "r-1",
+               "sampling_params": {"max_new_tokens": 4, "custom_params": custom}}, headers)
+    post(url, {"model": "stub", "max_tokens": 4, "cache_salt": "s-1", "custom_params": custom,
+               "messages": [{"role": "user", "content": "hi"}]}, headers,
+         path="/v1/chat/completions")
     (gen_headers, gen), (chat_headers, chat) = [r for s in stubs for r in s.received]
-    for headers in (gen_headers, chat_headers):
-        assert headers["x-smg-routing-key"] == "wf-x"
-        assert "x-kvcmas-workflow" not in headers
-    assert gen["input_ids"] == [1, 2, 3] and gen["sampling_params"] == {"max_new_tokens": 4}
-    assert "cache_salt" not in gen and gen["rid"] == "r-1"
+    for h in (gen_headers, chat_headers):
+        assert h["x-smg-routing-key"] == "wf-x"
+        assert "x-kvcmas-workflow" not in h and "x-smg-tenant-id" not in h
+        assert h.get("authorization") == (f"Bearer {TENANTS.keys['acme']}" if tenants else None)
+    assert gen["input_ids"] == [1, 2, 3] and gen["rid"] == "r-1" and gen["cache_salt"] == "s-1"
+    assert gen["sampling_params"]["custom_params"] == custom
     assert chat["messages"] == [{"role": "user", "content": "hi"}]
-    assert "custom_params" not in chat and "cache_salt" not in chat
+    assert chat["custom_params"] == custom and chat["cache_salt"] == "s-1"
+    if tenants:
+        for bad in ({}, {"Authorization": "Bearer key-nobody"},
+                    {"Authorization": f"Bearer {tenants.control_key}"}):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                post(url, {"input_ids": [1]}, {**workflow_headers("wf-x"), **bad})
+            assert e.value.code == 401
+        assert len([r for s in stubs for r in s.received]) == 2  # none reached a worker
 
 
 def test_router_moves_a_dead_workers_keys(stub_router):
-    url, stubs = stub_router
-    first = {k: post(url, {"input_ids": [1]}, workflow_headers(k))["port"]
+    url, stubs, tenants = stub_router
+    first = {k: post(url, {"input_ids": [1]}, key_headers(tenants, k))["port"]
              for k in ("a", "b", "c", "d", "e", "f")}
     dead = stubs[0]
     dead.close()
     t0 = time.monotonic()
-    after = {k: post(url, {"input_ids": [1]}, workflow_headers(k))["port"] for k in first}
+    after = {k: post(url, {"input_ids": [1]}, key_headers(tenants, k))["port"] for k in first}
     assert time.monotonic() - t0 < 10
     assert all(p != dead.port for p in after.values()), after
     assert all(after[k] == p for k, p in first.items() if p != dead.port)  # the others stay
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len([w for w in router_workers(url)
+    while time.monotonic() < deadline and len([w for w in router_workers(url, tenants)
                                                if w["is_healthy"]]) != 1:
         time.sleep(0.2)
-    assert [w["url"] for w in router_workers(url) if w["is_healthy"]] == [stubs[1].url]
+    assert [w["url"] for w in router_workers(url, tenants) if w["is_healthy"]] == [stubs[1].url]
 
 
 # ----- two sharing servers behind the router ---------------------------------------------------

@@ -49,9 +49,9 @@ def server(tmp_path_factory):
         yield s
 
 
-def post(url, body):
+def post(url, body, headers=None):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -286,6 +286,42 @@ def test_owner_is_bit_identical_and_salt_isolates(server):
         x[0] for x in fresh["input_token_logprobs"]]
     assert [x[0] for x in shared["output_token_logprobs"]] == [
         x[0] for x in fresh["output_token_logprobs"]]
+
+
+def test_credentials_isolate_tenants_whatever_the_body_says(server):
+    """Two tenants (``Authorization``), the same agents, transcript and body ``cache_salt``:
+    the second computes everything the first cached; forged scopes are refused."""
+    tok = tokenizer()
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    head, other_head = SA.replace("Ada", "Dora"), SB.replace("Ben", "Eli")
+
+    def gen(system, transcript, headers):
+        return post(server.url + "/generate", {
+            "input_ids": chat_ids(tok, system, transcript.replace("17", "31")),
+            "cache_salt": "team", "sampling_params": {
+                "temperature": 0, "max_new_tokens": 2,
+                "custom_params": {"kvcmas_workflow": "wf"}}},
+            {**headers, "X-SMG-Tenant-Id": "a"})["meta_info"]
+
+    gen(head, T1, a)
+    gen(other_head, T1, a)  # both heads cached in a's namespace
+    gen(head, T2, a)
+    reader = gen(other_head, T2, a)  # the same tenant borrows the transcript
+    assert reader["kvcmas_reuse"][0]["reused_repositioned"] > 40
+    other = gen(head, T2, b)  # another tenant: nothing of a's
+    assert other["cached_tokens"] == 0
+    assert other["kvcmas_reuse"][0]["reused_repositioned"] == 0
+    assert other["kvcmas_reuse"][0]["workflow"].endswith("/wf")
+    assert other["kvcmas_reuse"][0]["workflow"] != reader["kvcmas_reuse"][0]["workflow"]
+    from sglang_kvcmas.policy.tenancy import TENANT_SALT_PREFIX, tenant_of
+
+    scope = tenant_of({"authorization": a["Authorization"]})
+    for forged, headers in (({"cache_salt": f"{TENANT_SALT_PREFIX}{scope}/team"}, b),
+                            ({"sampling_params": {"custom_params": {
+                                "kvcmas_workflow": f"{scope}/wf"}}}, {})):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(server.url + "/generate", {"input_ids": [1, 2, 3], **forged}, headers)
+        assert e.value.code == 400
 
 
 def test_server_info_reports_a_consistent_tree(server):

@@ -3,7 +3,9 @@
 Two hooks on SGLang's tokenizer manager (the HTTP process), so a bad ``kvcmas_*`` field is
 answered with a 400 that names it and never reaches the scheduler, whose loop must not raise:
 
-- AROUND ``TokenizerManager.generate_request``: the ``X-KVCMAS-Workflow`` header becomes
+- AROUND ``TokenizerManager.generate_request``: a request with a credential has its
+  ``cache_salt`` and workflow scoped to its tenant (``policy/tenancy.py``); the
+  ``X-KVCMAS-Workflow`` header becomes
   ``custom_params.kvcmas_workflow`` of every prompt of the request (a body that names another
   workflow is an error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of
   prompts whose body names none (the router forwards that header and drops ours and the body's
@@ -32,12 +34,14 @@ from sglang_kvcmas.integration import (
     usage_stream,
     workflow_accounting,
 )
+from sglang_kvcmas.policy import tenancy
 from sglang_kvcmas.policy.request_options import (
     SERVER_ONLY_FIELDS,
     WORKFLOW_FIELD,
     WORKFLOW_HEADER,
     RequestOptionError,
     RequestOptions,
+    check_name,
     workflow_from_headers,
 )
 
@@ -59,12 +63,15 @@ def _sampling_dicts(obj: Any, create: bool) -> list[dict]:
 
 
 def label_and_check(obj: Any, headers: Any) -> list[RequestOptions]:
-    """Apply the workflow header (ours, else the router's routing key), then parse every
-    prompt's ``kvcmas_*`` fields; returns them, one per prompt.
+    r"""Scope the request by its credential's tenant (``policy/tenancy.py``), apply the
+    workflow header (ours, else the gateway's routing key), then parse every prompt's
+    ``kvcmas_*`` fields; returns them, one per prompt.
 
     Raises:
-        RequestOptionError: (a ``ValueError``) naming the field.
+        RequestOptionError, TenancyError: (``ValueError``\ s) naming the field.
     """
+    tenant = tenancy.tenant_of(headers)
+    tenancy.scope_request(obj, tenant)
     workflow, ours = workflow_from_headers(headers)
     parsed = []
     for params in _sampling_dicts(obj, create=workflow is not None):
@@ -83,6 +90,9 @@ def label_and_check(obj: Any, headers: Any) -> list[RequestOptions]:
                         f"{WORKFLOW_HEADER} header ({workflow!r})")
                 if given is None:  # a body's own name wins over the router's key
                     custom[WORKFLOW_FIELD] = workflow
+        if isinstance(custom, dict) and isinstance(custom.get(WORKFLOW_FIELD), str):
+            check_name(WORKFLOW_FIELD, custom[WORKFLOW_FIELD])
+            custom[WORKFLOW_FIELD] = tenancy.scoped_workflow(tenant, custom[WORKFLOW_FIELD])
         parsed.append(RequestOptions.parse(custom))
     return parsed
 

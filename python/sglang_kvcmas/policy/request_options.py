@@ -48,6 +48,7 @@ from sglang_kvcmas.config import (
     Knob,
     removed_message,
 )
+from sglang_kvcmas.policy import tenancy
 
 PREFIX = "kvcmas_"
 AGENT_FIELD = "kvcmas_agent"
@@ -137,7 +138,8 @@ class RequestOptions:
             head_len = _field(ours, HEAD_LEN_FIELD, int, low=1)
             shared_end = _field(ours, SHARED_END_FIELD, int, low=1)
             exact = bool(_field(ours, EXACT_FIELD, bool))
-            agent, workflow = _name(ours, AGENT_FIELD), _name(ours, WORKFLOW_FIELD)
+            agent = _name(ours, AGENT_FIELD)
+            workflow = _name(ours, WORKFLOW_FIELD, MAX_NAME_CHARS + tenancy.SCOPE_CHARS)
             budget_tokens = _field(ours, BUDGET_TOKENS_FIELD, int, low=1)
             budget_enforce = _field(ours, BUDGET_ENFORCE_FIELD, bool)
             read_leaves = _field(ours, READ_LEAVES_FIELD, bool)
@@ -226,12 +228,19 @@ def workflow_from_headers(headers: Mapping[str, Any] | None) -> tuple[str | None
     return None, False
 
 
-def _name(ours: Mapping[str, Any], name: str) -> str | None:
+def _name(ours: Mapping[str, Any], name: str, limit: int = MAX_NAME_CHARS) -> str | None:
     value = _field(ours, name, str)
     if value is None:
         return None
-    if not value or len(value) > MAX_NAME_CHARS or not value.isprintable():
-        raise RequestOptionError(
-            f"custom_params.{name} must be 1-{MAX_NAME_CHARS} printable characters, got "
-            f"{len(value)} characters")
+    check_name(name, value, limit)
     return value
+
+
+def check_name(name: str, value: str, limit: int = MAX_NAME_CHARS) -> None:
+    """Raises :class:`RequestOptionError` unless ``value`` is 1 to ``limit`` printable
+    characters (a workflow's name as scoped by its tenant may take
+    :data:`~sglang_kvcmas.policy.tenancy.SCOPE_CHARS` more than a client's)."""
+    if not value or len(value) > limit or not value.isprintable():
+        raise RequestOptionError(
+            f"custom_params.{name} must be 1-{limit} printable characters, got "
+            f"{len(value)} characters")
