@@ -9,39 +9,16 @@ with our CPU defaults (``--mem-fraction-static`` sized from this model), and a s
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
-from pathlib import Path
 
 import pytest
-
 from sglang_kvcmas.server.process import ServerProcess
+from sglang_kvcmas_bench.tiny_models import tiny_qwen2
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SA = "You are Ada, a careful mathematician."
 SB = "You are Ben, a skeptical reviewer who checks every step."
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def tiny_qwen2(folder: Path) -> Path:
-    """A 2-layer Qwen2 model (hidden 64, 4 heads, 2 KV heads) with the embedded tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from sglang_kvcmas.models.resolve import resolve_model_path
-
-    embedded = resolve_model_path(None)
-    vocab = json.loads((embedded / "config.json").read_text())["vocab_size"]
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        shutil.copy(embedded / name, folder / name)
-    return folder
 
 
 def chat(url: str, system: str, user: str) -> dict:

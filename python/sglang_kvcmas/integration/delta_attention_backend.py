@@ -55,6 +55,7 @@ there the delta kernels read them (above).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -98,9 +99,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         # The model's rotary as SGLang built it, or a refusal (UnsupportedRope) before serving.
         self.shift_rope = shift_rope_for_runner(model_runner)
         # Re-positioned keys through the delta kernels on GPU where they read the model's keys
-        # exactly; else (CPU, or a layout they do not tile) the torch paths.
-        self.delta_kernel = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
-                             and kernel_serves(self.shift_rope))
+        # exactly, and on CPU in Triton's interpreter (a server started with TRITON_INTERPRET=1,
+        # as the dispatch check runs SGLang's triton backend); else (CPU, or a layout they do
+        # not tile) the torch paths.
+        on_device = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
+                     or os.environ.get("TRITON_INTERPRET") == "1")
+        self.delta_kernel = on_device and kernel_serves(self.shift_rope)
         self._layer_id = 0
         self._groups: dict = {}  # the current batch's cache (batch_rows.cache_of_forward)
         self._batch_rows: tuple[BatchRow | None, ...] | None = None

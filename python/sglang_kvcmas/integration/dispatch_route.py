@@ -43,8 +43,8 @@ REASONS = {
     READER: "a row reads borrowed spans: the delta kernels read the batch",
     PROBE_ON_TORCH_NATIVE: "as probe, but the user's backend is torch_native (or kvcmas_delta), "
                            "which pads queries to the whole sequence: our torch path is faster",
-    NO_KERNEL: "a row reads borrowed spans; the kernels do not serve here (CPU, or a rotary "
-               "they do not tile)",
+    NO_KERNEL: "a row reads borrowed spans; the kernels do not serve here (CPU outside "
+               "Triton's interpreter, or a rotary they do not tile)",
     LEAVES_OUT_OF_ORDER: "a row reads factored-leaf tokens not at their row index, which the "
                          "kernels cannot place",
 }
