@@ -65,9 +65,9 @@ def test_tenants_are_checked_and_refused_where_they_could_not_hold(tmp_path):
     keys.write_text("a:k\na:j\n")
     with pytest.raises(ValueError, match="keys.txt:2"):
         Tenants.from_file(keys)
-    with pytest.raises(ValueError, match="--api-key"):
-        Cluster(worker_args=["--api-key", "x"], tenants=Tenants({"a": "k"}),
-                log_dir=tmp_path).start()
+    for api_key in (["--api-key", "x"], ["--api-key=x"]):
+        with pytest.raises(ValueError, match="--api-key"):
+            Cluster(worker_args=api_key, tenants=Tenants({"a": "k"}), log_dir=tmp_path).start()
 
 
 # ----- the router's contract, against stub workers ---------------------------------------------

@@ -38,8 +38,11 @@ namespace. Responses come back unchanged (``meta_info.kvcmas_reuse``, OpenAI usa
 Failures (:class:`RouterSettings`): the gateway asks every worker's ``/health`` each second (our
 servers answer it without running the model) and takes a worker out after two failures; a
 request whose worker refuses the connection, or dies before answering, is retried on the worker
-the policy picks then, and a worker's circuit breaker opens after three failed requests.
+the policy picks then, and a worker's circuit breaker opens after three failed requests. A
+stream already under way cannot be retried: when its worker dies the client's stream ends early
+(``router_scale.py``'s kill run counts it as a clear error, never as an answer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +63,7 @@ from pathlib import Path
 from sglang_kvcmas.server.process import HOST, ServerProcess, ServerStartError, free_port
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-"""The header the gateway's sticky sessions route by."""
+"""The header the gateway's ``manual`` policy routes by."""
 WORKFLOW_HEADER = "X-KVCMAS-Workflow"
 """Our workflow header (``policy/request_options.py``); the gateway does not forward it."""
 ROUTER_MODULE = "smg.launch_router"
@@ -301,7 +304,8 @@ class Cluster:
         """
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.tenants.keys and "--api-key" in self.worker_args:
+        if self.tenants.keys and any(a == "--api-key" or a.startswith("--api-key=")
+                                     for a in self.worker_args):
             raise ValueError("--api-key on the servers cannot serve tenants: each server would "
                              "refuse every tenant's key; the gateway checks the keys")
         self.log_dir.mkdir(parents=True, exist_ok=True)
