@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 
 from sglang_kvcmas.attention.deviation_factors import factor_deviation  # noqa: E402
+from sglang_kvcmas.integration import inflight_fence  # noqa: E402
 from sglang_kvcmas.policy.leaf_mode import LeafConfig  # noqa: E402
 from sglang_kvcmas.policy.recompute import RecomputeConfig  # noqa: E402
 from sglang_kvcmas.tree.factored_leaves import FactorLeaf  # noqa: E402
@@ -102,15 +103,22 @@ def test_a_factored_reader_keeps_factors_not_slots_and_reads_them_next_turn():
     assert_slots_conserved(h)
 
 
-def test_the_picks_are_read_through_the_leaves_right_after_the_prefill():
+def test_the_picks_are_read_through_the_leaves_right_after_the_prefill(monkeypatch):
     """At the prefill's checkpoint the reader's recomputed slots are freed and its row points
-    at the owner's slots in shared order, read (decode) through the factored leaves just kept;
-    while a launched batch may still read the row (overlap scheduler on an accelerator), the
+    at the owner's slots in shared order, read (decode) through the factored leaves just kept.
+    With one batch in flight (overlap scheduler on an accelerator) the same happens behind a
+    fence on the forward stream, set before the row changes; where no fence can be set, the
     slots stay until release and the row does not change."""
-    for in_flight in (False, True):
+    for in_flight, fenced in ((False, False), (True, True), (True, False)):
         h = _harness()
         h.cache._overlap = in_flight  # ``rows_in_flight``
-        seen, checkpoint = {}, h.cache.checkpoint
+        seen, checkpoint, fences = {}, h.cache.checkpoint, []
+
+        def fence(device, h=h, fences=fences, fenced=fenced):
+            fences.append(h.pool.req_to_token[3].clone())  # the row when the fence is set
+            return fenced
+
+        monkeypatch.setattr(inflight_fence, "fence", fence)
 
         def spy(req, *, up_to, **kw):
             first = req.rid == "b2" and not seen
@@ -129,7 +137,10 @@ def test_the_picks_are_read_through_the_leaves_right_after_the_prefill():
         picks = seen["before"][at + n - K : at + n]  # the extend's recomputed slots
         assert spans.recomputed is not None and len(spans.recomputed.token_ids) == K
         assert torch.equal(seen["before"][at : at + n - K], owner[K:])
-        if in_flight:  # nothing changes under a launched batch: the slots go at release
+        assert bool(fences) == in_flight  # fenced only with a batch in flight
+        if in_flight:  # set before the row changed
+            assert torch.equal(fences[0], seen["before"])
+        if in_flight and not fenced:  # nothing changes under a launched batch: at release
             assert torch.equal(seen["after"], seen["before"])
             assert seen["row"].spans.recomputed is not None
             assert not set(picks.tolist()) & set(seen["freed"])
@@ -245,5 +256,5 @@ def test_an_adapter_reader_at_its_own_positions_keeps_its_slots():
     assert not h.cache._rereads(adapter, handle([0, 0, 0]))  # the owner's own positions
     assert h.cache._rereads(adapter, handle([0, 7, 7]))
     assert h.cache._rereads(prompt, handle([0, 0, 0]))  # prompt agents: as measured before
-    h.cache._overlap = True  # a launched batch may read the row: never
-    assert not h.cache._rereads(adapter, handle([0, 7, 7]))
+    h.cache._overlap = True  # a launched batch may read the row: only behind a fence
+    assert not h.cache._rereads(adapter, handle([0, 7, 7]))  # none registered on CPU

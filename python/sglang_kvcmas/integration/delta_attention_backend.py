@@ -78,6 +78,7 @@ from sglang_kvcmas.attention.kernel_reads import (
     plan_shifted,
     shifted_attention,
 )
+from sglang_kvcmas.integration import inflight_fence
 from sglang_kvcmas.integration.batch_rows import cache_of_forward, rows_of_forward
 from sglang_kvcmas.integration.dispatch_route import KERNEL, Route, decide, route_of
 from sglang_kvcmas.integration.rope_shift import shift_rope_for_runner
@@ -105,6 +106,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         on_device = (str(getattr(model_runner, "device", "cpu")).startswith("cuda")
                      or os.environ.get("TRITON_INTERPRET") == "1")
         self.delta_kernel = on_device and kernel_serves(self.shift_rope)
+        inflight_fence.register(model_runner)  # for the tree cache's row writes
         self._layer_id = 0
         self._groups: dict = {}  # the current batch's cache (batch_rows.cache_of_forward)
         self._batch_rows: tuple[BatchRow | None, ...] | None = None

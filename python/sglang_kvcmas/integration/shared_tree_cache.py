@@ -79,7 +79,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_kvcmas.attention.deviation_factors import RowLeaves
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
-from sglang_kvcmas.integration import reuse_accounting
+from sglang_kvcmas.integration import inflight_fence, reuse_accounting
 from sglang_kvcmas.integration.agent_requests import (
     REGISTERED_ATTR,
     SPARE_ATTR,
@@ -529,8 +529,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         them, and the slots of those a leaf already held are freed at release. Under leaf mode
         ``factored`` the leaves are the factors its extend made of them, and every recomputed
         slot is freed: now, with the row re-pointed at the owners' slots read through those leaves
-        (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`), unless a launched batch may
-        still read the row (``rows_in_flight``), :meth:`_rereads` keeps them or some recomputed
+        (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`; behind a fence while a launched
+        batch may still read the row), unless :meth:`_rereads` keeps them or some recomputed
         token has no leaf; else at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
@@ -559,16 +559,15 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self._trim_leaves()
 
     def _rereads(self, req: Req, handle: SharedPrefixHandle) -> bool:
-        """Whether a factored reader's row is re-pointed right after its prefill: never while a
-        launched batch may still read it; else always but for a reader with an adapter
-        (``lora_share=borrow``) that reads every borrowed token at its own position, whose
-        decode stays on the plain path with its recomputed slots (re-reading would leave it for
-        the deviations alone)."""
-        if self.rows_in_flight:
+        """Whether a factored reader's row is re-pointed right after its prefill: always but for
+        a reader with an adapter (``lora_share=borrow``) that reads every borrowed token at its
+        own position, whose decode stays on the plain path with its recomputed slots
+        (re-reading would leave it for the deviations alone). While a launched batch may still
+        read the row, only behind a fence on the forward stream (``inflight_fence``): where
+        none can be set, the slots stay until release."""
+        if self.requests.reads_across_adapters(req) and not handle.borrowed().shift.any():
             return False
-        if not self.requests.reads_across_adapters(req):
-            return True
-        return bool(handle.borrowed().shift.any())
+        return not self.rows_in_flight or inflight_fence.fence(self.device)
 
     @staticmethod
     def _reread_factored(req: Req, fresh: SharedPrefixHandle, row: torch.Tensor) -> None:
@@ -584,10 +583,10 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     @property
     def rows_in_flight(self) -> bool:
         """Whether a launched batch may still be reading rows while the previous batch's
-        results are processed (then a row must not change there): SGLang's overlap scheduler
-        on an accelerator, whose forward runs on its own stream and whose write-after-read
-        fence covers its own metadata reads, not ours during the layers. On CPU a forward has
-        ended when it returns. Unknown counts as yes."""
+        results are processed (then a row changes only behind ``inflight_fence``): SGLang's
+        overlap scheduler on an accelerator, whose forward runs on its own stream and whose
+        write-after-read fence covers its own metadata reads, not ours during the layers. On
+        CPU a forward has ended when it returns. Unknown counts as yes."""
         if self._overlap is None:
             try:
                 from sglang.srt.runtime_context import get_schedule
