@@ -7,8 +7,8 @@ tenant keys any other key is refused; a dead worker's keys move. Then two CPU sh
 behind the gateway (one boot for the module; the kill test runs last): every request of a
 workflow lands on one server, workflows spread over both, readers there read the leader's KV; one
 server SIGKILLed mid-run: the gateway takes it out, every request is answered or fails clearly,
-none is lost, the other server's workflows finish. Tenant isolation through the gateway with
-real servers is ``benchmark/serving/isolation.py``'s (its test: ``test_isolation.py``).
+none is lost, the other server's workflows finish. Tenant isolation with real servers: one server
+in ``test_shared_server.py``, through the gateway ``benchmark/serving/isolation.py``.
 """
 
 from __future__ import annotations
