@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
 from sglang_kvcmas.integration import inflight_fence
 
 
