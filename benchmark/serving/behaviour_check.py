@@ -32,7 +32,7 @@ from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import normalized, of_meta
 from sglang_kvcmas_bench.server_arms import ArmServer
-from sglang_kvcmas_bench.workflows import debate, reviewer_chain
+from sglang_kvcmas_bench.workflows import chat_prompt_ids, debate, reviewer_chain
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,9 +64,7 @@ def record_turns(url: str, max_new: int, n_debates: int, n_chains: int,
         for step, agents in enumerate(flow.steps):
             texts = {}
             for agent in agents:
-                ids = tok.apply_chat_template(flow.messages(step, agent),
-                                              add_generation_prompt=True, tokenize=True)
-                ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+                ids = chat_prompt_ids(tok, flow.messages(step, agent))
                 out = generate(url, ids, max_new)
                 texts[agent] = out["text"]
                 turns.append({"kind": flow.kind, "wid": flow.wid, "step": step, "agent": agent,

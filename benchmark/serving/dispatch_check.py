@@ -39,6 +39,7 @@ from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, run_header
 from sglang_kvcmas_bench.server_calls import generate
 from sglang_kvcmas_bench.tiny_models import tiny_qwen2
+from sglang_kvcmas_bench.workflows import chat_prompt_ids
 from sglang_kvcmas_examples import datasets
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,10 +63,8 @@ def turns(tok, passage_chars: int) -> list[tuple[str, list[int]]]:
     two = f"{one}\n\nMore reading:\n{essays[1][1][:passage_chars]}"
 
     def ids(head: str, user: str) -> list[int]:
-        out = tok.apply_chat_template([{"role": "system", "content": head},
-                                       {"role": "user", "content": user}],
-                                      add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(tok, [{"role": "system", "content": head},
+                                     {"role": "user", "content": user}])
 
     return [("owner_a1", ids(HEADS[0], question)), ("owner_b1", ids(HEADS[1], question)),
             ("owner_a2", ids(HEADS[0], one)), ("reader_b2", ids(HEADS[1], one)),

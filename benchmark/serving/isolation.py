@@ -47,7 +47,7 @@ from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, ArmServer, run_header
-from sglang_kvcmas_bench.workflows import Workflow, debate
+from sglang_kvcmas_bench.workflows import Workflow, chat_prompt_ids, debate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TENANTS = {"acme": "key-acme-7f1c", "globex": "key-globex-02be"}
@@ -107,9 +107,7 @@ def warm(urls: list[str], tok, headers: dict) -> None:
     (flow,) = flows(1, 1, first=90)
     for url in urls:
         for agent in flow.steps[0]:
-            ids = tok.apply_chat_template(flow.messages(0, agent), add_generation_prompt=True,
-                                          tokenize=True)
-            generate(url, list(ids if isinstance(ids, list) else ids["input_ids"]), 1, headers)
+            generate(url, chat_prompt_ids(tok, flow.messages(0, agent)), 1, headers)
 
 
 def run(url: str, tok, sizes: dict, headers: dict) -> list[dict]:
@@ -119,9 +117,7 @@ def run(url: str, tok, sizes: dict, headers: dict) -> list[dict]:
         for step, agents in enumerate(flow.steps):
             texts = {}
             for agent in agents:
-                ids = tok.apply_chat_template(flow.messages(step, agent),
-                                              add_generation_prompt=True, tokenize=True)
-                ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+                ids = chat_prompt_ids(tok, flow.messages(step, agent))
                 out, seconds = generate(url, ids, sizes["max_new"],
                                         {**headers, **workflow_headers(key(flow))})
                 meta = out.get("meta_info", {})

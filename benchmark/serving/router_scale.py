@@ -81,7 +81,7 @@ from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, ArmServer
-from sglang_kvcmas_bench.workflows import Workflow, debate
+from sglang_kvcmas_bench.workflows import Workflow, chat_prompt_ids, debate
 from sglang_kvcmas_bench.workload_runs import build_workflows
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,9 +98,7 @@ def routing_key(flow: Workflow) -> str:
 
 
 def prompt_ids(tok, flow: Workflow, step: int, agent: str) -> list[int]:
-    out = tok.apply_chat_template(flow.messages(step, agent), add_generation_prompt=True,
-                                  tokenize=True)
-    return list(out if isinstance(out, list) else out["input_ids"])
+    return chat_prompt_ids(tok, flow.messages(step, agent))
 
 
 # ----- one request, classified -----------------------------------------------------------------

@@ -41,6 +41,13 @@ CHAIN = {
 }
 
 
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """The token ids of ``messages`` under ``tok``'s chat template, generation prompt added
+    (``apply_chat_template`` returns a list or, in newer transformers, an encoding)."""
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
 @dataclass
 class Workflow:
     """One workflow instance: its question, its steps, and the transcript so far."""
