@@ -8,11 +8,17 @@
 #   2. runs the GPU micro-benchmark (delta attention vs. plain attention vs. materializing, over
 #      context 1k-32k, ranks 0/4/8/16, one span or 16 runs of alternating shifts, head_dim
 #      64/128, GQA 4:1 and 1:1),
-# and writes everything as JSONL (+ logs, a PNG) into the folder given, else $OUT, else
-# results/gpu_check. Each step has its own time limit so a hang loses only that step.
+# and writes one JSON summary, gpu_check_summary.json (steps, kernel tests by name, delta / plain
+# attention time ratios by context and rank: sglang_kvcmas_bench/gpu_summary.py), with the logs,
+# the benchmark's JSONL and a PNG, into the folder given, else $OUT, else results/gpu_check. Each
+# step has its own time limit, together under 6 minutes; a step cut off at its limit loses only
+# what it had left (pytest is interrupted, so its report of the tests run so far is kept).
 #
-#   scripts/gpu_check.sh [OUT_DIR]            # the kernel check (about 6 minutes on an H200)
-#   scripts/gpu_check.sh --dry-run [OUT_DIR]  # print what it would run (any machine)
+#   scripts/gpu_check.sh --prepare            # on a machine with PyPI: pytest's wheels into
+#                                             # .gpu_wheels, to carry to a lent GPU machine
+#   scripts/gpu_check.sh [OUT_DIR]            # the kernel check (under 6 minutes)
+#   scripts/gpu_check.sh --dry-run [OUT_DIR]  # print the steps, their limits, what travels with
+#                                             # the tree and the summary's fields (any machine)
 #   scripts/gpu_check.sh --server [OUT_DIR]   # a user's CUDA machine with network: install the
 #                                             # GPU extras, then the quick head-to-heads on GPU
 #                                             # (prompt agents, LoRA agents, LoRA agents over a
@@ -28,27 +34,44 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODE=check
 case "${1:-}" in
   --dry-run) MODE=dry; shift ;;
+  --prepare) MODE=prepare; shift ;;
   --server) MODE=server; shift ;;
-  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
 esac
 OUT_DIR="$(mkdir -p "${1:-${OUT:-$ROOT/results/gpu_check}}" && cd "${1:-${OUT:-$ROOT/results/gpu_check}}" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-SUMMARY="$OUT_DIR/gpu_check_summary.jsonl"
-[[ $MODE == dry ]] || : > "$SUMMARY"
+WHEELS="${KVCMAS_WHEELS:-$ROOT/.gpu_wheels}"
+STEPS="$OUT_DIR/gpu_check_steps.jsonl"
+[[ $MODE == dry || $MODE == prepare ]] || : > "$STEPS"
 cd "$ROOT"
+
+if [[ $MODE == prepare ]]; then
+  # Pure-Python wheels (any CPython 3): pytest and what it needs, on 3.10 too.
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  python3 -m pip download -q --only-binary=:all: --implementation py --abi none --platform any \
+    --python-version 3.10 --dest "$WHEELS" pytest exceptiongroup tomli \
+    || exit 1
+  printf 'wheels in %s (%s): carry it to the GPU machine with the tree\n' "$WHEELS" \
+    "$(du -sh "$WHEELS" | cut -f1)"
+  exit 0
+fi
 log() { printf '[gpu_check] %s\n' "$*" | tee -a "$OUT_DIR/gpu_check.log" >&2; }
 
-# step NAME LIMIT_S CMD...: run, log to OUT_DIR/NAME.log, append {"step", "rc", "seconds"}.
+LIMITS=0
+# step NAME LIMIT_S CMD...: run, log to OUT_DIR/NAME.log, append {"step", "limit_s", "rc",
+# "seconds"}. At its limit a step gets SIGINT (pytest then writes its report), 10 s later SIGKILL.
 step() {
   local name="$1" limit="$2"; shift 2
+  LIMITS=$((LIMITS + limit))
   if [[ $MODE == dry ]]; then
     printf 'would run %s (limit %ss): %s\n' "$name" "$limit" "$*"; return 0
   fi
   local t0=$SECONDS rc
   log "$name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
   rc=$?
-  printf '{"step": "%s", "rc": %d, "seconds": %d}\n' "$name" "$rc" "$((SECONDS - t0))" >> "$SUMMARY"
+  printf '{"step": "%s", "limit_s": %d, "rc": %d, "seconds": %d}\n' "$name" "$limit" "$rc" \
+    "$((SECONDS - t0))" >> "$STEPS"
   log "$name: rc=$rc in $((SECONDS - t0)) s"
   tail -n 5 "$OUT_DIR/$name.log" >&2
   return $rc
@@ -86,11 +109,11 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   # No network on a lent GPU machine: pytest from wheels carried with the tree, if any.
   deps="$OUT_DIR/.pydeps"
-  if [[ -d "${KVCMAS_WHEELS:-$ROOT/.gpu_wheels}" && $MODE != dry ]]; then
-    "$PY" -m pip install -q --no-index --find-links "${KVCMAS_WHEELS:-$ROOT/.gpu_wheels}" \
+  if [[ -d "$WHEELS" && $MODE != dry ]]; then
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
       --target "$deps" pytest && export PYTHONPATH="$PYTHONPATH:$deps"
   fi
-  [[ $MODE == dry ]] && echo "pytest: missing (would install from ${KVCMAS_WHEELS:-$ROOT/.gpu_wheels})"
+  [[ $MODE == dry ]] && echo "pytest: missing (would install from $WHEELS)"
 elif [[ $MODE == dry ]]; then
   echo "pytest: present"
 fi
@@ -113,26 +136,26 @@ tests=(test/lab/kernels test/attention/test_kernel_reads.py
        test/attention/test_triton_head_mass.py test/attention/test_probe_reads.py)
 [[ $HAVE_SGLANG == 1 ]] && tests+=(test/integration/test_shared_triton_backend.py
                                   test/integration/test_shared_backends.py)
-step kernel_tests 420 "$PY" -m pytest "${tests[@]}" -q -rA -p no:cacheprovider \
+# Limits: together under 6 minutes, with the start and the summary.
+step kernel_tests 200 "$PY" -m pytest "${tests[@]}" -v -p no:cacheprovider \
   --junitxml="$OUT_DIR/kernel_tests.xml"
-if [[ $MODE != dry ]]; then
-"$PY" - "$OUT_DIR/kernel_tests.xml" "$OUT_DIR/kernel_tests.jsonl" <<'PY' || log "no junit xml"
-import json, sys, xml.etree.ElementTree as ET
-cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
-with open(sys.argv[2], "w") as f:
-    for c in cases:
-        outcome = next((t.tag for t in c if t.tag in ("failure", "error", "skipped")), "passed")
-        detail = next((t.get("message", "")[:300] for t in c
-                       if t.tag in ("failure", "error", "skipped")), "")
-        f.write(json.dumps({"test": f"{c.get('classname')}::{c.get('name')}", "outcome": outcome,
-                            "seconds": float(c.get("time", 0)), "detail": detail}) + "\n")
-PY
-fi
 
 quick=(); [[ "${KVCMAS_GPU_CHECK_QUICK:-1}" == 1 ]] && quick=(--quick)
-step benchmark 420 "$PY" benchmark/kernels/delta_attention_gpu_bench.py --out "$OUT_DIR" \
+step benchmark 130 "$PY" benchmark/kernels/delta_attention_gpu_bench.py --out "$OUT_DIR" \
   --with-variant "${quick[@]}"
 
-[[ $MODE == dry ]] && exit 0
+if [[ $MODE == dry ]]; then
+  carried="$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')"
+  wheels=0; [[ -d "$WHEELS" ]] && wheels="$(du -sb "$WHEELS" | cut -f1)"
+  printf 'steps: limits %d s in all (under 6 minutes with the start and the summary)\n' "$LIMITS"
+  printf 'carried: tree %.1f MiB + wheels %.1f MiB (%s) = %.1f MiB of 64 MiB\n' \
+    "$(echo "$carried / 1048576" | bc -l)" "$(echo "$wheels / 1048576" | bc -l)" \
+    "$([[ -d "$WHEELS" ]] && echo "$WHEELS" || echo "none yet: scripts/gpu_check.sh --prepare")" \
+    "$(echo "($carried + $wheels) / 1048576" | bc -l)"
+  printf 'summary: %s/gpu_check_summary.json, fields:\n' "$OUT_DIR"
+  "$PY" -m sglang_kvcmas_bench.gpu_summary --fields
+  exit 0
+fi
+"$PY" -m sglang_kvcmas_bench.gpu_summary "$OUT_DIR" | tee -a "$OUT_DIR/gpu_check.log" >&2
 log "results in $OUT_DIR:"; ls -la "$OUT_DIR" >&2
-! grep -q '"rc": [1-9]' "$SUMMARY"
+! grep -q '"rc": [1-9]' "$STEPS"

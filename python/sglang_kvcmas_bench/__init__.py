@@ -15,7 +15,7 @@ another. A module here has one job:
 - ``host_sim``: the host path without the model;
 - ``accuracy_tasks``, ``sandbox``, ``paired_stats``: the accuracy tasks, their code sandbox and
   paired statistics;
-- ``kernel_timing``: CPU kernel timing and reader rows;
+- ``kernel_timing``: CPU kernel timing and reader rows; ``gpu_summary``: the GPU check's summary;
 - ``lab``: the labs' reference forward, records, workloads and probes.
 
 Imports nothing at package level: ``results`` and ``provenance`` need only the standard library
