@@ -3,13 +3,13 @@ extend with recomputed tokens, their placement, and the head-mass probe."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-
 from sglang_kvcmas.attention.delta_batch import DeltaRequest
-from sglang_kvcmas_lab.attention.reference import reader_kv
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, rope_inv_freq
 from sglang_kvcmas.attention.span_reads import transform_spans
 from sglang_kvcmas.attention.spans import BatchRow, RecomputedTokens, RowSpans, SharedSpan
+from sglang_kvcmas_lab.attention.reference import reader_kv
 
 
 def test_shift_equals_reference_and_recomputation():
@@ -184,3 +184,65 @@ def test_plain_rows_in_a_batch_with_spans_attend_as_sglang_does(monkeypatch):
     assert calls == [31, 0, 20]  # every row without a position mask (its keys re-positioned)
     plain = torch.cat([torch.arange(0, n_q[0]), torch.arange(n_q[0] + n_q[1], sum(n_q))])
     torch.testing.assert_close(out[plain], ref[plain], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mass_equals_tail_attention_and_head_mass_over_awkward_sizes(dtype):
+    """A probed plain row on CPU: the attention is tail_attention's, bit for bit, and the mass
+    from the kernel's log-sum-exp is head_mass's, to float rounding; queries inside the head
+    (a first turn) see only the head keys before them."""
+    from sglang_kvcmas.attention.span_reads import (
+        fused_mass_serves,
+        head_mass,
+        tail_attention,
+        tail_attention_and_mass,
+    )
+
+    torch.manual_seed(7)
+    for H, Hkv, n_prefix, n_q, head in [(6, 2, 0, 1, (0, 1)), (6, 2, 0, 40, (3, 25)),
+                                        (9, 3, 37, 1, (2, 30)), (9, 3, 37, 150, (5, 37)),
+                                        (4, 4, 255, 130, (0, 200)), (9, 3, 10, 20, (4, 21))]:
+        q = torch.randn(H, n_q, 64, dtype=dtype)
+        k = torch.randn(Hkv, n_prefix + n_q, 64, dtype=dtype)
+        v = torch.randn(Hkv, n_prefix + n_q, 64, dtype=dtype)
+        assert fused_mass_serves(q, True) and not fused_mass_serves(q, False)
+        out, mass = tail_attention_and_mass(q, k, v, n_prefix, 0.125, *head)
+        assert torch.equal(out, tail_attention(q, k, v, n_prefix, True, 0.125, True))
+        pos = torch.arange(n_prefix + n_q)
+        want = head_mass(q, k, pos[n_prefix:], pos, 0.125, *head)
+        assert mass.dtype == torch.float32 and mass.shape == (n_q,)
+        torch.testing.assert_close(mass, want, atol=1e-6, rtol=1e-4)
+
+
+def test_a_probed_plain_row_records_the_mass_of_the_reference_path(monkeypatch):
+    """The backend's loop over a batch with a probed plain row (an owner on CPU) and a plain
+    row: outputs as tail_attention, and the probe records what add_row_mass would."""
+    from sglang_kvcmas.attention.spans import HeadMassProbe
+    from sglang_kvcmas.integration import delta_attention_backend as backend
+
+    torch.manual_seed(8)
+    H, Hkv, d = 6, 2, 64
+    lens, prefixes = [40, 23], [12, 20]
+    k_cache, v_cache = torch.randn(128, Hkv, d), torch.randn(128, Hkv, d)
+    req_to_token = torch.zeros(3, 64, dtype=torch.int64)
+    req_to_token[1, :40], req_to_token[2, :23] = torch.arange(40), torch.arange(50, 73)
+    n_q = [n - p for n, p in zip(lens, prefixes)]
+    query = torch.randn(sum(n_q), H, d)
+    args = (k_cache, v_cache, req_to_token, torch.tensor([1, 2]), torch.tensor(lens),
+            torch.tensor(prefixes), torch.tensor(n_q))
+
+    def run(fused):
+        be = _backend()
+        be._layer_id = 2  # a probe layer
+        probe = HeadMassProbe.for_row(2, 9, 40)
+        be._batch_rows = (BatchRow(probe=probe), None)
+        monkeypatch.setattr(backend, "fused_mass_serves", lambda q, causal: fused)
+        out = torch.empty_like(query)
+        be._run_sdpa_forward_extend(query, out, *args, scaling=d**-0.5, enable_gqa=True,
+                                    causal=True)
+        return out, probe.mean(12, 40)
+
+    (out, mass), (ref_out, ref_mass) = run(True), run(False)
+    assert torch.equal(out, ref_out)
+    assert mass.abs().sum() > 0
+    torch.testing.assert_close(mass, ref_mass, atol=1e-6, rtol=1e-4)

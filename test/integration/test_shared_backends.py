@@ -159,10 +159,13 @@ class SavingGpuBackend(FakeGpuBackend):
         return torch.zeros_like(q)
 
 
-def test_a_probe_batch_records_beside_the_backend_what_the_delta_path_records():
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_probe_batch_records_beside_the_backend_what_the_delta_path_records(fused, monkeypatch):
     """Extend rows with probes and nothing borrowed: the backend attends (the delta path is
     never asked), and at a probe layer each probed row's head mass is read from the layer's
-    queries and the pool's keys; the records equal the delta path's, bit for bit."""
+    queries and the pool's keys; the records equal the delta path's reference, bit for bit,
+    and its CPU path (the mass from the attention's log-sum-exp) to float rounding."""
+    from sglang_kvcmas.integration import delta_attention_backend
     from sglang_kvcmas.integration.delta_attention_backend import DeltaAttnBackend
 
     torch.manual_seed(7)
@@ -214,6 +217,8 @@ def test_a_probe_batch_records_beside_the_backend_what_the_delta_path_records():
     assert calls == [("gpu", "init"), ("gpu", "extend")] * 2
 
     ref = probed()
+    if not fused:
+        monkeypatch.setattr(delta_attention_backend, "fused_mass_serves", lambda q, causal: False)
     be = DeltaAttnBackend.__new__(DeltaAttnBackend)  # the torch path's math; no model runner
     be._layer_id, be._batch_rows = 2, ref
     be._run_sdpa_forward_extend(
@@ -224,7 +229,11 @@ def test_a_probe_batch_records_beside_the_backend_what_the_delta_path_records():
         if want is not None:
             assert want.probe.counts.any()
             assert torch.equal(got.probe.counts, want.probe.counts)
-            assert torch.equal(got.probe.sums, want.probe.sums)
+            if fused:
+                torch.testing.assert_close(got.probe.sums, want.probe.sums, atol=1e-6,
+                                           rtol=1e-5)
+            else:
+                assert torch.equal(got.probe.sums, want.probe.sums)
 
 
 def test_the_backend_stays_itself_for_everything_else():

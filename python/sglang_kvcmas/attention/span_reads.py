@@ -12,6 +12,9 @@ values from the pool and calls these; they know nothing of SGLang.
   owner's pass records for ``policy/recompute.py``.
 - :func:`tail_attention` is a plain row's extend: its new queries only, over their causal
   prefix (reference: :func:`padded_tail_attention`, the query padded to the whole sequence).
+  :func:`tail_attention_and_mass` is the same on CPU with the head mass of a probed row taken
+  from the attention's own softmax normalizer (reference: :func:`tail_attention` and
+  :func:`head_mass`).
 - :func:`gather_pairs` gathers, at one layer, what a reader's factored leaves are fitted on: the
   owner's K/V of the tokens it recomputes, re-positioned, and its own exact K/V of them
   (``attention/deviation_factors.py``).
@@ -136,6 +139,57 @@ def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: 
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
         is_causal=causal and not n_prefix, enable_gqa=enable_gqa, scale=scale,
     ).squeeze(0)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""PyTorch's CPU flash attention, which SDPA dispatches ``tail_attention`` to and which also
+returns each query's log-sum-exp; None in a PyTorch without it."""
+
+
+def fused_mass_serves(q: torch.Tensor, causal: bool) -> bool:
+    """Whether :func:`tail_attention_and_mass` serves these queries: causal, on CPU, in a
+    floating dtype the CPU flash kernel takes."""
+    return causal and _FLASH_CPU is not None and q.device.type == "cpu" and \
+        q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def tail_attention_and_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,
+                            scale: float | None, head_from: int, head_to: int,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain row's causal extend and its head mass in one pass over the keys (CPU).
+
+    The mass on key rows ``[head_from, head_to)`` is ``exp(lse_head - lse)``: ``lse``, each
+    query's log-sum-exp over every key it sees, comes with the flash kernel's output, so only
+    the head's few keys are scored again. A probed owner's extend then costs about what its
+    attention costs, where :func:`head_mass` scores every key a second time.
+
+    Args:
+        q: [H, n_q, d] (RoPE applied); k, v: [H_kv, n_kv, d] in row order (row index =
+            position), n_kv = n_prefix + n_q; H a multiple of H_kv.
+        scale: softmax scale (None: ``d ** -0.5``).
+    Returns:
+        (out [H, n_q, d]: :func:`tail_attention` with ``causal``, bit for bit where SDPA picks the
+        flash kernel; mass [n_q] float32: :func:`head_mass` with positions ``arange(n_kv)``, to
+        float rounding).
+    """
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[0] // k.shape[0]
+    kk = k.repeat_interleave(group, dim=0) if group > 1 else k
+    vv = v.repeat_interleave(group, dim=0) if group > 1 else v
+    q_pos = n_prefix + torch.arange(n_q, device=q.device)
+    mask = None
+    if n_prefix:  # the flash kernel's own causal mask is top-left: a tail needs its own
+        visible = torch.arange(n_kv, device=q.device)[None, :] <= q_pos[:, None]
+        mask = torch.zeros((n_q, n_kv), dtype=q.dtype, device=q.device).masked_fill_(
+            ~visible, float("-inf"))
+    out, lse = _FLASH_CPU(q.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), 0.0, not n_prefix,
+                          attn_mask=mask, scale=scale)
+    head = (q.float() @ kk[:, head_from:head_to].float().transpose(1, 2)) * scale  # [H, n_q, h]
+    hidden = torch.arange(head_from, head_to, device=q.device)[None, :] > q_pos[:, None]
+    head = head.masked_fill(hidden, float("-inf"))
+    mass = torch.exp(torch.logsumexp(head, dim=-1) - lse[0].float()).mean(0)
+    return out.squeeze(0), mass
 
 
 def padded_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,

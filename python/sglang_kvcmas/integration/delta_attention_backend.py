@@ -30,7 +30,9 @@ Whether a batch takes the kernels is decided once per batch (``dispatch_route``)
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
 tokens, extend attention at the probe layers (``spans.is_probe_layer``) also records each
 token's softmax mass on the row's agent head (``probe_reads.add_row_mass``). Probing a layer
-costs about one more attention pass over the row at that layer; nothing else changes. A batch
+costs about one more attention pass over the row at that layer, except for a plain row on CPU,
+whose mass comes from the attention's own log-sum-exp (``span_reads.tail_attention_and_mass``:
+the head's keys scored again, no more); nothing else changes. A batch
 whose probed rows read nothing borrowed comes here only over torch_native (``shared_backends``:
 over Triton or FlashInfer it stays on that backend, the mass read beside it).
 
@@ -56,7 +58,7 @@ there the delta kernels read them (above).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -68,16 +70,22 @@ from sglang_kvcmas.attention.batched_decode import (
     plan_batched_decode,
 )
 from sglang_kvcmas.attention.deviation_factors import TokenDeltas
-from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
-from sglang_kvcmas.attention.probe_reads import add_row_mass, record_head_mass
-from sglang_kvcmas.attention.span_reads import gather_pairs, rotate_keys, tail_attention
-from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans, is_probe_layer
 from sglang_kvcmas.attention.kernel_reads import (
     ShiftedPlan,
     kernel_serves,
     plan_shifted,
     shifted_attention,
 )
+from sglang_kvcmas.attention.probe_reads import add_row_mass, record_head_mass
+from sglang_kvcmas.attention.shifted_query import grouped_shift_decode
+from sglang_kvcmas.attention.span_reads import (
+    fused_mass_serves,
+    gather_pairs,
+    rotate_keys,
+    tail_attention,
+    tail_attention_and_mass,
+)
+from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe, RowSpans, is_probe_layer
 from sglang_kvcmas.integration import inflight_fence
 from sglang_kvcmas.integration.batch_rows import cache_of_forward, rows_of_forward
 from sglang_kvcmas.integration.dispatch_route import KERNEL, Route, decide, route_of
@@ -219,7 +227,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
-        causal=False, is_cross_attn=False, sliding_window_size: Optional[int] = None,
+        causal=False, is_cross_attn=False, sliding_window_size: int | None = None,
     ):
         if encoder_lens is None and sliding_window_size is None and self._batch_rows is not None:
             self._fit_leaves(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens)
@@ -253,6 +261,14 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             )
             q = q_all[:, start_q : start_q + n_q, :]
             k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
+            if probes[i] is not None and rows[i] is None and fused_mass_serves(q, causal):
+                # A plain probed row on CPU: the mass from the attention's own normalizer.
+                out, mass = tail_attention_and_mass(q, k, v, n_prefix, scaling,
+                                                    probes[i].head_from, probes[i].head_to)
+                probes[i].add(n_prefix, mass)
+                output[start_q : start_q + n_q] = out.movedim(query.dim() - 2, 0)
+                start_q += n_q
+                continue
             if probes[i] is not None:
                 pos = rows[i].positions_upto(n_kv) if rows[i] is not None else torch.arange(n_kv)
                 add_row_mass(probes[i], q, k, pos.to(q.device), n_prefix,
@@ -277,7 +293,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
     def _run_sdpa_forward_decode(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
-        sliding_window_size: Optional[int] = None,
+        sliding_window_size: int | None = None,
     ):
         # Decode needs no position mask (every cached token precedes the query): only rows
         # with a shift differ from the parent.
@@ -444,7 +460,7 @@ def _recomputed(row: RowSpans | None) -> int:
     return len(row.recomputed.token_ids) if row is not None and row.recomputed else 0
 
 
-def _no_window(rows: list, sliding_window_size: Optional[int]) -> None:
+def _no_window(rows: list, sliding_window_size: int | None) -> None:
     """Shifted rows never take the parent's sliding-window path (refused at start; a backstop)."""
     if sliding_window_size is not None and any(rows):
         raise RuntimeError("sglang-kvcmas: a sliding-window layer reads re-positioned spans "
