@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_kvcmas.policy import spend_forecast as sf
+from sglang_kvcmas_bench import forecast_fit
 from sglang_kvcmas_bench.results import record
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -272,7 +273,7 @@ def main() -> int:
         model_name = models.pop() if len(models) == 1 else None
         out = Path(args.out) if args.out else sf.ARTIFACT if model_name == "embedded" else \
             sf.ARTIFACT.with_name(f"spend_forecast_{model_name}.json")
-        model = sf.fit([r["turns"] for r in runs], seed=args.seed, fitted_on="; ".join(
+        model = forecast_fit.fit([r["turns"] for r in runs], seed=args.seed, fitted_on="; ".join(
             f"{sum(r['variant'] == v for r in runs)} runs of {v}.jsonl "
             f"({describe([r for r in runs if r['variant'] == v])})" for v in variants))
         out.write_text(json.dumps(model.to_json(), separators=(",", ":")) + "\n")
@@ -303,7 +304,7 @@ def main() -> int:
         test = [i for i in order if fold_of[i] == f and runs[i]["model"] == mdl]
         if not test or len(train) < 2:
             continue
-        model = sf.fit([runs[i]["turns"] for i in train], seed=args.seed)
+        model = forecast_fit.fit([runs[i]["turns"] for i in train], seed=args.seed)
         mean_total = statistics.fmean(states[i][-1].computed for i in train)
         mean_turns = statistics.fmean(len(states[i]) for i in train)
         for i in test:

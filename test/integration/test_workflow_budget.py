@@ -5,13 +5,12 @@ from __future__ import annotations
 import types
 
 import pytest
-
 from sglang_kvcmas.integration import reuse_accounting as ra
 from sglang_kvcmas.integration import workflow_accounting as wa
 from sglang_kvcmas.policy.request_options import RequestOptionError, RequestOptions
 from sglang_kvcmas.policy.spend_budget import Budget, BudgetExceeded
-from sglang_kvcmas.policy.spend_forecast import fit
 from sglang_kvcmas.policy.workflow_ledger import Turn, WorkflowLedger
+from sglang_kvcmas_bench.forecast_fit import fit
 
 
 def synthetic_runs(n: int = 16) -> list[list[dict]]:

@@ -7,9 +7,9 @@ import random
 import time
 
 import pytest
-
 from sglang_kvcmas.policy import spend_forecast as sf
 from sglang_kvcmas.policy.spend_budget import Budget, BudgetExceeded, BudgetStatus
+from sglang_kvcmas_bench import forecast_fit
 
 
 def synthetic_runs(n: int = 24, seed: int = 0) -> list[list[dict]]:
@@ -31,7 +31,7 @@ def synthetic_runs(n: int = 24, seed: int = 0) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def fitted() -> sf.SpendForecaster:
-    return sf.fit(synthetic_runs(), fitted_on="synthetic")
+    return forecast_fit.fit(synthetic_runs(), fitted_on="synthetic")
 
 
 def test_one_turn_trajectory_and_interval_contains_the_point(fitted):
@@ -87,7 +87,7 @@ def test_the_shipped_artifact_loads_and_forecasts_fast():
 
 def test_fit_needs_two_runs():
     with pytest.raises(ValueError, match="two runs"):
-        sf.fit(synthetic_runs(1))
+        forecast_fit.fit(synthetic_runs(1))
 
 
 def test_budget_status_and_refusal(fitted):
@@ -143,8 +143,8 @@ def test_the_pure_python_forest_equals_scikit_learns_prediction():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, len(sf.FEATURES))).astype(np.float64) * 3
     y = x[:, 1] * 2 + np.sin(x[:, 4]) + rng.normal(size=300) * 0.1
-    forest = RandomForestRegressor(**sf.FOREST, random_state=0).fit(x, y)
-    model = sf.MeasureModel(tuple(sf.Tree.of_sklearn(t) for t in forest.estimators_), 0.0, 0.0)
+    forest = RandomForestRegressor(**forecast_fit.FOREST, random_state=0).fit(x, y)
+    model = sf.MeasureModel(tuple(forecast_fit.tree_of_sklearn(t) for t in forest.estimators_), 0.0, 0.0)
     on_threshold = x[:20].copy()
     tree0 = model.trees[0]
     for i, row in enumerate(on_threshold):

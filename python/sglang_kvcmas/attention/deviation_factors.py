@@ -14,9 +14,9 @@ values have no RoPE). A later turn reads such a token as the owner's slot, re-po
 its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, with no fitted map
 that has to generalize to tokens it never saw (an affine map fitted on the recomputed tokens and
 applied to every other borrowed one does: once served, it read worse than naive re-positioning,
-and only the lab fits it now). The lab measured the frame
-(``benchmark/lab/delta_growth_study.py``, Qwen2.5-Coder-0.5B, rank 8, 256–4096 tokens): KL
-recovered 0.64 before RoPE against 0.60 in the reader's frame, on average.
+and only the lab fits it now). The frame was chosen by measurement: factors cut before RoPE
+recovered more KL than in the reader's frame (``benchmark/lab/delta_growth_study.py``;
+``docs/results.md``).
 
 Bytes: a token costs ``2·L·H_kv·r`` floats (K and V coefficients) instead of ``2·L·H_kv·d``, plus
 one basis ``2·L·H_kv·d·r`` per fit shared by all the tokens of that fit (every node a turn's

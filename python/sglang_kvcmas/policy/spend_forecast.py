@@ -17,17 +17,17 @@ offline, rows weighted so that every run weighs the same, and monotone non-decre
 features that grow with the spend so far: :data:`SIGNS`); the total is ``spent + remaining``, so
 the forecast is never below the spend so far and does not fall when it rises. The interval
 scales the remaining spend by the ``q_low`` / ``q_high`` quantiles of held-out log residuals
-(``low <= total <= high`` by construction). On the recorded runs the forest cut the error of the
-ridge regression it replaced (cross-validated MdAPE at 50% of a run: 23.7% -> 6.5% on the
-embedded model's runs, 22.1% -> 15.2% on Qwen2.5-Coder-0.5B's; ``docs/results.md``).
+(``low <= total <= high`` by construction). Its error against the ridge regression it replaced
+is in ``docs/results.md`` (Serving: spend forecast).
 
-Fitted offline (:func:`fit`, by ``benchmark/serving/forecast_bench.py --fit`` on recorded runs)
-into a JSON artifact of the trees' arrays, loaded once (:func:`load`): token counts differ by
+Fitted offline (``sglang_kvcmas_bench.forecast_fit``, by ``benchmark/serving/forecast_bench.py
+--fit`` on recorded runs) into a JSON artifact of the trees' arrays, loaded once (:func:`load`):
+token counts differ by
 model (answer lengths, how a model stops), so each known model may ship its own beside this
 module (``spend_forecast_<short name>.json``, :func:`artifact_for`), and ``spend_forecast.json``
 (the embedded model's runs) serves every other model unless the server is given one
 (``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python (tens of
-microseconds); scikit-learn and numpy are needed by the fit only.
+microseconds); the served package needs neither scikit-learn nor numpy for it.
 """
 
 from __future__ import annotations
@@ -53,10 +53,6 @@ SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
 """Monotone constraints of the fit: the features that grow with the spend so far (and the reused
 share, which shrinks as more is recomputed) may only push the remaining spend up, so the total
 forecast never falls when the spend so far rises."""
-FOREST = {"n_estimators": 30, "max_depth": 6, "min_samples_leaf": 5}
-"""The forest's size, chosen by cross-validation on the recorded runs: 30 trees of depth <= 6
-did as well as 50 unbounded ones (MdAPE at 50% of a run 6.5% vs 7.4% on the embedded model's
-runs, 15.2% vs 15.3% on Qwen2.5-Coder-0.5B's) in a smaller artifact."""
 
 
 def artifact_for(model: str | None) -> Path:
@@ -241,15 +237,6 @@ class Tree:
                    tuple(int(v) for v in left), tuple(int(v) for v in right),
                    tuple(float(v) for v in value))
 
-    @classmethod
-    def of_sklearn(cls, tree: Any) -> Tree:
-        """From a fitted scikit-learn ``DecisionTreeRegressor`` (its ``tree_``)."""
-        t = tree.tree_
-        return cls(tuple(int(v) for v in t.feature), tuple(float(v) for v in t.threshold),
-                   tuple(int(v) for v in t.children_left),
-                   tuple(int(v) for v in t.children_right),
-                   tuple(float(v) for v in t.value[:, 0, 0]))
-
 
 @dataclass(frozen=True)
 class MeasureModel:
@@ -354,70 +341,3 @@ def load(path: Path | None = None) -> SpendForecaster:
     except (OSError, json.JSONDecodeError) as e:
         raise ForecastArtifactError(f"cannot read {path}: {e}") from None
     return SpendForecaster.from_json(data)
-
-
-def fit_measure(x: Any, y_remaining: Any, coverage: tuple[float, float] = (0.1, 0.9),
-                folds: int = 5, groups: Any = None, seed: int = 0) -> MeasureModel:
-    """Fit one measure: ``x`` (n x len(FEATURES)), ``y_remaining`` (n, tokens). Rows are
-    weighted so that every run (``groups``: the run of each row) weighs the same. The interval's
-    quantiles come from residuals of ``folds``-fold cross-validation, folds drawn by run (a
-    run's rows are held out together). Needs scikit-learn."""
-    import numpy as np
-    from sklearn.ensemble import RandomForestRegressor
-
-    x = np.asarray(x, dtype=np.float64)
-    y = np.log1p(np.maximum(np.asarray(y_remaining, dtype=np.float64), 0.0))
-    groups = np.arange(len(y)) if groups is None else np.asarray(groups)
-    _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
-    weight = 1.0 / counts[inverse]  # every run weighs the same, long or short
-    monotone = [SIGNS.get(name, 0) for name in FEATURES]
-
-    def forest(rows: Any) -> Any:
-        return RandomForestRegressor(**FOREST, monotonic_cst=monotone, random_state=seed,
-                                     n_jobs=1).fit(x[rows], y[rows], sample_weight=weight[rows])
-
-    uniq = np.unique(groups)
-    residuals = []
-    for f in range(min(folds, len(uniq))):
-        held = np.isin(groups, uniq[f::folds])
-        if held.all() or not held.any():
-            continue
-        pred = np.clip(forest(~held).predict(x[held]), 0.0, 30.0)
-        residuals.append(y[held] - pred)
-    res = np.concatenate(residuals) if residuals else np.zeros(1)
-    fitted = forest(np.ones(len(y), dtype=bool))
-    q_low = min(0.0, float(np.quantile(res, coverage[0])))
-    q_high = max(0.0, float(np.quantile(res, coverage[1])))
-    return MeasureModel(tuple(Tree.of_sklearn(t) for t in fitted.estimators_), q_low, q_high)
-
-
-def training_rows(runs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[list, dict, list]:
-    """Every prefix of every run as one row: features after ``k`` turns (1 <= k < T) and the
-    remaining spend per measure. Returns (features, measure -> remaining, run index)."""
-    xs: list[list[float]] = []
-    ys: dict[str, list[float]] = {m: [] for m in MEASURES}
-    groups: list[int] = []
-    for i, turns in enumerate(runs):
-        states = TrajectoryState.prefixes(turns)
-        for state in states[:-1]:
-            xs.append(state.features())
-            for m in MEASURES:
-                ys[m].append(states[-1].spent(m) - state.spent(m))
-            groups.append(i)
-    return xs, ys, groups
-
-
-def fit(runs: Sequence[Sequence[Mapping[str, Any]]],
-        coverage: tuple[float, float] = (0.1, 0.9), fitted_on: str = "",
-        seed: int = 0) -> SpendForecaster:
-    """A forecaster fitted on ``runs`` (each a list of turn records in finish order, as
-    :meth:`TrajectoryState.prefixes` reads them). Needs scikit-learn.
-
-    Raises:
-        ValueError: fewer than two runs of two or more turns.
-    """
-    xs, ys, groups = training_rows(runs)
-    if len(set(groups)) < 2:
-        raise ValueError("fitting needs at least two runs of two or more turns")
-    return SpendForecaster({m: fit_measure(xs, ys[m], coverage, groups=groups, seed=seed)
-                            for m in MEASURES}, coverage, fitted_on)

@@ -9,13 +9,13 @@ memory for the KV cache"). So the fraction must cover what the scheduler allocat
 
     fraction >= (weights + max_total_tokens * kv_bytes_per_token + overhead) / pre
 
-A fixed fraction cannot be right for every model: 0.1 of a few GiB free fits SmolLM2-135M
-(0.5 GiB of float32 weights) but not Qwen2.5-0.5B (2.5 GiB). :func:`static_fraction` is that
-rule with headroom, measured on Qwen2.5-Coder-0.5B: ``pre`` was 15.1 GiB when the launcher had
-seen 21 GiB free (the server's other processes, and other jobs, start in between), and loading
-2.5 GiB of weights took 4.0 GiB at its peak. A larger fraction than needed costs nothing on CPU,
-as the pool is capped at ``--max-total-tokens`` anyway. Pure functions except :func:`free_host_bytes` and
-:func:`footprint_of_folder`, which read the machine and a model folder.
+A fixed fraction cannot be right for every model: one that fits a small model's float32
+weights starves a model a few times larger. :func:`static_fraction` is that rule with headroom:
+``pre`` is read after the server's other processes (and other jobs) have started, so it is below
+what the launcher saw free, and loading weights peaks well above their size. A larger fraction
+than needed costs nothing on CPU, as the pool is capped at ``--max-total-tokens`` anyway. Pure
+functions except :func:`free_host_bytes` and :func:`footprint_of_folder`, which read the machine
+and a model folder.
 """
 
 from __future__ import annotations
