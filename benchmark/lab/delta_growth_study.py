@@ -37,7 +37,7 @@ import torch
 from sglang_kvcmas_bench.lab.probes import FORCED, head_mass, kl, probe_layers
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
-from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (4, 8, 16)
@@ -68,14 +68,11 @@ def study_length(model, tok, text: str, length: int) -> dict:
     essay = tok.decode(tok.encode(text, add_special_tokens=False)[:length])
 
     def ids(system: str) -> list[int]:
-        out = tok.apply_chat_template([{"role": "system", "content": system},
-                                       {"role": "user", "content": essay}],
-                                      add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(tok, [{"role": "system", "content": system},
+                                     {"role": "user", "content": essay}])
 
     def head_len(system: str) -> int:  # the system turn: the agent's head, as the server splits
-        out = tok.apply_chat_template([{"role": "system", "content": system}], tokenize=True)
-        return len(out if isinstance(out, list) else out["input_ids"])
+        return len(chat_prompt_ids(tok, [{"role": "system", "content": system}], False))
 
     a, b = ids(DEBATERS["Ada"]), ids(DEBATERS["Ben"])
     h_a, h_b = head_len(DEBATERS["Ada"]), head_len(DEBATERS["Ben"])

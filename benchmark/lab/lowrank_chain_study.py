@@ -41,7 +41,7 @@ import torch
 from sglang_kvcmas_bench.lab.probes import head_mass, kl, probe_layers
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
-from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORCED = 16
@@ -86,8 +86,7 @@ def main() -> int:
     transcript = tok.encode(text, add_special_tokens=False)[:length]
 
     def head(system: str) -> list[int]:  # the system turn: the agent's head, as the server splits
-        out = tok.apply_chat_template([{"role": "system", "content": system}], tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(tok, [{"role": "system", "content": system}], False)
 
     a, b = head(DEBATERS["Ada"]), head(DEBATERS["Ben"])
     h_a, h_b = len(a), len(b)

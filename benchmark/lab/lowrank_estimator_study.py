@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from sglang_kvcmas_bench.lab.probes import head_mass
 from sglang_kvcmas_bench.results import record
-from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -98,10 +98,8 @@ def main() -> int:
                   f"{gsm8k()[1].answer}\n\nThis is round 2. Give your updated answer.")
 
     def ids(system: str) -> list[int]:
-        out = tok.apply_chat_template([{"role": "system", "content": system},
-                                       {"role": "user", "content": transcript}],
-                                      add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(tok, [{"role": "system", "content": system},
+                                     {"role": "user", "content": transcript}])
 
     a, b = ids(DEBATERS["Ada"]), ids(DEBATERS["Ben"])
     n = 0

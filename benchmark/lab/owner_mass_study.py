@@ -38,7 +38,7 @@ from sglang_kvcmas_bench.lab.reference import (
 )
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
-from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids
 from sglang_kvcmas_lab.correction.fidelity import teacher_forced
 from sglang_kvcmas_lab.models.reference_llama import KVCache, RefLlama, rotate
 
@@ -49,10 +49,8 @@ PROBE_LAYERS = (2, 6, 10, 14, 18, 22, 26)
 
 
 def chat_ids(tok, system: str, user: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "system", "content": system},
-                                   {"role": "user", "content": user}],
-                                  add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
+    return chat_prompt_ids(tok, [{"role": "system", "content": system},
+                                 {"role": "user", "content": user}])
 
 
 @torch.inference_mode()

@@ -61,6 +61,7 @@ from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.sandbox import isolation
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.server_calls import stream_generate
+from sglang_kvcmas_bench.workflows import chat_prompt_ids
 
 ARMS = ("no_cache", "radix", "kvcmas")
 QUICK_ARMS = ("radix", "kvcmas")
@@ -98,19 +99,13 @@ def grade(flow: tasks.Flow) -> tuple[bool, str | None]:
     return tasks.humaneval_passes(humaneval()[flow.item], reply), tasks.code_block(reply)
 
 
-def prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """The model's own chat template over ``messages``, with the generation prompt."""
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-
 def run_item(url: str, tok, task: str, item: int, max_new: int) -> dict:
     """Run one item's workflow on one server; the record appended to the arm's file."""
     flow = build_flow(task, item)
     turns = []
     t0 = time.perf_counter()
     for step, agents in enumerate(flow.steps):
-        prompts = {a: prompt_ids(tok, flow.messages(step, a)) for a in agents}
+        prompts = {a: chat_prompt_ids(tok, flow.messages(step, a)) for a in agents}
         with ThreadPoolExecutor(len(agents)) as pool:
             outs = dict(zip(agents, pool.map(
                 lambda a: stream_generate(url, prompts[a], max_new), agents)))

@@ -30,6 +30,7 @@ from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer, run_header
 from sglang_kvcmas_bench.server_calls import generate
+from sglang_kvcmas_bench.workflows import chat_prompt_ids
 from sglang_kvcmas_examples import datasets
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -47,10 +48,8 @@ def turns(tokenizer) -> list[tuple[str, list[int]]]:
     longer = f"{question}\n\nBackground reading:\n{passage}\n\nAnswer the question."
 
     def ids(head, user):
-        out = tokenizer.apply_chat_template([{"role": "system", "content": head},
-                                             {"role": "user", "content": user}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(tokenizer, [{"role": "system", "content": head},
+                                           {"role": "user", "content": user}])
 
     return [("owner_a1", ids(HEADS[0], question)), ("owner_b1", ids(HEADS[1], question)),
             ("owner_a2", ids(HEADS[0], longer)), ("reader_b2", ids(HEADS[1], longer))]

@@ -116,6 +116,8 @@ def run_arm(arm: str, model, workloads: list[Workload], pool: int, logs: Path) -
                 "output_tps": sum(t.completion_tokens for t in turns) / makespan,
                 "peak_kv_tokens": kv_tokens, "peak_leaf_bytes": leaf_bytes,
                 "peak_kv_mib": (kv_tokens * model.kv_bytes_per_token + leaf_bytes) / 2**20,
+                "pool_saturated": kv.pool_tokens is not None and held >= 0.98 * kv.pool_tokens,
+                "tree_at_end": shared_tree_stats(server.url),
             }
             say(f"{arm} {w.name}: makespan {makespan:.1f} s, "
                 f"{result[w.name]['output_tps']:.1f} tok/s, peak KV "
@@ -163,6 +165,8 @@ def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
         "makespan_ratio": radix["makespan_s"] / mine["makespan_s"],
         "output_tps_ratio": mine["output_tps"] / radix["output_tps"],
         "kv_ratio": mine["peak_kv_mib"] / radix["peak_kv_mib"],
+        # radix filled its pool (and evicted): its peak is the pool, not what it needed
+        "radix_pool_saturated": bool(radix.get("pool_saturated")),
         "ttft_ratio_nonowner": (nonowner_radix / nonowner_ours
                                 if nonowner_ours and nonowner_radix else None),
         "ttft_by_round": {r: [_median([t["ttft_s"] for t in radix["turns"] if t["round"] == r]),
@@ -192,7 +196,7 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
             print(f"{arm:<13} {w:<10} {fmt(med(arm, w, 'makespan_ratio'), 2):>8}x "
                   f"{fmt(med(arm, w, 'output_tps_ratio'), 2):>8}x "
                   f"{fmt(med(arm, w, 'ttft_ratio_nonowner'), 2):>5}x "
-                  f"{fmt(med(arm, w, 'kv_ratio'), 2):>5}x "
+                  f"{fmt(med(arm, w, 'kv_ratio'), 2):>5}{'*' if c['radix_pool_saturated'] else 'x'} "
                   f"{fmt(med(arm, w, 'plain_decode_ratio'), 2):>8}x "
                   f"{fmt(med(arm, w, 'reader_decode_ratio'), 2):>7}x "
                   f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_answer']:>3}/{c['finals']:<3}")
@@ -210,6 +214,10 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
             "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
             "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
         }
+        if any(runs[-1]["compare"][a][w].get("radix_pool_saturated") for a in arms
+               if a != "radix" for w in names):
+            print("*: radix filled its pool (--pool) and evicted: its peak KV is the pool's size, "
+                  "less than it needed; rerun with a larger --pool for a KV ratio")
         print("HEADLINE " + " ".join(f"{k}={fmt(v, 2)}" for k, v in head.items()))
 
 

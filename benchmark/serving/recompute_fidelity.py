@@ -39,15 +39,10 @@ from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer
 from sglang_kvcmas_bench.server_calls import generate
-from sglang_kvcmas_bench.workflows import DEBATERS, debate
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids, debate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "recompute_fidelity"
-
-
-def prompt_ids(tok, messages: list[dict]) -> list[int]:
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
 def main() -> int:
@@ -78,13 +73,13 @@ def main() -> int:
     with ArmServer("kvcmas", log, model.server_args) as server:
         url = server.url
         for name, head in DEBATERS.items():  # every agent's head cached, as in a running service
-            generate(url, prompt_ids(tok, [{"role": "system", "content": head},
+            generate(url, chat_prompt_ids(tok, [{"role": "system", "content": head},
                                            {"role": "user", "content": "Say hello."}]), 1)
         for qi, question in enumerate(questions):
             flow = debate(qi, question, rounds=args.rounds)
             for step in range(args.rounds):
                 agents = flow.steps[step]
-                prompts = {a: prompt_ids(tok, flow.messages(step, a)) for a in agents}
+                prompts = {a: chat_prompt_ids(tok, flow.messages(step, a)) for a in agents}
                 answers = {}
                 for a in agents:  # exact answers: what the reference deployment would say
                     out = generate(url, prompts[a], args.answer_tokens, f"ref-{uuid.uuid4()}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from sglang_kvcmas_bench.workflows import DEBATERS
+from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids
 
 
 class Prompts:
@@ -26,8 +26,7 @@ class Prompts:
     def ids(self, agent: str, transcript: str) -> list[int]:
         msgs = [{"role": "system", "content": DEBATERS[agent]},
                 {"role": "user", "content": transcript}]
-        out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return chat_prompt_ids(self.tok, msgs)
 
     def filler(self, n_tokens: int, seed: int) -> str:
         """A transcript of about ``n_tokens`` tokens of real text."""

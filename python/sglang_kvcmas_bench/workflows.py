@@ -41,10 +41,11 @@ CHAIN = {
 }
 
 
-def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """The token ids of ``messages`` under ``tok``'s chat template, generation prompt added
-    (``apply_chat_template`` returns a list or, in newer transformers, an encoding)."""
-    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tok, messages: list[dict], generation: bool = True) -> list[int]:
+    """The token ids of ``messages`` under ``tok``'s chat template, the generation prompt added
+    unless ``generation`` is False (an agent's head: its system turn alone).
+    ``apply_chat_template`` returns a list or, in newer transformers, an encoding."""
+    out = tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
     return list(out if isinstance(out, list) else out["input_ids"])
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sglang_kvcmas_bench.server_calls import stream_generate
-from sglang_kvcmas_bench.workflows import Workflow, debate, reviewer_chain
+from sglang_kvcmas_bench.workflows import Workflow, chat_prompt_ids, debate, reviewer_chain
 
 
 def build_workflows(n_debates: int, n_chains: int) -> list[Workflow]:
@@ -30,9 +30,7 @@ def run_workload(url: str, flows: list[Workflow], tok, max_new: int) -> tuple[li
     def one_flow(flow: Workflow) -> float:
         t0 = time.perf_counter()
         for step, agents in enumerate(flow.steps):
-            prompts = {a: tok.apply_chat_template(flow.messages(step, a), add_generation_prompt=True,
-                                                  tokenize=True) for a in agents}
-            prompts = {a: list(p if isinstance(p, list) else p["input_ids"]) for a, p in prompts.items()}
+            prompts = {a: chat_prompt_ids(tok, flow.messages(step, a)) for a in agents}
             with ThreadPoolExecutor(len(agents)) as pool:
                 outs = dict(zip(agents, pool.map(
                     lambda a: stream_generate(url, prompts[a], max_new), agents)))

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TAKE_MODEL_PATH = [
     "benchmark/kernels/batched_decode_bench.py",
     "benchmark/kernels/delta_attention_bench.py",
+    "benchmark/kernels/probe_mass_bench.py",
     "benchmark/kernels/shifted_decode_bench.py",
     "benchmark/lab/delta_growth_study.py",
     "benchmark/lab/kvcmas_lab.py",
