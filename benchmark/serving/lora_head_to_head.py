@@ -84,7 +84,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +102,7 @@ from sglang_kvcmas_bench.reuse_records import of_meta
 from sglang_kvcmas_bench.scheduler_profile import SchedulerProfile
 from sglang_kvcmas_bench.scheduler_profile import report as profile_report
 from sglang_kvcmas_bench.server_arms import COMMON_FLAGS, shared_tree_stats
-from sglang_kvcmas_bench.server_calls import stream_generate
+from sglang_kvcmas_bench.server_calls import flush, stream_generate
 from sglang_kvcmas_bench.workload_runs import replay_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -412,21 +411,6 @@ def background_prefilled(url: str) -> int:
     """Tokens the server prefilled on its own: the heads an agent's first request over a long
     transcript prefills first (``kvcmas:head_prefill_tokens``)."""
     return metric_total(url, ("kvcmas:head_prefill_tokens_total",), 'kind="prefilled"')
-
-
-def flush(url: str, timeout_s: float = 120.0) -> None:
-    """Flush the server's caches once every request has drained: SGLang refuses (400) while
-    requests run."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
-                                   timeout=60).read()
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 400 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def factored_bytes(url: str) -> int:

@@ -64,6 +64,7 @@ from sglang_kvcmas_bench.kv_sampler import KvSampler
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.server_arms import ArmServer, run_header, shared_tree_stats
+from sglang_kvcmas_bench.server_calls import flush
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS: dict[str, tuple[str, list[str]]] = {
@@ -100,6 +101,7 @@ def run_arm(arm: str, model, workloads: list[Workload], pool: int, logs: Path) -
         served = name["data"][0]["id"]
         chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
         for w in workloads:
+            flush(server.url)  # each workload from an empty cache: its own peak KV
             kv = KvSampler(server.url)
             kv.start()
             t0 = time.perf_counter()

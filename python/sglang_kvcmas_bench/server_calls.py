@@ -107,3 +107,18 @@ def raw_stream(url: str, body: dict, drop_after_chunks: int | None) -> int:
     finally:
         sock.close()
     return seen
+
+
+def flush(url: str, timeout_s: float = 120.0) -> None:
+    """Flush the server's caches once every request has drained: SGLang refuses (400) while
+    requests run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
+                                   timeout=60).read()
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

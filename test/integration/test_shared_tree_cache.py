@@ -720,3 +720,24 @@ def test_first_requests_wait_for_the_leader_while_their_heads_are_prefilled(monk
         "kvcmas-head-1", "kvcmas-head-2", "x", "y"]  # head requests go first
     assert marked[1].customized_info["kvcmas_reuse"][0]["reused_repositioned"] > 0  # a's
     assert_slots_conserved(h)
+
+
+def test_a_cache_reset_empties_the_shared_tree_and_restarts_its_peaks():
+    """``/flush_cache`` (SGLang's reset, nothing running): the shared tree empties and the
+    high-water marks count from there, so a benchmark can measure one workload's peak after
+    another's on the same server."""
+    from sglang_kvcmas.attention.deviation_factors import MaterializedBytes
+
+    h = Harness()
+    a, b = head(50, 20), head(60, 8)
+    h.serve(Req("a1", a + T1 + SUFFIX), 0)
+    h.serve(Req("b1", b + T1 + SUFFIX), 1)
+    h.serve(Req("a2", a + T1 + T2 + SUFFIX), 2)
+    h.cache.peak_held = 123
+    MaterializedBytes.peak = MaterializedBytes.now + 456
+    assert h.cache.shared_stats()["shared_tokens"] > 0
+    h.cache.reset()
+    stats = h.cache.shared_stats()
+    assert stats["shared_tokens"] == 0 and stats["peak_held_tokens"] == 0
+    assert MaterializedBytes.peak == MaterializedBytes.now
+    assert not h.cache.pending_owners

@@ -76,7 +76,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_kvcmas.attention.deviation_factors import RowLeaves
+from sglang_kvcmas.attention.deviation_factors import MaterializedBytes, RowLeaves
 from sglang_kvcmas.attention.spans import BatchRow, HeadMassProbe
 from sglang_kvcmas.config import ServingConfig
 from sglang_kvcmas.integration import inflight_fence, reuse_accounting
@@ -180,7 +180,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self.faults = 0
         self._overlap: bool | None = None  # ``rows_in_flight``, looked up once
         self.rows_reread = 0  # factored readers' rows re-pointed right after their prefill
-        self.peak_held = 0  # most pool slots held right after a row's allocation (``_note_held``)
+        self.peak_held = 0  # most pool slots held after a row's allocation since the last reset
         self._extra_freed = 0
         self.leaf_gauge = LeafGauge()
         super().__init__(params)
@@ -236,10 +236,14 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return pos
 
     def reset(self) -> None:
+        """SGLang's cache reset (``/flush_cache``, nothing running): the shared tree empties
+        too, and the high-water marks restart from what is held now."""
         super().reset()
         if hasattr(self, "shared"):
             self.shared.reset()
             self.pending_owners.clear()
+            self.peak_held = 0
+            MaterializedBytes.peak = MaterializedBytes.now
 
     # ----- match -----
 
