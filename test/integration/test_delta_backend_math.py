@@ -201,7 +201,8 @@ def test_fused_mass_equals_tail_attention_and_head_mass_over_awkward_sizes(dtype
     torch.manual_seed(7)
     for H, Hkv, n_prefix, n_q, head in [(6, 2, 0, 1, (0, 1)), (6, 2, 0, 40, (3, 25)),
                                         (9, 3, 37, 1, (2, 30)), (9, 3, 37, 150, (5, 37)),
-                                        (4, 4, 255, 130, (0, 200)), (9, 3, 10, 20, (4, 21))]:
+                                        (4, 4, 255, 130, (0, 200)), (9, 3, 10, 20, (4, 21)),
+                                        (9, 3, 0, 12, (3, 40))]:  # a chunk inside the head
         q = torch.randn(H, n_q, 64, dtype=dtype)
         k = torch.randn(Hkv, n_prefix + n_q, 64, dtype=dtype)
         v = torch.randn(Hkv, n_prefix + n_q, 64, dtype=dtype)

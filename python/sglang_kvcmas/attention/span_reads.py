@@ -173,6 +173,7 @@ def tail_attention_and_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n
         float rounding).
     """
     n_q, n_kv = q.shape[-2], k.shape[-2]
+    head_to = max(head_from, min(head_to, n_kv))  # a chunk may end inside the head
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[0] // k.shape[0]
     kk = k.repeat_interleave(group, dim=0) if group > 1 else k
