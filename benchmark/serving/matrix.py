@@ -247,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=4, help="reviewers per panel (2..16)")
     p.add_argument("--doc-tokens", type=int, default=1700)
     p.add_argument("--answer", type=int, default=96, help="answer tokens (debate: x2.67)")
-    p.add_argument("--pool", type=int, default=40000, help="--max-total-tokens of every arm")
+    p.add_argument("--pool", type=int, default=100000,
+                   help="--max-total-tokens of every arm: large enough that radix keeps the "
+                        "quick debate without evicting; with a smaller pool "
+                        "radix evicts, and its peak KV is the pool's size (flagged *)")
     p.add_argument("--history", choices=sorted(HISTORIES), default="shared",
                    help="; ".join(f"{k}: {v}" for k, v in HISTORIES.items()))
     p.add_argument("--runs", type=int, default=1)
