@@ -148,10 +148,10 @@ if [[ $MODE == dry ]]; then
   carried="$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')"
   wheels=0; [[ -d "$WHEELS" ]] && wheels="$(du -sb "$WHEELS" | cut -f1)"
   printf 'steps: limits %d s in all (under 6 minutes with the start and the summary)\n' "$LIMITS"
-  printf 'carried: tree %.1f MiB + wheels %.1f MiB (%s) = %.1f MiB of 64 MiB\n' \
-    "$(echo "$carried / 1048576" | bc -l)" "$(echo "$wheels / 1048576" | bc -l)" \
-    "$([[ -d "$WHEELS" ]] && echo "$WHEELS" || echo "none yet: scripts/gpu_check.sh --prepare")" \
-    "$(echo "($carried + $wheels) / 1048576" | bc -l)"
+  awk -v t="${carried:-0}" -v w="$wheels" -v where="$([[ -d "$WHEELS" ]] && echo "$WHEELS" \
+      || echo "none yet: scripts/gpu_check.sh --prepare")" 'BEGIN {
+    printf "carried: tree %.1f MiB + wheels %.1f MiB (%s) = %.1f MiB of 64 MiB\n",
+      t / 1048576, w / 1048576, where, (t + w) / 1048576 }'
   printf 'summary: %s/gpu_check_summary.json, fields:\n' "$OUT_DIR"
   "$PY" -m sglang_kvcmas_bench.gpu_summary --fields
   exit 0
