@@ -102,6 +102,9 @@ def run_arm(arm: str, model, workloads: list[Workload], pool: int, logs: Path) -
         chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
         for w in workloads:
             flush(server.url)  # each workload from an empty cache: its own peak KV
+            # SGLang refreshes its KV gauges only when a batch runs: one tiny request, so the
+            # sampler's first reads are not the previous workload's
+            chat(server.url, served, [{"role": "user", "content": "Warm up."}], 2, "warmup")
             kv = KvSampler(server.url)
             kv.start()
             t0 = time.perf_counter()
