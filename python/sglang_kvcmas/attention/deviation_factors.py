@@ -266,6 +266,11 @@ class MaterializedBytes:
         cls.peak = max(cls.peak, cls.now)
 
     @classmethod
+    def restart(cls) -> None:
+        """Count the peak from what is held now (a cache reset)."""
+        cls.peak = cls.now
+
+    @classmethod
     def release(cls, held: list[int]) -> None:
         cls.now -= held[0]
         held[0] = 0

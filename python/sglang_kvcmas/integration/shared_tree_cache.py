@@ -243,7 +243,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
             self.shared.reset()
             self.pending_owners.clear()
             self.peak_held = 0
-            MaterializedBytes.peak = MaterializedBytes.now
+            MaterializedBytes.restart()
 
     # ----- match -----
 

@@ -22,11 +22,10 @@ is in ``docs/results.md`` (Serving: spend forecast).
 
 Fitted offline (``sglang_kvcmas_bench.forecast_fit``, by ``benchmark/serving/forecast_bench.py
 --fit`` on recorded runs) into a JSON artifact of the trees' arrays, loaded once (:func:`load`):
-token counts differ by
-model (answer lengths, how a model stops), so each known model may ship its own beside this
-module (``spend_forecast_<short name>.json``, :func:`artifact_for`), and ``spend_forecast.json``
-(the embedded model's runs) serves every other model unless the server is given one
-(``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python (tens of
+token counts differ by model (answer lengths, how a model stops), so each known model may ship
+its own beside this module (``spend_forecast_<short name>.json``, :func:`artifact_for`), and
+``spend_forecast.json`` (the embedded model's runs) serves every other model unless the server is
+given one (``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python (tens of
 microseconds); the served package needs neither scikit-learn nor numpy for it.
 """
 
