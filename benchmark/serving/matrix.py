@@ -35,7 +35,9 @@ memory leaf bytes, and same answer as radix (turn text, and final answers).
 
 Writes ``results/matrix[_quick][_<model>].json`` and its index row (server logs under
 ``results/matrix[_quick]/``) and prints one table and a ``HEADLINE`` line
-(ratios radix / ours for time, ours / radix for KV, medians over ``--runs``).
+(ratios radix / ours for time, ours / radix for KV, medians over ``--runs``, with each ratio's
+spread over the runs). ``--append`` adds its runs to those already in the file (each run keeps
+its commit), so three runs can be made in separate sittings.
 """
 
 from __future__ import annotations
@@ -188,8 +190,35 @@ def compare(arms: dict[str, dict], workload: str, ours: str = "kvcmas") -> dict:
     }
 
 
+def headline(runs: list[dict], names: list[str]) -> dict[str, list[float | None]]:
+    """Each ``HEADLINE`` ratio of ``kvcmas`` against radix, one value per run (in run order):
+    decode and TTFT the median over the workloads, makespan the worst workload's, KV the
+    largest workload's."""
+    def one(run: dict) -> dict[str, float | None]:
+        c = run["compare"]["kvcmas"]
+        of = lambda k: [c[w][k] for w in names]
+        return {
+            "plain_decode_ratio": _median(of("plain_decode_ratio")),
+            "reader_decode_ratio": _median(of("reader_decode_ratio")),
+            "min_makespan_ratio": min(of("makespan_ratio")),
+            "panel_makespan_ratio": c["panel"]["makespan_ratio"] if "panel" in names else None,
+            "debate_makespan_ratio": c["debate"]["makespan_ratio"] if "debate" in names else None,
+            "ttft_ratio": _median(of("ttft_ratio_nonowner")),
+            "kv_ratio": max((x for x in of("kv_ratio") if x is not None), default=None),
+        }
+    per_run = [one(r) for r in runs]
+    return {k: [h[k] for h in per_run] for k in per_run[0]}
+
+
+def spread(xs: list[float | None]) -> str:
+    """``min–max`` of a ratio's runs (empty for one run)."""
+    xs = [x for x in xs if x is not None]
+    return f"{fmt(min(xs), 2)}–{fmt(max(xs), 2)}" if len(xs) > 1 else ""
+
+
 def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
-    """Print the table of the last run and the ``HEADLINE`` (medians over ``runs``)."""
+    """Print the table (medians over ``runs``; answers of the last run) and the ``HEADLINE``:
+    each ratio the median of its per-run values (:func:`headline`), then their spreads."""
     med = lambda arm, w, k: _median([r["compare"][arm][w][k] for r in runs])
     print(f"{'arm':<13} {'workload':<10} {'makespan':>9} {'out tok/s':>9} {'TTFT':>6} "
           f"{'KV':>6} {'plain dec':>9} {'rd dec':>8} {'same text':>9} {'answer':>7}")
@@ -205,31 +234,45 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
                   f"{fmt(med(arm, w, 'plain_decode_ratio'), 2):>8}x "
                   f"{fmt(med(arm, w, 'reader_decode_ratio'), 2):>7}x "
                   f"{c['same_turns']:>4}/{c['turns']:<4} {c['same_answer']:>3}/{c['finals']:<3}")
+    if any(runs[-1]["compare"][a][w].get("radix_pool_saturated") for a in arms
+           if a != "radix" for w in names):
+        print("*: radix filled its pool (--pool) and evicted: its peak KV is the pool's size, "
+              "less than it needed; rerun with a larger --pool for a KV ratio")
     if "kvcmas" in arms:
-        ours = lambda k: [med("kvcmas", w, k) for w in names]
-        spans = ours("makespan_ratio")
-        head = {
-            "plain_decode_ratio": _median(ours("plain_decode_ratio")),
-            "reader_decode_ratio": _median(ours("reader_decode_ratio")),
-            "min_makespan_ratio": min(spans),
-            "panel_makespan_ratio": med("kvcmas", "panel", "makespan_ratio")
-            if "panel" in names else None,
-            "debate_makespan_ratio": med("kvcmas", "debate", "makespan_ratio")
-            if "debate" in names else None,
-            "ttft_ratio": _median(ours("ttft_ratio_nonowner")),
-            "kv_ratio": max(x for x in ours("kv_ratio") if x is not None),
-        }
-        if any(runs[-1]["compare"][a][w].get("radix_pool_saturated") for a in arms
-               if a != "radix" for w in names):
-            print("*: radix filled its pool (--pool) and evicted: its peak KV is the pool's size, "
-                  "less than it needed; rerun with a larger --pool for a KV ratio")
-        print("HEADLINE " + " ".join(f"{k}={fmt(v, 2)}" for k, v in head.items()))
+        head = headline(runs, names)
+        if len(runs) > 1:
+            commits = ", ".join(r.get("commit", "?") for r in runs)
+            print(f"{len(runs)} runs (commits {commits}); spread (min–max) of each ratio: "
+                  + " ".join(f"{k}={spread(v)}" for k, v in head.items() if spread(v)))
+        print("HEADLINE " + " ".join(f"{k}={fmt(_median(v), 2)}" for k, v in head.items()))
+
+
+def earlier_runs(path: Path, arms: list[str], names: list[str]) -> list[dict]:
+    """``--append``: the runs already in ``path`` (none if it does not exist), each tagged with
+    its commit (a run written before runs carried one: the file's).
+
+    Raises:
+        SystemExit: the file's runs have other arms or workloads than this invocation's.
+    """
+    if not path.exists():
+        return []
+    result = json.loads(path.read_text())
+    runs = result.get("runs") or []
+    for run in runs:
+        got_arms, got_names = list(run["arms"]), list(run["arms"]["radix"])
+        if sorted(got_arms) != sorted(arms) or got_names != names:
+            raise SystemExit(
+                f"--append: {path} holds arms {','.join(got_arms)} over {','.join(got_names)}; "
+                f"this run has arms {','.join(arms)} over {','.join(names)} (use another --out)")
+        run.setdefault("commit", result.get("commit", "?"))
+    return runs
 
 
 def rereport(path: Path) -> int:
     """``--report``: the comparisons of ``path``'s runs recomputed from their turns."""
     result = json.loads(path.read_text())
     for run in result["runs"]:
+        run.setdefault("commit", result.get("commit", "?"))
         arms = list(run["arms"])
         names = list(run["arms"]["radix"])
         run["compare"] = {arm: {w: compare(run["arms"], w, arm) for w in names}
@@ -257,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", choices=sorted(HISTORIES), default="shared",
                    help="; ".join(f"{k}: {v}" for k, v in HISTORIES.items()))
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--append", action="store_true",
+                   help="add this invocation's runs to those already in the result file "
+                        "(same workloads and arms); the headline is the median over all")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None, metavar="JSON",
                    help="recompute the comparisons and the summary of a written result, and "
@@ -288,16 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or model.named(RESULTS / f"matrix{variant}.json")
     logs = out.parent / out.stem  # ignored by git: server logs
     logs.mkdir(parents=True, exist_ok=True)
-    runs = []
+    header = run_header("benchmark/serving/matrix.py", argv, model)
+    runs = earlier_runs(out, arms, names) if args.append else []
+    if runs:
+        say(f"appending to the {len(runs)} run(s) in {out}")
     for run in range(args.runs):
         per_arm = {}
         for arm in arms:
             say(f"run {run + 1}/{args.runs}: arm {arm}")
             per_arm[arm] = run_arm(arm, model, workloads(), args.pool, logs)
-        runs.append({"arms": per_arm, "compare": {
+        runs.append({"commit": header["commit"], "arms": per_arm, "compare": {
             arm: {w: compare(per_arm, w, arm) for w in names} for arm in arms if arm != "radix"}})
-        record(out, json.dumps({**run_header("benchmark/serving/matrix.py", argv, model),
-                                "runs": runs}, indent=1),
+        record(out, json.dumps({**header, "runs": runs}, indent=1),
                what=f"workload matrix ({', '.join(names)}): makespan, TTFT, decode, peak KV "
                     f"with host leaves, same answers, each arm against radix ({len(runs)} "
                     "run(s))")
