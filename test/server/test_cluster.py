@@ -50,6 +50,7 @@ def test_command_line_gives_every_other_argument_to_every_server():
     assert (c.workers, c.port, c.pin_cores, c.request_log) == (3, 31500, True, False)
     assert c.worker_args == ["--kvcmas-share-context", "--max-total-tokens", "4096"]
     assert "--policy" in RouterSettings().argv() and "manual" in RouterSettings().argv()
+    assert "--disable-worker-overload-protection" in RouterSettings().argv()
 
 
 def test_tenants_are_checked_and_refused_where_they_could_not_hold(tmp_path):

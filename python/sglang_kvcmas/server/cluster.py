@@ -38,7 +38,9 @@ namespace. Responses come back unchanged (``meta_info.kvcmas_reuse``, OpenAI usa
 Failures (:class:`RouterSettings`): the gateway asks every worker's ``/health`` each second (our
 servers answer it without running the model) and takes a worker out after two failures; a
 request whose worker refuses the connection, or dies before answering, is retried on the worker
-the policy picks then, and a worker's circuit breaker opens after three failed requests. A
+the policy picks then, and a worker's circuit breaker opens after three failed requests. SMG's
+overload veto (a worker over 80% KV usage left out of routing) is off: it would move workflows
+off their KV, and with one worker down it refused every request though the other was healthy. A
 stream already under way cannot be retried: when its worker dies the client's stream ends early
 (``router_scale.py``'s kill run counts it as a clear error, never as an answer).
 """
@@ -101,6 +103,11 @@ class RouterSettings:
         cb_failure_threshold: failed requests that open a worker's circuit breaker.
         cb_timeout_s: seconds an open breaker waits before it lets one request try again.
         retry_max_retries: attempts per request (the first included).
+        overload_protection: SMG's overload veto, which leaves a worker out of routing while
+            its KV usage or waiting queue is over a threshold. Off: a workflow's KV is on its
+            worker, and our servers fill their pools with shared KV by design, so the veto
+            would move workflows off their KV under load, and with the other worker down it
+            refuses every request (503) although one worker is healthy.
         request_timeout_s: longest a request may take end to end.
         log_level: the gateway's log level.
     """
@@ -113,6 +120,7 @@ class RouterSettings:
     cb_failure_threshold: int = 3
     cb_timeout_s: int = 30
     retry_max_retries: int = 5
+    overload_protection: bool = False
     request_timeout_s: int = 1800
     log_level: str = "warn"
 
@@ -126,6 +134,8 @@ class RouterSettings:
                "--retry-max-retries", str(self.retry_max_retries),
                "--request-timeout-secs", str(self.request_timeout_s),
                "--log-level", self.log_level]
+        if not self.overload_protection:
+            out.append("--disable-worker-overload-protection")
         if self.policy == "manual":
             out += ["--assignment-mode", self.assignment_mode]
         return out
