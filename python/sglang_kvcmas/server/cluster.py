@@ -39,10 +39,10 @@ Failures (:class:`RouterSettings`): the gateway asks every worker's ``/health`` 
 servers answer it without running the model) and takes a worker out after two failures; a
 request whose worker refuses the connection, or dies before answering, is retried on the worker
 the policy picks then, and a worker's circuit breaker opens after three failed requests. SMG's
-overload veto (a worker over 80% KV usage left out of routing) is off: it would move workflows
-off their KV, and with one worker down it refused every request though the other was healthy. A
-stream already under way cannot be retried: when its worker dies the client's stream ends early
-(``router_scale.py``'s kill run counts it as a clear error, never as an answer).
+overload veto (a worker over its KV-usage threshold left out of routing) is off: it would move
+workflows off their KV, and with one worker down it refused every request though the other was
+healthy. A stream already under way cannot be retried: when its worker dies the client's stream
+ends early (``router_scale.py``'s kill run counts it as a clear error, never as an answer).
 """
 
 from __future__ import annotations
