@@ -103,11 +103,8 @@ class RouterSettings:
         cb_failure_threshold: failed requests that open a worker's circuit breaker.
         cb_timeout_s: seconds an open breaker waits before it lets one request try again.
         retry_max_retries: attempts per request (the first included).
-        overload_protection: SMG's overload veto, which leaves a worker out of routing while
-            its KV usage or waiting queue is over a threshold. Off: a workflow's KV is on its
-            worker, and our servers fill their pools with shared KV by design, so the veto
-            would move workflows off their KV under load, and with the other worker down it
-            refuses every request (503) although one worker is healthy.
+        overload_protection: SMG's overload veto (a worker over its KV-usage or queue
+            threshold left out of routing); off, for the reasons in the module docstring.
         request_timeout_s: longest a request may take end to end.
         log_level: the gateway's log level.
     """
