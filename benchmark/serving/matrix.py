@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flows", type=int, default=4)
     p.add_argument("--agents", type=int, default=4, help="reviewers per panel (2..16)")
     p.add_argument("--doc-tokens", type=int, default=1700)
-    p.add_argument("--answer", type=int, default=96, help="answer tokens (debate: x2.67)")
+    p.add_argument("--answer", type=int, default=96, help="answer tokens of every workload (--quick: 96, the debate's 256)")
     p.add_argument("--pool", type=int, default=100000,
                    help="--max-total-tokens of every arm: large enough that radix keeps the "
                         "quick debate without evicting; with a smaller pool "
