@@ -37,7 +37,8 @@ Writes ``results/matrix[_quick][_<model>].json`` and its index row (server logs 
 ``results/matrix[_quick]/``) and prints one table and a ``HEADLINE`` line
 (ratios radix / ours for time, ours / radix for KV, medians over ``--runs``, with each ratio's
 spread over the runs). ``--append`` adds its runs to those already in the file (each run keeps
-its commit), so three runs can be made in separate sittings.
+its commit and its arms' order), so three runs can be made in separate sittings. The arms run
+in the order given in a file's first, third, ... runs and reversed in the others.
 """
 
 from __future__ import annotations
@@ -242,14 +243,24 @@ def report(runs: list[dict], arms: list[str], names: list[str]) -> None:
         head = headline(runs, names)
         if len(runs) > 1:
             commits = ", ".join(r.get("commit", "?") for r in runs)
-            print(f"{len(runs)} runs (commits {commits}); spread (min–max) of each ratio: "
+            first = ", ".join((r.get("order") or list(r["arms"]))[0] for r in runs)
+            print(f"{len(runs)} runs (commits {commits}; first arm {first}); "
+                  "spread (min–max) of each ratio: "
                   + " ".join(f"{k}={spread(v)}" for k, v in head.items() if spread(v)))
         print("HEADLINE " + " ".join(f"{k}={fmt(_median(v), 2)}" for k, v in head.items()))
 
 
+def arm_order(arms: list[str], done: int) -> list[str]:
+    """The order the arms of a result file's next run go in, ``done`` runs being in it already:
+    as given, reversed when ``done`` is odd, so a machine whose speed drifts through a sitting
+    (this one's does) favours no arm in the median."""
+    return list(arms) if done % 2 == 0 else list(arms)[::-1]
+
+
 def earlier_runs(path: Path, arms: list[str], names: list[str]) -> list[dict]:
     """``--append``: the runs already in ``path`` (none if it does not exist), each tagged with
-    its commit (a run written before runs carried one: the file's).
+    its commit and its arms' order (a run written before runs carried them: the file's commit,
+    the arms as listed).
 
     Raises:
         SystemExit: the file's runs have other arms or workloads than this invocation's.
@@ -265,6 +276,7 @@ def earlier_runs(path: Path, arms: list[str], names: list[str]) -> list[dict]:
                 f"--append: {path} holds arms {','.join(got_arms)} over {','.join(got_names)}; "
                 f"this run has arms {','.join(arms)} over {','.join(names)} (use another --out)")
         run.setdefault("commit", result.get("commit", "?"))
+        run.setdefault("order", got_arms)  # written before the order alternated: as listed
     return runs
 
 
@@ -339,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if runs:
         say(f"appending to the {len(runs)} run(s) in {out}")
     for run in range(args.runs):
-        per_arm = {}
-        for arm in arms:
+        order = arm_order(arms, len(runs))
+        ran = {}
+        for arm in order:
             say(f"run {run + 1}/{args.runs}: arm {arm}")
-            per_arm[arm] = run_arm(arm, model, workloads(), args.pool, logs)
-        runs.append({"commit": header["commit"], "arms": per_arm, "compare": {
+            ran[arm] = run_arm(arm, model, workloads(), args.pool, logs)
+        per_arm = {arm: ran[arm] for arm in arms}
+        runs.append({"commit": header["commit"], "order": order, "arms": per_arm, "compare": {
             arm: {w: compare(per_arm, w, arm) for w in names} for arm in arms if arm != "radix"}})
         record(out, json.dumps({**header, "runs": runs}, indent=1),
                what=f"workload matrix ({', '.join(names)}): makespan, TTFT, decode, peak KV "

@@ -44,7 +44,7 @@ def test_report_prints_medians_and_spreads(capsys):
     runs = [_run(1.7, 1.2, 0.5, "aaa"), _run(1.4, 1.3, 0.7, "bbb"), _run(1.9, 1.05, 0.55, "ccc")]
     mx.report(runs, ["radix", "kvcmas"], NAMES)
     out = capsys.readouterr().out
-    assert "3 runs (commits aaa, bbb, ccc)" in out
+    assert "3 runs (commits aaa, bbb, ccc; first arm radix, radix, radix)" in out
     assert "min_makespan_ratio=1.05–1.30" in out
     head = out.strip().splitlines()[-1]
     assert head.startswith("HEADLINE ")
@@ -60,6 +60,15 @@ def test_append_reads_earlier_runs_and_tags_their_commit(tmp_path):
     path.write_text(json.dumps({"commit": "96957a2", "runs": [old]}))
     runs = mx.earlier_runs(path, ["kvcmas", "radix"], NAMES)
     assert [r["commit"] for r in runs] == ["96957a2"]
+    assert runs[0]["order"] == ["radix", "kvcmas"]  # before the order alternated: as listed
+
+
+def test_arms_alternate_their_order_run_by_run():
+    arms = ["radix", "kvcmas", "radix_delta"]
+    assert mx.arm_order(arms, 0) == arms
+    assert mx.arm_order(arms, 1) == ["radix_delta", "kvcmas", "radix"]
+    assert mx.arm_order(arms, 2) == arms
+    assert arms == ["radix", "kvcmas", "radix_delta"]  # the caller's list untouched
 
 
 def test_append_refuses_other_arms_or_workloads(tmp_path):
