@@ -18,7 +18,7 @@ Workloads (``--workloads``; each with ``--flows`` concurrent workflows and ``--a
   concurrent workflows).
 - ``debate``: decode-heavy. Three agents answer a GSM8K question over three rounds, each round
   reading the others' previous answers.
-- ``chain``: planner -> solver -> critic, twice, each step reading the transcript so far.
+- ``chain``: planner -> solver -> critic, three rounds, each step reading the transcript so far.
 
 Arms (``--arms``): ``radix`` (SGLang's radix cache on its own attention backend), ``kvcmas``
 (sharing, the defaults), ``kvcmas_exact`` (sharing, ``--kvcmas-leaf-mode exact``) and
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flows", type=int, default=4)
     p.add_argument("--agents", type=int, default=4, help="reviewers per panel (2..16)")
     p.add_argument("--doc-tokens", type=int, default=1700)
-    p.add_argument("--answer", type=int, default=96, help="answer tokens of every workload (--quick: 96, the debate's 256)")
+    p.add_argument("--answer", type=int, default=96,
+                   help="answer tokens of every workload (--quick: 96, the debate's 256)")
     p.add_argument("--pool", type=int, default=100000,
                    help="--max-total-tokens of every arm: large enough that radix keeps the "
                         "quick debate without evicting; with a smaller pool "
