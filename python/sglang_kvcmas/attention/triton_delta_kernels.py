@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG = -1.0e30  # finite "minus infinity": exp2(NEG - m) == 0 and never NaN
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG - m) == 0 and never NaN
 
 
 @triton.jit
