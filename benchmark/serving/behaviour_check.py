@@ -11,6 +11,9 @@ agent, recomputed; the correction label) and its greedy output token ids.
 
 ``--compare`` exits 1 on the first difference and prints every differing turn. Run it before and
 after a change that must not change behaviour (a refactor): both records must match exactly.
+The server runs with the spare pass off (``KVCMAS_SPARE_PREFILL=0``): one turn at a time, an
+idle server would serve every turn exactly and the read path would go unchecked; ``--compare``
+also fails when no turn borrowed.
 Accounting fields are read under their current and earlier names (``reuse_records.py``;
 ``borrowed`` = every token read from another context, re-positioned or corrected).
 ``--model-path`` (``model_arg``): the served model; the record names it, and the
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "behaviour_check.json"
+NO_SPARE_PASS = {"KVCMAS_SPARE_PREFILL": "0"}  # readers borrow on the idle server
 
 
 def generate(url: str, ids: list[int], max_new: int) -> dict:
@@ -108,7 +112,9 @@ def compare(a_path: Path, b_path: Path) -> int:
     recomputed = sum(t.get("recomputed", 0) for t in ta)
     print(f"BEHAVIOUR turns={len(ta)} differing={bad} borrowed_tokens={borrowed} "
           f"recomputed_tokens={recomputed} ({a.get('commit')} vs {b.get('commit')})")
-    return 1 if bad else 0
+    if not borrowed:
+        print("no turn borrowed: these records check only exact serving (the spare pass on?)")
+    return 1 if bad or not borrowed else 0
 
 
 def main() -> int:
@@ -130,7 +136,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log = args.out.parent / args.out.stem / "server.log"  # a folder beside: not a result
-    with ArmServer("kvcmas", log, model.server_args) as server:
+    with ArmServer("kvcmas", log, model.server_args, env=NO_SPARE_PASS) as server:
         print(f"[behaviour] server up at {server.url} after {time.perf_counter() - t0:.0f} s",
               flush=True)
         turns = record_turns(server.url, args.max_new_tokens, args.debates, args.chains,
