@@ -251,15 +251,14 @@ class ServingConfig:
 
 
 KNOBS: tuple[Knob, ...] = tuple(
-    Knob(f.name, f.metadata["kind"], f.default if f.default is not MISSING else None,
-         f.metadata["help"], f.metadata["per_request"], f.metadata["choices"], f.metadata["low"],
-         f.metadata["high"], f.metadata["optional"], f.metadata["launcher_only"])
+    Knob(f.name, default=f.default if f.default is not MISSING else None, **f.metadata)
     for f in fields(ServingConfig)
 )
 """Every serving knob, in declaration order."""
 
 BY_REQUEST_FIELD: dict[str, Knob] = {k.request_field: k for k in KNOBS if k.per_request}
 """``custom_params`` field -> knob, for the knobs a request may set."""
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 
 
 _LOWRANK_GONE = ("low-rank corrections read worse than naive re-positioning; use 'factored' "
@@ -331,10 +330,7 @@ def removed_message(where: str, why: str) -> str:
 
 
 def knob(name: str) -> Knob:
-    for k in KNOBS:
-        if k.name == name:
-            return k
-    raise KeyError(name)
+    return _BY_NAME[name]
 
 
 def resolve(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServingConfig:

@@ -37,8 +37,6 @@ KVCMAS_SGL_KERNEL_STANDIN_LOG = EnvVar(
     "If set, a file to which the sgl_kernel stand-in appends one line per op call (tests).",
 )
 
-ALL = (KVCMAS_SGL_KERNEL_STANDIN_LOG,)
-
 # ----- tests and scripts (read where they are used; declared here so they are listed once) -----
 KVCMAS_KERNEL_TESTS_FULL = EnvVar(
     "KVCMAS_KERNEL_TESTS_FULL",
@@ -70,5 +68,5 @@ KVCMAS_BENCH_SERVER_ARGS = EnvVar(
     "'--device cuda --dtype bfloat16 --mem-fraction-static 0.8'; scripts/gpu_check.sh --server).",
 )
 
-ALL = ALL + (KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK,
-             KVCMAS_SPARE_PREFILL, KVCMAS_BENCH_SERVER_ARGS)
+ALL = (KVCMAS_SGL_KERNEL_STANDIN_LOG, KVCMAS_KERNEL_TESTS_FULL, KVCMAS_GPU, KVCMAS_GPU_CHECK_QUICK,
+       KVCMAS_SPARE_PREFILL, KVCMAS_BENCH_SERVER_ARGS)

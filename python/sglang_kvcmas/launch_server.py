@@ -46,12 +46,7 @@ from sglang_kvcmas.models.resolve import ModelPathError, resolve_model_path
 from sglang_kvcmas.policy import spend_forecast
 from sglang_kvcmas.policy.spend_forecast import ForecastArtifactError
 from sglang_kvcmas.server.lora_args import check_lora_paths
-from sglang_kvcmas.server.options import (
-    build_sglang_argv,
-    knobs_help,
-    parse_launcher_args,
-)
-
+from sglang_kvcmas.server.options import build_sglang_argv, knobs_help, parse_launcher_args
 
 EXIT_BAD_MODEL = 2
 
@@ -111,21 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         kernel = prepare_cpu_server_process()
     from sglang_kvcmas.integration.serve import explicit_dests, serve
 
-    sglang_argv = build_sglang_argv(
-        options, str(model_path), explicit_dests(list(options.sglang_argv))
-    )
-    print(
-        "[sglang-kvcmas] launching SGLang: "
-        + shlex.join(sglang_argv)
-        + (
-            f"\n[sglang-kvcmas] sgl_kernel: {kernel.source} ({kernel.location}); "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-            if options.on_cpu
-            else ""
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
+    sglang_argv = build_sglang_argv(options, str(model_path),
+                                    explicit_dests(list(options.sglang_argv)))
+    cpu_note = (f"\n[sglang-kvcmas] sgl_kernel: {kernel.source} ({kernel.location}); "
+                f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}" if options.on_cpu else "")
+    print("[sglang-kvcmas] launching SGLang: " + shlex.join(sglang_argv) + cpu_note,
+          file=sys.stderr, flush=True)
     serve(sglang_argv)
     return 0
 

@@ -1,33 +1,27 @@
 """Decode attention of many re-positioned rows at once: a few tensor ops per layer, not per row.
 
 The per-row read (:func:`sglang_kvcmas.attention.shifted_query.grouped_shift_decode`) costs a
-gather, a rotation of the query per shift, one product per shift group, a softmax and a product
-with the values, about twenty PyTorch calls for each row at each layer, and on a CPU the calls,
-the gathers and the transposed copies cost more than the arithmetic. Here the rows of a batch are
-planned once per forward (every layer reads the same slots and shifts) into buckets of similar
-length, and each layer reads a bucket in one flat gather and a handful of batched products:
+handful of PyTorch calls for each row at each layer, and on a CPU the calls, the gathers and the
+transposed copies cost more than the arithmetic. Here the rows of a batch are planned once per
+forward (every layer reads the same slots and shifts) into buckets of similar length, and each
+layer reads a bucket in one flat gather and a handful of batched products:
 
     q_s[r, s]   = R(−shift[r, s])·q[r]                     every row's query, once per shift
     score[r, k] = q_s[r, shift_index[r, k]] · k_owner[r, k]  (all S products, then a gather)
     out[r]      = softmax(score[r] + pad_bias[r]) · v[r]
 
-``q · R(δ)·k = (R(−δ)·q) · k`` (rotations are orthogonal), so a key's score against its row's
-query rotated by the key's shift equals the score against the key re-positioned. Scoring every
-key against all S rotated queries costs S times the products of plain attention, so rows with
-more than ``max_shifts`` distinct shifts are left to the per-row path, as are rows the caller
-does not hand over (rows read exactly by SDPA).
+``q · R(δ)·k = (R(−δ)·q) · k`` (``shifted_query.py``). Scoring every key against all S rotated
+queries costs S times the products of plain attention, so rows with more than ``max_shifts``
+distinct shifts are left to the per-row path, as are rows the caller does not hand over.
 
 A row's tokens read through factored leaves (``attention/deviation_factors.py``: the owner's key
 re-positioned plus a deviation ``Δk`` rotated at the token's position, its value plus ``Δv``)
 have their deviations added to the bucket's gathered copies of their keys and values, the key's
 rotated to the owner's position ``p − δ`` as the gathered key sits there:
 ``R(−δ)q · (k + R(p−δ)Δk) = q · (R(δ)k + R(p)Δk)``. The deviations come expanded and rotated
-once per layer and request (``LeafReads.in_owner_frame``), so a decode step pays one index-add
-per row for them, not a re-expansion of their factors or a rotation.
+once per layer and request (``LeafReads.in_owner_frame``).
 
-The reference is the per-row path (``grouped_shift_decode``, itself checked against rotating
-the keys); ``test/attention/test_batched_decode.py`` compares them over awkward batches, and
-``benchmark/kernels/batched_decode_bench.py`` times both beside radix's per-row SDPA.
+The reference is the per-row path (``grouped_shift_decode``).
 """
 
 from __future__ import annotations
@@ -37,12 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvcmas.attention.deviation_factors import LeafReads
-from sglang_kvcmas.attention.rope import (
-    ShiftRope,
-    as_shift_rope,
-    rope_cos_sin,
-    rotate,
-)
+from sglang_kvcmas.attention.rope import ShiftRope, as_shift_rope, rope_cos_sin, rotate
 from sglang_kvcmas.attention.spans import KeyShifts
 
 MAX_SHIFTS = 4
@@ -108,9 +97,6 @@ def plan_batched_decode(
             ``max_shifts`` shifts, are returned in ``rest``.
         shifts: per row, its per-key shifts (None: every key at shift 0).
         rope: the model's rotary (:class:`ShiftRope`) or full-width ``inv_freq``.
-        max_shifts: see :data:`MAX_SHIFTS`.
-        max_pad: see :data:`MAX_PAD`.
-        max_keys: see :data:`MAX_BUCKET_KEYS`.
         leaves: per row, the tokens it reads through factored leaves (None: none).
     Returns:
         the plan; its buckets hold every other row exactly once.
@@ -185,9 +171,6 @@ def batched_shift_decode(
     Args:
         query: [B, H, d] one query per row (RoPE at the row's position).
         k_cache, v_cache: [P, H_kv, d] the pool (keys at their owners' positions); H % H_kv == 0.
-        plan: from :func:`plan_batched_decode` for this batch.
-        rope: the model's rotary (as in the plan).
-        scale: softmax scale.
         output: [B, H, d]; the bucketed rows are written, ``plan.rest`` left as they are.
         layer: the layer whose factored-leaf deviations the rows read.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -132,7 +133,7 @@ def plan_delta_batch(
         if requests
         else i32([])
     )
-    counts = [b - a for a, b in zip(tiles, tiles[1:])]
+    counts = [b - a for a, b in pairwise(tiles)]
     return DeltaPlan(
         block_n=block_n,
         qo_indptr=i32(qo),
@@ -177,7 +178,7 @@ def pack_delta_factors(
     block_r = rank_block(max(ranks, default=1))
     num_rows = max(sum(n for _, n in plan.span_rows), 1)
     num_spans = max(len(plan.span_rows), 1)
-    packed = {}
+    out = []
     for name in ("k", "v"):
         u = torch.zeros(num_rows, num_kv_heads, block_r, dtype=dtype, device=device)
         c = torch.zeros(num_spans, num_kv_heads, head_dim, block_r, dtype=dtype, device=device)
@@ -188,5 +189,5 @@ def pack_delta_factors(
             row0, n = plan.span_rows[sid]
             u[row0 : row0 + n, :, : delta.rank] = delta.u.to(device=device, dtype=dtype)
             c[sid, :, :, : delta.rank] = delta.c.to(device=device, dtype=dtype)
-        packed[name] = (u, c)
-    return PackedFactors(packed["k"][0], packed["k"][1], packed["v"][0], packed["v"][1])
+        out += [u, c]
+    return PackedFactors(*out)

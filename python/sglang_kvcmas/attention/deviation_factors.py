@@ -10,30 +10,19 @@ already holds, ``span_reads.gather_pairs``), cut to rank ``r`` by a truncated SV
 
 Keys before RoPE: each token's key deviation is rotated back from its position (``R(−p)·D``)
 before the cut and forward again when read, so one basis serves tokens at every position (the
-values have no RoPE). A later turn reads such a token as the owner's slot, re-positioned, plus
-its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, with no fitted map
-that has to generalize to tokens it never saw (an affine map fitted on the recomputed tokens and
-applied to every other borrowed one does: once served, it read worse than naive re-positioning,
-and only the lab fits it now). The frame was chosen by measurement: factors cut before RoPE
-recovered more KL than in the reader's frame (``benchmark/lab/delta_growth_study.py``;
-``docs/results.md``).
+values have no RoPE; cut before RoPE rather than in the reader's frame because it recovers more
+KL, ``docs/results.md``). A later turn reads such a token as the owner's slot, re-positioned,
+plus its row of ``C·Bᵀ`` (rotated to its position): exact up to the truncation, with no fitted
+map that has to generalize to tokens it never saw.
 
 Bytes: a token costs ``2·L·H_kv·r`` floats (K and V coefficients) instead of ``2·L·H_kv·d``, plus
-one basis ``2·L·H_kv·d·r`` per fit shared by all the tokens of that fit (every node a turn's
-picks fall on), so ``p`` tokens cost ``r·(p + d) / (p·d)`` of their exact leaves: about ``d / r``
-smaller for a turn's hundreds of picks.
+one basis ``2·L·H_kv·d·r`` per fit shared by all the tokens of that fit, so ``p`` tokens cost
+``r·(p + d) / (p·d)`` of their exact leaves.
 
-- :func:`factor_deviation`: the truncated SVD per KV head (from the smaller Gram matrix's
-  eigenvectors; :func:`factor_deviation_reference` by the SVD itself);
-- :class:`LeafFactorFit`: the fit, layer by layer, during the reader's extend;
-- :class:`TokenFactors` / :class:`FactorBasis`: the stored factors (tokens' coefficients; one
-  basis per fit);
-- :class:`LeafReads`: a row's tokens read through factored leaves, materialized one layer at a
-  time as :class:`TokenDeltas` (``[m, H_kv, d]`` added to the gathered rows: extend and decode,
-  :meth:`TokenDeltas.apply`); :func:`reference_leaf_attention` is the naive reference (one key
-  at a time);
-- :class:`RowLeaves`: what a row reads and keeps through factored leaves (the backend's view of
-  them, ``attention.spans.RowSpans.leaves``).
+The fit is :class:`LeafFactorFit` (during the reader's extend); the stored factors are
+:class:`TokenFactors` under a :class:`FactorBasis`; a row reads them through :class:`LeafReads`,
+one layer at a time as :class:`TokenDeltas`; :class:`RowLeaves` is the backend's view of a row
+(``spans.RowSpans.leaves``); :func:`reference_leaf_attention` is the naive reference.
 
 Pure torch; no SGLang import.
 """
@@ -48,10 +37,14 @@ import torch
 from sglang_kvcmas.attention.rope import ShiftRope, apply_rope, as_shift_rope
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def factor_deviation(dev: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head, the rank-``rank`` truncated SVD of a deviation, from the eigenvectors of its
-    smaller Gram matrix (``min(p, d)`` square, float64): 2-4x faster on CPU than the SVD
-    (:func:`factor_deviation_reference`) for the 20-120 tokens a reader recomputes, and the same
+    smaller Gram matrix (``min(p, d)`` square, float64): faster on CPU than the SVD
+    (:func:`factor_deviation_reference`) for the tokens a reader recomputes, and the same
     approximation up to rounding.
 
     Args:
@@ -101,29 +94,21 @@ def factor_deviation_reference(dev: torch.Tensor, rank: int) -> tuple[torch.Tens
 
 @dataclass(frozen=True, eq=False)
 class FactorBasis:
-    """The right factors one fit made, for every layer; shared by its tokens' coefficients.
-
-    Attributes:
-        k, v: [L, H_kv, d, r] float32.
-        tokens: tokens the fit factored (a part of them carries that share of the bytes).
-    """
+    """The right factors ``k``, ``v``: [L, H_kv, d, r] float32 one fit made, shared by its
+    ``tokens`` (a part of them carries that share of the bytes)."""
 
     k: torch.Tensor
     v: torch.Tensor
     tokens: int
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return _nbytes(self.k) + _nbytes(self.v)
 
 
 @dataclass(frozen=True, eq=False)
 class TokenFactors:
-    """Coefficients of ``m`` tokens under one :class:`FactorBasis`, every layer.
-
-    Attributes:
-        k, v: [L, m, H_kv, r] float32.
-        basis: the fit's basis.
-    """
+    """Coefficients ``k``, ``v``: [L, m, H_kv, r] float32 of ``m`` tokens under one
+    :class:`FactorBasis`, every layer."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -150,8 +135,8 @@ class TokenFactors:
     def nbytes(self) -> int:
         """Coefficient bytes plus these tokens' share of the basis (its bytes over the fit's
         tokens): the parts of one fit add up to what it holds, however the tree splits them."""
-        own = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-        return own + -(-self.basis.nbytes() * len(self) // max(1, self.basis.tokens))
+        share = -(-self.basis.nbytes() * len(self) // max(1, self.basis.tokens))
+        return _nbytes(self.k) + _nbytes(self.v) + share
 
     def deviations(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([m, H_kv, d], [m, H_kv, d]) float32: the tokens' K (before RoPE) and V deviations
@@ -165,12 +150,9 @@ class TokenFactors:
 class LeafFactorFit:
     """Factors a reader's kept recomputed tokens layer by layer during its extend.
 
-    At each layer the attention backend gathers the pairs (the reader's exact K/V of the tokens,
-    just written to the pool; the owner's K/V of the same tokens, re-positioned:
-    ``span_reads.gather_pairs``) and calls :meth:`fit_layer`. The request reads its own
-    exact tokens meanwhile; at its checkpoint the tree keeps :meth:`result` as the agent's
-    factored leaves and frees the recomputed slots (right after the prefill where no launched
-    batch can still read the row; else with the request).
+    At each layer the attention backend gathers the pairs (``span_reads.gather_pairs``) and calls
+    :meth:`fit_layer`; the request reads its own exact tokens meanwhile, and at its checkpoint
+    the tree keeps :meth:`result` as the agent's factored leaves.
 
     Attributes:
         owner_slots: [p] int64 pool slots of the owner's KV of the tokens.
@@ -179,7 +161,6 @@ class LeafFactorFit:
         offsets: [p] int64 their shared offsets (where the tree keeps them).
         positions: [p] int64 their positions in the reader's sequence (the key deviations are
             factored before RoPE: rotated back from there).
-        rank: r.
         layers: layer id → (K coef, K basis, V coef, V basis), filled during the extend.
     """
 
@@ -233,10 +214,6 @@ class TokenDeltas:
     k: torch.Tensor
     v: torch.Tensor
 
-    def k_at_positions(self, rope: ShiftRope | torch.Tensor) -> torch.Tensor:
-        """[m, H_kv, d] the key deviations rotated to the tokens' positions."""
-        return apply_rope(self.k, self.positions, rope)
-
     def apply(self, k: torch.Tensor, v: torch.Tensor, rope: ShiftRope | torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [n, H_kv, d] a gathered row (a copy, re-positioned); rows ``>= n`` are skipped.
@@ -245,7 +222,7 @@ class TokenDeltas:
         rows = self.rows[keep].to(k.device)
         if not rows.numel():
             return k, v
-        dk = self.k_at_positions(rope)[keep].to(k.device)
+        dk = apply_rope(self.k, self.positions, rope)[keep].to(k.device)
         k, v = k.clone(), v.clone()
         k[rows] = (k[rows].to(torch.float32) + dk).to(k.dtype)
         v[rows] = (v[rows].to(torch.float32) + self.v[keep].to(v.device)).to(v.dtype)
@@ -279,9 +256,8 @@ class MaterializedBytes:
 class LeafReads:
     """A row's tokens read through its agent's factored leaves.
 
-    Args:
-        parts: (row indices [j] int64, their positions [j] int64, their
-            :class:`TokenFactors`) per stored part.
+    ``parts``: per stored part, (row indices [j] int64, their positions [j] int64, their
+    :class:`TokenFactors`).
     """
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, TokenFactors]]):
@@ -306,20 +282,16 @@ class LeafReads:
         """The layer's deltas, or None where every factor is zero (the row then reads as it
         would without them, bit for bit).
 
-        Materialized once per layer and kept while the row is read: a decode step reads every
-        layer again, and re-expanding the factors at each step was most of what leaves cost a
-        reader's decode on CPU (``benchmark/kernels/batched_decode_bench.py``). So while its
-        request runs, a row holds its factored tokens' deviations at full size, float32
-        (:meth:`materialized_nbytes`: as much as exact leaves of those tokens in a float32
-        pool, and the keys again as :meth:`in_owner_frame` rotates them); the tree keeps only
-        the factors, and they go with the request."""
+        Materialized once per layer and kept while the row is read, since a decode step reads
+        every layer again: while its request runs, a row holds its factored tokens' deviations
+        at full size, float32 (:meth:`materialized_nbytes`); the tree keeps only the factors."""
         if layer_id in self._layers:
             return self._layers[layer_id]
         out = None
         if any(bool(f.k[layer_id].any() or f.v[layer_id].any()) for _, _, f in self.parts):
             ks, vs = zip(*(f.deviations(layer_id) for _, _, f in self.parts))
             out = TokenDeltas(self.rows, self.positions, torch.cat(ks), torch.cat(vs))
-            n = out.k.numel() * out.k.element_size() + out.v.numel() * out.v.element_size()
+            n = _nbytes(out.k) + _nbytes(out.v)
             self._held[0] += n
             MaterializedBytes.add(n)
         self._layers[layer_id] = out
@@ -332,11 +304,9 @@ class LeafReads:
         [m, H_kv, d]; value deviations [m, H_kv, d]), float32 on ``device``, or None as
         :meth:`layer`.
 
-        Kept per layer with the shifts they were rotated for (a row's shifts hold while it
-        decodes), so a decode step pays no rotation; counted in :meth:`materialized_nbytes`.
-
-        Args:
-            shift: [m] int64 each factored token's shift in the reading row.
+        ``shift``: [m] int64 each factored token's shift in the reading row. Kept per layer with
+        the shifts they were rotated for (a row's shifts hold while it decodes), so a decode step
+        pays no rotation; counted in :meth:`materialized_nbytes`.
         """
         shift = shift.cpu()  # compared on the host: no device copy on a step that hits
         kept = self._owner_frame.get(layer_id)
@@ -348,8 +318,7 @@ class LeafReads:
         dk = apply_rope(td.k, td.positions - shift.to(td.positions.device), rope).to(device)
         dv = td.v.to(device)
         if kept is None:
-            n = dk.numel() * dk.element_size() + (dv.numel() * dv.element_size()
-                                                  if dv.device != td.v.device else 0)
+            n = _nbytes(dk) + (_nbytes(dv) if dv.device != td.v.device else 0)
             self._held[0] += n
             MaterializedBytes.add(n)
         self._owner_frame[layer_id] = (shift, dk, dv)
@@ -381,8 +350,7 @@ class RowLeaves:
     factor: LeafFactorFit | None = None
 
     def layer(self, layer_id: int) -> TokenDeltas | None:
-        """The deviations the row adds at this layer, or None (none read, or every factor zero
-        here: the row then reads as it would without them, bit for bit)."""
+        """The deviations the row adds at this layer, or None (none read; :meth:`LeafReads.layer`)."""
         return self.reads.layer(layer_id) if self.reads is not None and len(self.reads) else None
 
     @property

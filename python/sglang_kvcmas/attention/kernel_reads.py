@@ -12,14 +12,14 @@ Factored leaves (``attention/deviation_factors.py``) are the kernels' own delta 
 pre-RoPE key deviation ``u·Bᵀ`` rotated at its reader position, its value deviation added as
 is. :func:`place_leaves` puts a batch's factored tokens into the kernels' packed factors once
 per forward (a shift-0 run becomes a span where it holds one: deviations are added inside spans
-only); every layer packs its coefficients and bases there (:meth:`LeafPlacement.pack`). A span
-carries one basis: a row's parts (one fit each) take their own columns of it side by side, so a
-row with ``P`` parts of rank ``r`` reads at rank ``P·r`` (padded to 16 anyway). Everything else
-reads zero factors (re-positioning only). The recomputed tokens of a reader's extend keep the
-torch path, as they precede some of its borrowed keys in position but follow them in row order
-(the backend reads them with the position mask; every later query of the row follows them all,
-so the kernel's row-causal mask is their position mask), and so do factored tokens whose row
-index is not their position (the kernels rotate a deviation at its row index).
+only). A span carries one basis: a row's parts (one fit each) take their own columns of it side
+by side, so a row with ``P`` parts of rank ``r`` reads at rank ``P·r``. Everything else reads
+zero factors (re-positioning only).
+
+# NOTE: the recomputed tokens of a reader's extend keep the torch path: they precede some of its
+# borrowed keys in position but follow them in row order (every later query of the row follows
+# them all, so for those the kernel's row-causal mask is their position mask). So do factored
+# tokens whose row index is not their position (the kernels rotate a deviation at its row index).
 
 References: :func:`~sglang_kvcmas.attention.span_reads.rotate_keys` then SDPA (the tests),
 :func:`~sglang_kvcmas.attention.shifted_query.grouped_shift_decode` and
@@ -102,8 +102,7 @@ class LeafPlacement:
              device: torch.device | str) -> PackedFactors:
         """One layer's factors: ``k_u``/``v_u`` [num_rows, H_kv, block_r] (zero but on factored
         tokens), ``k_c``/``v_c`` [num_spans, H_kv, d, block_r] (zero but in a part's columns of
-        the spans that hold its tokens). Every part's coefficients and bases go to the device in
-        one copy each and are scattered there (indices placed once per forward); parts of
+        the spans that hold its tokens), copied to the device once and scattered there; parts of
         different ranks take :meth:`pack_reference`."""
         ranks = {f.rank for f, *_ in self.parts}
         if len(ranks) != 1:

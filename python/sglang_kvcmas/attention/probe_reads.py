@@ -2,16 +2,12 @@
 
 An exact owner computing a new shared segment records, at the probe layers
 (``spans.is_probe_layer``), each new token's softmax mass on its agent head
-(``spans.HeadMassProbe``, measured by ``span_reads.head_mass``). The attention itself may come
-from the user's backend (Triton, FlashInfer), from our delta kernels or from our torch path:
-the mass is the same function of the layer's queries and of the row's keys as attention reads
-them, so every path records it through :func:`add_row_mass`, and the paths that do not gather
-keys themselves read them from the KV pool after the layer saved them
-(:func:`record_head_mass` over :func:`pool_keys`).
-
-The mass itself: ``triton_head_mass.head_mass_triton`` on CUDA tensors (one pass over the keys,
-nothing ``n_q × n_kv`` materialized), ``span_reads.head_mass`` (the reference) elsewhere; the two
-are tested against each other.
+(``spans.HeadMassProbe``). The attention itself may come from the user's backend (Triton,
+FlashInfer), from our delta kernels or from our torch path: the mass is the same function of the
+layer's queries and of the row's keys as attention reads them, so every path records it through
+:func:`add_row_mass`, and the paths that do not gather keys themselves read them from the KV pool
+after the layer saved them (:func:`record_head_mass` over :func:`pool_keys`). The mass is
+``triton_head_mass.head_mass_triton`` on CUDA tensors, ``span_reads.head_mass`` elsewhere.
 
 No SGLang import.
 """
@@ -35,12 +31,10 @@ def add_row_mass(probe: HeadMassProbe, q: torch.Tensor, k: torch.Tensor, pos: to
     """Add one row's head mass at one layer to its probe.
 
     Args:
-        probe: the row's probe.
         q: [H, n_q, d] the row's new queries (RoPE applied).
         k: [H_kv, n_kv, d] the row's keys as attention reads them, n_kv = n_prefix + n_q.
         pos: [n_kv] int64 true positions of the keys (the queries are ``pos[n_prefix:]``).
         n_prefix: row index of the first new token.
-        scale: softmax scale.
     """
     mass = head_mass
     if q.is_cuda:
@@ -61,7 +55,6 @@ def record_head_mass(query: torch.Tensor, probes: Sequence[HeadMassProbe | None]
         prefix_lens: per row, its cached prefix (row index of its first new token).
         extend_lens: per row, its new tokens (``sum(extend_lens) == tokens``).
         keys: the row's keys and their positions (:data:`RowKeys`).
-        scale: softmax scale.
     """
     q_all = query.movedim(0, 1)  # [H, tokens, d]
     start = 0

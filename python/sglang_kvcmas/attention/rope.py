@@ -11,13 +11,11 @@ with frequencies ``inv_freq: [rotary_dim/2]`` is
 # NOTE: rotations compose, R(a)·R(b) = R(a + b), and R(0) is the identity. The read path relies on
 # this to re-position keys that the pool stores already rotated at the owner's positions.
 
-Angles are computed in float32 as ``p · inv_freq`` as SGLang builds its ``cos_sin_cache``
-(float32 positions times float32 frequencies), but directly from the position so that negative
-shifts work. A scaled RoPE (linear, dynamic NTK, Llama-3, YaRN) only changes ``inv_freq``, and
-YaRN's attention factor scales SGLang's cos and sin: a stored key already carries it once, so a
-shift rotates by the unscaled angle (:class:`ShiftRope` records the factor, never applies it).
-Which of SGLang's rotary embeddings a :class:`ShiftRope` can describe, and the refusal of the
-others, is ``integration/rope_shift.py``.
+Angles are computed in float32 as ``p · inv_freq``, as SGLang builds its ``cos_sin_cache``, but
+directly from the position so that negative shifts work. A scaled RoPE only changes
+``inv_freq``; YaRN's attention factor is already in every stored key, so a shift rotates by the
+unscaled angle. Which of SGLang's rotary embeddings a :class:`ShiftRope` can describe is
+``integration/rope_shift.py``.
 """
 
 from __future__ import annotations
@@ -77,11 +75,8 @@ def as_shift_rope(rope: ShiftRope | torch.Tensor) -> ShiftRope:
 
 
 def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """Default RoPE frequencies, as SGLang's ``RotaryEmbedding._compute_inv_freq``.
-
-    Returns:
-        inv_freq: [head_dim // 2] float32
-    """
+    """Default RoPE frequencies ``[head_dim // 2]`` float32, as SGLang's
+    ``RotaryEmbedding._compute_inv_freq``."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
@@ -91,14 +86,8 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor | ShiftRope
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``positions · inv_freq`` (unscaled: no attention factor).
-
-    Args:
-        positions: [n] integer (may be negative)
-        inv_freq: [rotary_dim // 2] float32, or a :class:`ShiftRope`
-    Returns:
-        (cos, sin): each [n, rotary_dim // 2] float32
-    """
+    """(cos, sin), each [n, rotary_dim // 2] float32, of ``positions · inv_freq`` (unscaled: no
+    attention factor). positions: [n] integer, may be negative; inv_freq: [rotary_dim // 2]."""
     if isinstance(inv_freq, ShiftRope):
         inv_freq = inv_freq.inv_freq
     inv = inv_freq.to(positions.device, torch.float32)
@@ -114,7 +103,6 @@ def apply_rope(
     Args:
         x: [n, num_heads, head_dim] any float dtype (computed in float32)
         positions: [n] or [1] integer (one position broadcasts over all tokens), may be negative
-            (R(−p) is the inverse of R(p))
         rope: a :class:`ShiftRope`, or ``inv_freq: [head_dim // 2]`` float32 (full neox)
     Returns:
         [n, num_heads, head_dim] float32
@@ -131,7 +119,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: ShiftRop
     Args:
         x: [..., head_dim] any float dtype
         cos, sin: broadcastable to [..., rotary_dim // 2], the dtype the result is computed in
-        rope: the layout
     Returns:
         [..., head_dim] in the promoted dtype of ``x`` and ``cos``
     """

@@ -11,13 +11,7 @@ order of its keys, so the backend gathers a row's keys grouped by shift
 (``KeyShifts.grouped``): one product per group, as many multiply-adds as plain attention, however
 many runs the reader's exact leaves cut the borrowed spans into.
 
-Two earlier ways are measured beside it by ``benchmark/kernels/shifted_decode_bench.py``:
-scoring every key against every rotated query and keeping each key's own score (S times the
-products) and rotating every key by its shift before SDPA (``span_reads.rotate_keys``, an
-elementwise pass over all keys per layer and step).
-
-The reference is :func:`sglang_kvcmas.attention.span_reads.transform_spans`
-followed by SDPA; ``test/attention/test_shifted_query.py`` compares the two.
+The reference is :func:`sglang_kvcmas.attention.span_reads.transform_spans` followed by SDPA.
 """
 
 from __future__ import annotations
@@ -36,11 +30,8 @@ def grouped_shift_decode(
     rope: ShiftRope | torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query per head over keys gathered in shift-group order.
-
-    Attention is invariant to the order of the keys, so a row gathered in the order of
-    ``KeyShifts.grouped`` has each shift's keys together: one product per group with the query
-    rotated by that group's shift, the same number of multiply-adds as plain attention.
+    """Attention of one query per head over keys gathered in shift-group order
+    (``KeyShifts.grouped``): one product per group, the query rotated by that group's shift.
 
     Args:
         q: [H, 1, d] query (RoPE applied at the reader's position).
@@ -49,10 +40,7 @@ def grouped_shift_decode(
         shifts: [S] int64 distinct shifts.
         groups: ``(lo, hi, i)``: keys ``lo .. hi-1`` are read at ``shifts[i]``; they cover
             ``[0, n_kv)``.
-        rope: the model's rotary (:class:`ShiftRope`: partial rotary rotates the first
-            ``rotary_dim`` dims of the query, GPT-J style its pairs), or full-width
-            ``inv_freq: [d // 2]``.
-        scale: softmax scale.
+        rope: the model's rotary (:class:`ShiftRope`), or full-width ``inv_freq: [d // 2]``.
     Returns:
         [H, 1, d] in ``q.dtype``.
     """

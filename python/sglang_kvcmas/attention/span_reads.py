@@ -1,23 +1,11 @@
 """Tensor work of the serving read path: borrowed spans re-positioned, head mass measured.
 
 The attention backend (``integration/delta_attention_backend.py``) gathers a row's keys and
-values from the pool and calls these; they know nothing of SGLang.
-
-- :func:`rotate_keys` re-positions every borrowed key by its own shift (``R(δ)·k``: the pool
-  holds keys rotated at the owner's positions; values need nothing), one gather of cos/sin per
-  key and one rotation for the whole row, however many runs the row has.
-- :func:`transform_spans` does the same one span at a time: the reference that
-  :func:`rotate_keys` and decode's query rotation (``shifted_query.py``) are tested against.
-- :func:`head_mass` is the softmax mass each query puts on the agent head's key rows, which the
-  owner's pass records for ``policy/recompute.py``.
-- :func:`tail_attention` is a plain row's extend: its new queries only, over their causal
-  prefix (reference: :func:`padded_tail_attention`, the query padded to the whole sequence).
-  :func:`tail_attention_and_mass` is the same on CPU with the head mass of a probed row taken
-  from the attention's own softmax normalizer (reference: :func:`tail_attention` and
-  :func:`head_mass`).
-- :func:`gather_pairs` gathers, at one layer, what a reader's factored leaves are fitted on: the
-  owner's K/V of the tokens it recomputes, re-positioned, and its own exact K/V of them
-  (``attention/deviation_factors.py``).
+values from the pool and calls these; they know nothing of SGLang. The pool holds keys rotated at
+the owner's positions, so a borrowed key is read as ``R(δ)·k`` (values need nothing):
+:func:`rotate_keys` does it for a whole row in one rotation, :func:`transform_spans` one span at
+a time (the reference). :func:`head_mass` is what the owner's pass records for
+``policy/recompute.py``; :func:`gather_pairs` is what factored leaves are fitted on.
 """
 
 from __future__ import annotations
@@ -72,7 +60,6 @@ def rotate_keys(
 
     Args:
         k: [n, H_kv, d] keys gathered from the pool in row order.
-        key_shifts: the row's per-key shift map.
         rope: the model's rotary (:class:`ShiftRope`), or full-width ``inv_freq: [d // 2]``.
     Returns:
         [n, H_kv, d] in ``k.dtype``; equals :func:`transform_spans` over the map's spans.
@@ -101,7 +88,6 @@ def head_mass(
         k: [H_kv, n_kv, d] keys as attention reads them.
         q_pos: [n_q] true positions of the queries; k_pos: [n_kv] of the keys (causal by
             position: a query sees keys at positions <= its own).
-        scale: softmax scale.
     Returns:
         [n_q] float32.
     """
@@ -160,8 +146,7 @@ def tail_attention_and_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n
 
     The mass on key rows ``[head_from, head_to)`` is ``exp(lse_head - lse)``: ``lse``, each
     query's log-sum-exp over every key it sees, comes with the flash kernel's output, so only
-    the head's few keys are scored again. A probed owner's extend then costs about what its
-    attention costs, where :func:`head_mass` scores every key a second time.
+    the head's few keys are scored again (:func:`head_mass` scores every key a second time).
 
     Args:
         q: [H, n_q, d] (RoPE applied); k, v: [H_kv, n_kv, d] in row order (row index =

@@ -45,7 +45,6 @@ class SharedSpan:
         return self.start + self.length
 
 
-
 @dataclass(frozen=True)
 class RecomputedTokens:
     """Borrowed shared tokens the reader recomputes, moved to the front of its extend.
@@ -239,9 +238,8 @@ class HeadMassProbe:
     """Records, for a row's extended tokens, their attention mass on the row's agent head.
 
     The attention backend adds, at each probe layer (:func:`is_probe_layer`), the mass every
-    extended token puts on key rows ``[head_from, head_to)`` (softmax mass, mean over query
-    heads; ``attention/probe_reads.py``); the tree cache reads the mean when it registers the
-    tokens as shared (``policy/recompute.py`` uses it to choose what a reader recomputes).
+    extended token puts on key rows ``[head_from, head_to)`` (``probe_reads.py``); the tree cache
+    reads the mean when it registers the tokens as shared, for ``policy/recompute.py``.
 
     Attributes:
         head_from: first head row that can differ across agents (the shared chat preamble and

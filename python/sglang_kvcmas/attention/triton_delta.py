@@ -65,8 +65,24 @@ def _num_warps(head_dim: int, block_m: int) -> int:
     return 8 if head_dim * block_m >= 128 * 64 else 4
 
 
-def _common_args(k_buffer, v_buffer, packed: PackedFactors) -> list:
+def _read_args(k_buffer, v_buffer, plan: DeltaPlan, packed: PackedFactors, inv_freq) -> list:
+    """The arguments both delta kernels end with, in their order."""
     return [
+        k_buffer,
+        v_buffer,
+        plan.kv_indices,
+        plan.kv_indptr,
+        plan.tile_indptr,
+        plan.tile_start,
+        plan.tile_len,
+        plan.tile_span,
+        plan.tile_shift,
+        plan.tile_urow,
+        packed.k_u,
+        packed.k_c,
+        packed.v_u,
+        packed.v_c,
+        inv_freq,
         k_buffer.stride(0),
         k_buffer.stride(1),
         v_buffer.stride(0),
@@ -76,17 +92,6 @@ def _common_args(k_buffer, v_buffer, packed: PackedFactors) -> list:
         packed.k_c.stride(0),
         packed.k_c.stride(1),
         packed.k_c.stride(2),
-    ]
-
-
-def _tile_args(plan: DeltaPlan) -> list:
-    return [
-        plan.tile_indptr,
-        plan.tile_start,
-        plan.tile_len,
-        plan.tile_span,
-        plan.tile_shift,
-        plan.tile_urow,
     ]
 
 
@@ -124,17 +129,7 @@ def delta_extend_triton(
     _delta_extend_kernel[grid](
         q,
         o,
-        k_buffer,
-        v_buffer,
-        plan.kv_indices,
         plan.qo_indptr,
-        plan.kv_indptr,
-        *_tile_args(plan),
-        packed.k_u,
-        packed.k_c,
-        packed.v_u,
-        packed.v_c,
-        inv_freq,
         scale,
         group,
         tokens,
@@ -142,7 +137,7 @@ def delta_extend_triton(
         q.stride(1),
         o.stride(0),
         o.stride(1),
-        *_common_args(k_buffer, v_buffer, packed),
+        *_read_args(k_buffer, v_buffer, plan, packed, inv_freq),
         BLOCK_M=block_m,
         BLOCK_N=plan.block_n,
         HALF=head_dim // 2,
@@ -194,16 +189,6 @@ def delta_decode_triton(
         q,
         mid_o,
         mid_lse,
-        k_buffer,
-        v_buffer,
-        plan.kv_indices,
-        plan.kv_indptr,
-        *_tile_args(plan),
-        packed.k_u,
-        packed.k_c,
-        packed.v_u,
-        packed.v_c,
-        inv_freq,
         scale,
         group,
         num_splits,
@@ -214,7 +199,7 @@ def delta_decode_triton(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        *_common_args(k_buffer, v_buffer, packed),
+        *_read_args(k_buffer, v_buffer, plan, packed, inv_freq),
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=plan.block_n,
         HALF=head_dim // 2,

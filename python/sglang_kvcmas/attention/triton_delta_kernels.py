@@ -18,7 +18,6 @@ def _reader_kv_tile(
     k_buffer,
     v_buffer,
     kv_idx,
-    kvh,
     t_start,
     t_len,
     span,
@@ -30,28 +29,27 @@ def _reader_kv_tile(
     v_c,
     inv_freq,
     s_kb_t,
-    s_kb_h,
     s_vb_t,
-    s_vb_h,
     s_u_t,
-    s_u_h,
     s_c_s,
-    s_c_h,
     s_c_d,
     BLOCK_N: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One KV head's tile as the reader sees it: (k_lo, k_hi, v), float32, [BLOCK_N, ·]."""
+    """One KV head's tile as the reader sees it: (k_lo, k_hi, v), float32, [BLOCK_N, ·].
+
+    ``k_buffer``, ``v_buffer``, ``k_u``, ``k_c``, ``v_u``, ``v_c`` already point at the KV head.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF)
     mask_n = offs_n < t_len
     slots = tl.load(kv_idx + t_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-    kb = k_buffer + slots[:, None] * s_kb_t + kvh * s_kb_h
+    kb = k_buffer + slots[:, None] * s_kb_t
     k_lo = tl.load(kb + offs_h[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
     k_hi = tl.load(kb + HALF + offs_h[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
-    vb = v_buffer + slots[:, None] * s_vb_t + kvh * s_vb_h
+    vb = v_buffer + slots[:, None] * s_vb_t
     v_lo = tl.load(vb + offs_h[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
     v_hi = tl.load(vb + HALF + offs_h[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
     freq = tl.load(inv_freq + offs_h)
@@ -63,8 +61,8 @@ def _reader_kv_tile(
         k_lo, k_hi = k_lo * cs - k_hi * sn, k_hi * cs + k_lo * sn
     if span >= 0:
         offs_r = tl.arange(0, BLOCK_R)
-        u_off = (urow + offs_n)[:, None] * s_u_t + kvh * s_u_h + offs_r[None, :]
-        c_lo_off = span * s_c_s + kvh * s_c_h + offs_h[:, None] * s_c_d + offs_r[None, :]
+        u_off = (urow + offs_n)[:, None] * s_u_t + offs_r[None, :]
+        c_lo_off = span * s_c_s + offs_h[:, None] * s_c_d + offs_r[None, :]
         c_hi_off = c_lo_off + HALF * s_c_d
         uk = tl.load(k_u + u_off, mask=mask_n[:, None], other=0.0).to(tl.float32)
         dk_lo = tl.dot(
@@ -124,10 +122,17 @@ def _attend_tile(
 def _delta_extend_kernel(
     q,
     o,
+    qo_indptr,
+    qk_scale,
+    GROUP,
+    TOKENS,
+    s_q_t,
+    s_q_h,
+    s_o_t,
+    s_o_h,
     k_buffer,
     v_buffer,
     kv_indices,
-    qo_indptr,
     kv_indptr,
     tile_indptr,
     tile_start,
@@ -140,13 +145,6 @@ def _delta_extend_kernel(
     v_u,
     v_c,
     inv_freq,
-    qk_scale,
-    GROUP,
-    TOKENS,
-    s_q_t,
-    s_q_h,
-    s_o_t,
-    s_o_h,
     s_kb_t,
     s_kb_h,
     s_vb_t,
@@ -167,79 +165,63 @@ def _delta_extend_kernel(
     tok0 = tl.program_id(2) * TOKENS
     q0 = tl.load(qo_indptr + b)
     q_len = tl.load(qo_indptr + b + 1) - q0
-    if tok0 < q_len:
-        kv0 = tl.load(kv_indptr + b)
-        prefix = tl.load(kv_indptr + b + 1) - kv0 - q_len
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_h = tl.arange(0, HALF)
-        offs_n = tl.arange(0, BLOCK_N)
-        tok = tok0 + offs_m // GROUP
-        row_ok = (offs_m < TOKENS * GROUP) & (tok < q_len)
-        q_off = (q0 + tok)[:, None] * s_q_t + (kvh * GROUP + offs_m % GROUP)[:, None] * s_q_h
-        q_lo = tl.load(q + q_off + offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        q_hi = tl.load(q + q_off + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        q_pos = prefix + tok
-        last_pos = prefix + tl.minimum(tok0 + TOKENS, q_len) - 1
-        m_i = tl.full([BLOCK_M], NEG, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
-        for t in range(tl.load(tile_indptr + b), tl.load(tile_indptr + b + 1)):
-            t_start = tl.load(tile_start + t)
-            if t_start <= last_pos:  # causal: later tiles are invisible to this block
-                t_len = tl.load(tile_len + t)
-                k_lo, k_hi, v_lo, v_hi = _reader_kv_tile(
-                    k_buffer,
-                    v_buffer,
-                    kv_indices + kv0,
-                    kvh,
-                    t_start,
-                    t_len,
-                    tl.load(tile_span + t),
-                    tl.load(tile_shift + t),
-                    tl.load(tile_urow + t),
-                    k_u,
-                    k_c,
-                    v_u,
-                    v_c,
-                    inv_freq,
-                    s_kb_t,
-                    s_kb_h,
-                    s_vb_t,
-                    s_vb_h,
-                    s_u_t,
-                    s_u_h,
-                    s_c_s,
-                    s_c_h,
-                    s_c_d,
-                    BLOCK_N,
-                    HALF,
-                    BLOCK_R,
-                    DOT_PREC,
-                )
-                kv_pos = t_start + offs_n
-                ok = (offs_n < t_len)[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-                m_i, l_i, acc_lo, acc_hi = _attend_tile(
-                    q_lo,
-                    q_hi,
-                    k_lo,
-                    k_hi,
-                    v_lo,
-                    v_hi,
-                    ok,
-                    m_i,
-                    l_i,
-                    acc_lo,
-                    acc_hi,
-                    qk_scale,
-                    DOT_PREC,
-                )
-        inv_l = 1.0 / l_i
-        o_off = (q0 + tok)[:, None] * s_o_t + (kvh * GROUP + offs_m % GROUP)[:, None] * s_o_h
-        out_lo = (acc_lo * inv_l[:, None]).to(o.dtype.element_ty)
-        out_hi = (acc_hi * inv_l[:, None]).to(o.dtype.element_ty)
-        tl.store(o + o_off + offs_h[None, :], out_lo, mask=row_ok[:, None])
-        tl.store(o + o_off + HALF + offs_h[None, :], out_hi, mask=row_ok[:, None])
+    if tok0 >= q_len:
+        return
+    kv0 = tl.load(kv_indptr + b)
+    prefix = tl.load(kv_indptr + b + 1) - kv0 - q_len
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, HALF)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = tok0 + offs_m // GROUP
+    row_ok = (offs_m < TOKENS * GROUP) & (tok < q_len)
+    q_off = (q0 + tok)[:, None] * s_q_t + (kvh * GROUP + offs_m % GROUP)[:, None] * s_q_h
+    q_lo = tl.load(q + q_off + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+    q_hi = tl.load(q + q_off + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = prefix + tok
+    last_pos = prefix + tl.minimum(tok0 + TOKENS, q_len) - 1
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    for t in range(tl.load(tile_indptr + b), tl.load(tile_indptr + b + 1)):
+        t_start = tl.load(tile_start + t)
+        if t_start <= last_pos:  # causal: later tiles are invisible to this block
+            t_len = tl.load(tile_len + t)
+            k_lo, k_hi, v_lo, v_hi = _reader_kv_tile(
+                k_buffer + kvh * s_kb_h,
+                v_buffer + kvh * s_vb_h,
+                kv_indices + kv0,
+                t_start,
+                t_len,
+                tl.load(tile_span + t),
+                tl.load(tile_shift + t),
+                tl.load(tile_urow + t),
+                k_u + kvh * s_u_h,
+                k_c + kvh * s_c_h,
+                v_u + kvh * s_u_h,
+                v_c + kvh * s_c_h,
+                inv_freq,
+                s_kb_t,
+                s_vb_t,
+                s_u_t,
+                s_c_s,
+                s_c_d,
+                BLOCK_N,
+                HALF,
+                BLOCK_R,
+                DOT_PREC,
+            )
+            kv_pos = t_start + offs_n
+            ok = (offs_n < t_len)[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(
+                q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale, DOT_PREC
+            )
+    inv_l = 1.0 / l_i
+    o_off = (q0 + tok)[:, None] * s_o_t + (kvh * GROUP + offs_m % GROUP)[:, None] * s_o_h
+    out_lo = (acc_lo * inv_l[:, None]).to(o.dtype.element_ty)
+    out_hi = (acc_hi * inv_l[:, None]).to(o.dtype.element_ty)
+    tl.store(o + o_off + offs_h[None, :], out_lo, mask=row_ok[:, None])
+    tl.store(o + o_off + HALF + offs_h[None, :], out_hi, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -247,6 +229,16 @@ def _delta_decode_kernel(
     q,
     mid_o,
     mid_lse,
+    qk_scale,
+    GROUP,
+    NUM_SPLITS,
+    s_q_b,
+    s_q_h,
+    s_mo_b,
+    s_mo_h,
+    s_mo_s,
+    s_ml_b,
+    s_ml_h,
     k_buffer,
     v_buffer,
     kv_indices,
@@ -262,16 +254,6 @@ def _delta_decode_kernel(
     v_u,
     v_c,
     inv_freq,
-    qk_scale,
-    GROUP,
-    NUM_SPLITS,
-    s_q_b,
-    s_q_h,
-    s_mo_b,
-    s_mo_h,
-    s_mo_s,
-    s_ml_b,
-    s_ml_h,
     s_kb_t,
     s_kb_h,
     s_vb_t,
@@ -312,28 +294,23 @@ def _delta_decode_kernel(
         t_start = tl.load(tile_start + t)
         t_len = tl.load(tile_len + t)
         k_lo, k_hi, v_lo, v_hi = _reader_kv_tile(
-            k_buffer,
-            v_buffer,
+            k_buffer + kvh * s_kb_h,
+            v_buffer + kvh * s_vb_h,
             kv_indices + kv0,
-            kvh,
             t_start,
             t_len,
             tl.load(tile_span + t),
             tl.load(tile_shift + t),
             tl.load(tile_urow + t),
-            k_u,
-            k_c,
-            v_u,
-            v_c,
+            k_u + kvh * s_u_h,
+            k_c + kvh * s_c_h,
+            v_u + kvh * s_u_h,
+            v_c + kvh * s_c_h,
             inv_freq,
             s_kb_t,
-            s_kb_h,
             s_vb_t,
-            s_vb_h,
             s_u_t,
-            s_u_h,
             s_c_s,
-            s_c_h,
             s_c_d,
             BLOCK_N,
             HALF,

@@ -3,14 +3,9 @@
 One program serves one query head and a block of queries. It walks the row's keys in tiles and
 keeps two running log-sum-exps per query (base 2): over every key it sees (the softmax's
 denominator) and over the keys it sees in ``[head_from, head_to)``. The mass is their ratio,
-averaged over query heads afterwards; nothing of size ``n_q × n_kv`` is ever materialized (the
-torch reference scores ``PROBE_BLOCK`` queries at once). Scores are float32 (``ieee`` dots), as
-the reference's.
-
-:func:`head_mass_triton` has :func:`~sglang_kvcmas.attention.span_reads.head_mass`'s contract;
-``probe_reads`` takes it for CUDA tensors, the reference elsewhere. With ``TRITON_INTERPRET=1``
-(set before triton is imported) it runs on CPU tensors; that is how CI tests it against the
-reference.
+averaged over query heads afterwards; nothing of size ``n_q × n_kv`` is ever materialized.
+Scores are float32 (``ieee`` dots), as the reference's. Like the delta kernels, it runs on CPU
+tensors under ``TRITON_INTERPRET=1`` (how CI tests it against the reference).
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG - m) == 0 and never NaN
+from sglang_kvcmas.attention.triton_delta_kernels import LOG2E, NEG
 
 
 @triton.jit
@@ -71,17 +65,8 @@ def head_mass_triton(
     q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
     head_from: int, head_to: int,
 ) -> torch.Tensor:
-    """Softmax mass each query puts on key rows ``[head_from, head_to)``, mean over heads.
-
-    Args:
-        q: [H, n_q, d] queries (RoPE applied), any float dtype, last dimension contiguous or not.
-        k: [H_kv, n_kv, d] keys as attention reads them (H a multiple of H_kv).
-        q_pos: [n_q] true positions of the queries; k_pos: [n_kv] of the keys (a query sees the
-            keys at positions <= its own).
-        scale: softmax scale.
-    Returns:
-        [n_q] float32, as ``span_reads.head_mass``.
-    """
+    """:func:`~sglang_kvcmas.attention.span_reads.head_mass` (same arguments, [n_q] float32);
+    ``q``: [H, n_q, d] in any float dtype, last dimension contiguous or not."""
     h, n_q, d = q.shape
     h_kv, n_kv = k.shape[0], k.shape[1]
     if h % h_kv:

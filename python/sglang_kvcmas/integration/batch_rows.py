@@ -33,9 +33,7 @@ class TaggedRids(list):
 
     @property
     def cache(self) -> dict:
-        if "_cache" not in self.__dict__:
-            self.__dict__["_cache"] = {}
-        return self.__dict__["_cache"]
+        return self.__dict__.setdefault("_cache", {})
 
 
 def rows_of(reqs: Any) -> tuple[BatchRow | None, ...] | None:

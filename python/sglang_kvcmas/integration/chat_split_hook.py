@@ -105,15 +105,12 @@ def apply_message_split(serving: Any, request: Any, adapted: Any) -> None:
         return
     params = adapted.sampling_params
     ids = adapted.input_ids
-    if not isinstance(params, dict) or not isinstance(ids, list) or not ids:
+    if not isinstance(params, dict) or not isinstance(ids, list) or not ids \
+            or not isinstance(ids[0], int):  # ids[0] a list: a batch of prompts
         return
-    if not all(isinstance(i, int) for i in ids[:1]):
-        return  # a batch of prompts
     custom = params.get("custom_params")
-    if isinstance(custom, dict) and any(
-            f in custom for f in (HEAD_LEN_FIELD, SHARED_END_FIELD, AGENT_FIELD)):
-        return
-    if custom is not None and not isinstance(custom, dict):
+    if custom is not None and (not isinstance(custom, dict) or any(
+            f in custom for f in (HEAD_LEN_FIELD, SHARED_END_FIELD, AGENT_FIELD))):
         return
     systems = system_messages(request.messages)
     if not systems:

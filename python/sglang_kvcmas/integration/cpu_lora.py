@@ -2,20 +2,17 @@
 
 SGLang's LoRA layers and its ``torch_native`` backend compute with plain PyTorch, so they run on
 CPU, but they allocate their small host-side index tensors with ``pin_memory=True`` (page-locked
-memory, an optimisation for host-to-GPU copies), which PyTorch refuses without an accelerator
-("Found no NVIDIA driver"). With no accelerator there is nothing to copy to, so pinning is a
-no-op here: this module wraps the ``torch_native`` entry of SGLang's LoRA backend registry so
-that, when the backend is created in a process without an accelerator (i.e. when a LoRA server
-boots on CPU), the LoRA modules get a ``torch`` whose tensor factories ignore ``pin_memory`` and
-``Tensor.pin_memory()`` returns the tensor itself (it would raise otherwise). Nothing changes on a
-machine with an accelerator, and nothing is patched unless LoRA is enabled.
+memory for host-to-GPU copies), which PyTorch refuses without an accelerator. With nothing to
+copy to, pinning is a no-op here: this module wraps the ``torch_native`` entry of SGLang's LoRA
+backend registry so that, when the backend is created in a process without an accelerator, the
+LoRA modules get a ``torch`` whose tensor factories ignore ``pin_memory`` and
+``Tensor.pin_memory()`` returns the tensor itself. Nothing changes on a machine with an
+accelerator, and nothing is patched unless LoRA is enabled.
 
-The launcher makes ``torch_native`` the LoRA backend on CPU (SGLang's default, ``csgmv``, is a
-Triton kernel that needs a GPU). Without an accelerator the entry also gives SGLang a subclass of
-its backend, :class:`GroupedTorchLoRABackend`, whose linear LoRA ops group a batch's tokens by
-adapter (``lora/grouped_ops.py``: one matmul per adapter present instead of one pass per
-request; the same math, 4x less time per decode step at 9 requests of the embedded model;
-``benchmark/kernels/cpu_lora_bench.py`` times them against SGLang's own ops).
+The launcher makes ``torch_native`` the LoRA backend on CPU (SGLang's default is a Triton
+kernel). Without an accelerator the entry also gives SGLang a subclass of its backend,
+:func:`grouped_backend`, whose linear LoRA ops group a batch's tokens by adapter (the same math,
+far less time per decode step; see ``lora/grouped_ops.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +21,8 @@ import functools
 import importlib
 import logging
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -109,23 +107,19 @@ def grouped_backend(base: type) -> type:
     class GroupedTorchLoRABackend(base):  # type: ignore[misc, valid-type]
         _kvcmas_groups: tuple[Any, AdapterGroups | None] = (None, None)
 
-        def _groups(self) -> AdapterGroups | None:
+        def _groups_for(self, x: torch.Tensor) -> AdapterGroups | None:
+            """The batch's groups (built once per batch) when they cover ``x``'s tokens, else
+            None (SGLang's ops)."""
             info = self.batch_info
             cached_for, groups = self._kvcmas_groups
-            if cached_for is info:
-                return groups
-            groups = None
-            if info is not None and not info.use_cuda_graph and \
-                    getattr(info, "seg_lens_cpu", None) is not None:
-                groups = AdapterGroups.build(
-                    info.seg_lens_cpu.tolist(), info.weight_indices_cpu.tolist(),
-                    info.lora_ranks_cpu.tolist(), info.scalings_cpu.tolist())
-            self._kvcmas_groups = (info, groups)
-            return groups
-
-        def _groups_for(self, x: torch.Tensor) -> AdapterGroups | None:
-            """The batch's groups when they cover ``x``'s tokens, else None (SGLang's ops)."""
-            groups = self._groups()
+            if cached_for is not info:
+                groups = None
+                if info is not None and not info.use_cuda_graph and \
+                        getattr(info, "seg_lens_cpu", None) is not None:
+                    groups = AdapterGroups.build(
+                        info.seg_lens_cpu.tolist(), info.weight_indices_cpu.tolist(),
+                        info.lora_ranks_cpu.tolist(), info.scalings_cpu.tolist())
+                self._kvcmas_groups = (info, groups)
             return groups if groups is not None and groups.num_tokens == x.shape[0] else None
 
         def run_lora_a_sgemm(self, x, weights, stack_num=1, *args, **kwargs):

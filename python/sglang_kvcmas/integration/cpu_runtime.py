@@ -16,10 +16,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import MutableMapping
-
 
 STANDIN_DIR = Path(__file__).resolve().parent / "sgl_kernel_standin"
 """Directory that, on ``sys.path``, makes ``import sgl_kernel`` load the stand-in."""
@@ -43,9 +42,7 @@ def _real_sgl_kernel_location() -> str | None:
     saved = list(sys.path)
     try:
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != STANDIN_DIR]
-        if "sgl_kernel" in sys.modules and getattr(
-            sys.modules["sgl_kernel"], "IS_KVCMAS_STANDIN", False
-        ):
+        if getattr(sys.modules.get("sgl_kernel"), "IS_KVCMAS_STANDIN", False):
             return None
         spec = importlib.util.find_spec("sgl_kernel")
     finally:
@@ -58,11 +55,8 @@ def install_sgl_kernel_standin(environ: MutableMapping[str, str] | None = None) 
 
     Does nothing when a real ``sgl_kernel`` is installed. Otherwise appends the stand-in
     directory to ``sys.path`` (inherited by spawned processes) and to ``PYTHONPATH`` in
-    ``environ`` (for any other child). Appending, not prepending: a real package always wins.
-    Idempotent.
-
-    Args:
-        environ: environment to update; ``os.environ`` by default.
+    ``environ`` (default ``os.environ``; for any other child). Appending, not prepending: a real
+    package always wins. Idempotent.
     """
     environ = os.environ if environ is None else environ
     real = _real_sgl_kernel_location()

@@ -3,56 +3,42 @@ re-positioned, registered with SGLang's attention registry.
 
 SGLang's torch_native backend gathers, per request and layer, ``k_cache[req_to_token[row, :n]]``
 (a transient copy) and runs SDPA on it. This backend does the same and, for a row whose entry in
-``forward_batch`` (``batch_rows.py``) lists borrowed spans, re-positions the gathered
-keys by their per-key shifts before SDPA (``attention/span_reads.py``: ``R(δ)·k_owner``, one
-gather-and-rotate per row and layer however many runs the row has; values need nothing).
-Nothing is written back to the pool: the owner's KV stays exact and shared. Rows without an
-entry (every exact request, every request when sharing is off) take the parent's code path
-unchanged.
+``forward_batch`` (``batch_rows.py``) lists borrowed spans, re-positions the gathered keys by
+their per-key shifts before SDPA (``attention/span_reads.py``; values need nothing). Nothing is
+written back to the pool: the owner's KV stays exact and shared. Rows without an entry (every
+exact request, every request when sharing is off) take the parent's code path unchanged.
 
-Recomputed tokens (``attention.spans.RecomputedTokens``): a reader recomputes some borrowed
-tokens in its own context. The tree cache leaves them out of the row's prefix, so SGLang extends
-the row from a prefix that is that many tokens shorter; before the model runs,
+Recomputed tokens (``attention.spans.RecomputedTokens``): the tree cache leaves them out of the
+row's prefix, so SGLang extends the row from a prefix that many tokens shorter;
 :meth:`DeltaAttnBackend.init_forward_metadata` writes their ids and true positions into the
 first extend slots of ``forward_batch.input_ids`` / ``positions`` (the model applies RoPE at the
-true positions, and the pool keeps their keys so rotated), and extend attention masks by true
-position instead of row order. Decode needs no mask: every cached token precedes the query, and
-it rotates each row's query once per shift instead of every borrowed key: the batch's
-re-positioned rows together, in a few tensor ops per layer (``attention/batched_decode.py``),
-rows of many owners one at a time, keys grouped by shift (``attention/shifted_query.py``);
-rows that read nothing borrowed take SDPA as the parent does. On GPU, for a model whose rotary the kernels tile, one launch of the delta kernel per
-layer reads the whole batch, each KV tile rotated by its run's shift in registers
-(``attention/kernel_reads.py``): every decode, and every extend's new tokens after its
-recomputed ones (those stay in PyTorch, masked by true position), factored leaves read there
-too; at a probe layer, head mass is read beside the kernel (``attention/probe_reads.py``).
-Whether a batch takes the kernels is decided once per batch (``dispatch_route``).
+true positions), and extend masks by true position instead of row order.
+
+Decode needs no mask (every cached token precedes the query): it rotates each row's query once
+per shift instead of every borrowed key, the batch's re-positioned rows together
+(``attention/batched_decode.py``), rows of many owners one at a time
+(``attention/shifted_query.py``); rows that read nothing borrowed take SDPA as the parent does.
+On GPU, for a model whose rotary the kernels tile, the delta kernels read the whole batch in
+one launch per layer (``attention/kernel_reads.py``): every decode, and every extend's new tokens
+after its recomputed ones (those stay in PyTorch, masked by true position). Whether a batch takes
+the kernels is decided once per batch (``dispatch_route``).
 
 Head-mass probe (``attention.spans.HeadMassProbe``): for a row that will register new shared
-tokens, extend attention at the probe layers (``spans.is_probe_layer``) also records each
-token's softmax mass on the row's agent head (``probe_reads.add_row_mass``). Probing a layer
-costs about one more attention pass over the row at that layer, except for a plain row on CPU,
-whose mass comes from the attention's own log-sum-exp (``span_reads.tail_attention_and_mass``:
-the head's keys scored again, no more); nothing else changes. A batch
-whose probed rows read nothing borrowed comes here only over torch_native (``shared_backends``:
-over Triton or FlashInfer it stays on that backend, the mass read beside it).
+tokens, extend attention at the probe layers also records each token's mass on the row's agent
+head (``attention/probe_reads.py``); a plain row on CPU takes it from the attention's own
+log-sum-exp (``span_reads.tail_attention_and_mass``). A batch whose probed rows read nothing
+borrowed comes here only over torch_native (``shared_backends``).
+
+Factored leaves (leaf mode ``factored``, ``attention.deviation_factors.RowLeaves``): a row's
+extend factors, at each layer, the deviation of the recomputed tokens it keeps
+(``span_reads.gather_pairs``); a later row reads those tokens as the owner's slots,
+re-positioned, plus their deviation, in extend and in decode. A row or layer without deviations
+(none, or all zero) takes the paths above unchanged, bit for bit.
 
 RoPE: the shift rotates with the model's rotary embedding as SGLang built it
-(``integration/rope_shift.py``: scaled RoPE, partial rotary, GPT-J style); a model the shift
-cannot serve exactly (multimodal rotary, sliding-window layers, other rope types) is refused
-when this backend starts, that is whenever ``--kvcmas-share-context`` is on.
-
-Factored leaves (leaf mode ``factored``, ``attention.deviation_factors.RowLeaves``): a row's extend
-factors, at each layer, the deviation of the recomputed tokens it keeps from the pairs they give
-(their exact K/V just written, the owner's K/V re-positioned: ``span_reads.gather_pairs``; it
-reads nothing differently: this request reads them exact); a later row reads those tokens as the
-owner's slots, re-positioned, plus their deviation, in extend and in decode (keys gathered,
-re-positioned and corrected, then SDPA; on GPU the delta kernels add the deviations in
-registers, as they rotate: ``kernel_reads.place_leaves``). A row or layer without deviations
-(none, or all zero) takes the path above unchanged, bit for bit.
-
-GPU: SGLang's ``triton`` and ``flashinfer`` backends serve sharing as dispatchers that send the
-batches reading borrowed KV through this class's read path (``integration/shared_backends.py``);
-there the delta kernels read them (above).
+(``rope_shift.py``); a model it cannot serve exactly is refused when this backend starts.
+Over SGLang's ``triton`` and ``flashinfer`` backends, the batches that read borrowed KV are sent
+here (``shared_backends.py``).
 """
 
 from __future__ import annotations
@@ -147,6 +133,10 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         rows = self._batch_rows
         return rows[i] if rows is not None and i < len(rows) else None
 
+    def _spans(self, i: int) -> RowSpans | None:
+        entry = self._entry(i)
+        return entry.spans if entry is not None else None
+
     def _place_recomputed(self, forward_batch) -> None:
         """Write recomputed tokens' ids and true positions into their rows' first extend slots."""
         prefix_lens = forward_batch.extend_prefix_lens_cpu
@@ -155,8 +145,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             return
         start = 0
         for i in range(len(seq_lens)):
-            entry = self._entry(i)
-            row = entry.spans if entry is not None else None
+            row = self._spans(i)
             moved = row.recomputed if row is not None else None
             if moved is not None:
                 n = len(moved.token_ids)
@@ -176,16 +165,17 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             start += int(seq_lens[i])
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        self._layer_id = layer.layer_id
-        self._batch_rows = rows_of_forward(forward_batch)
-        self._groups = cache_of_forward(forward_batch)
+        self._at_layer(layer, forward_batch)
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self._at_layer(layer, forward_batch)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _at_layer(self, layer, forward_batch) -> None:
         self._layer_id = layer.layer_id
         self._batch_rows = rows_of_forward(forward_batch)
         self._groups = cache_of_forward(forward_batch)
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _probes(self, req_pool_indices: torch.Tensor) -> list[HeadMassProbe | None]:
         n = req_pool_indices.shape[0]
@@ -197,8 +187,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
               ) -> list[RowSpans | None]:
         """Rows that differ from plain attention at this layer (decode: only a shift or
         factored tokens; extend: also a position mask)."""
-        rows = [e.spans if (e := self._entry(i)) is not None else None
-                for i in range(req_pool_indices.shape[0])]
+        rows = [self._spans(i) for i in range(req_pool_indices.shape[0])]
         return [r if r is not None and ((r.reads_transformed if decode else r.needs_transform)
                                         or self._leaf_deltas(r) is not None) else None
                 for r in rows]
@@ -214,8 +203,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         """Factor this layer's deviations for every row whose extend keeps recomputed tokens as
         factored leaves."""
         for i in range(req_pool_indices.shape[0]):
-            entry = self._entry(i)
-            row = entry.spans if entry is not None else None
+            row = self._spans(i)
             fit = row.leaves.factor if row is not None and row.leaves is not None else None
             if fit is None or not fit.fits or self._layer_id in fit.layers:
                 continue
@@ -251,7 +239,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                     query, probes, extend_prefix_lens.tolist(), extend_seq_lens.tolist(),
                     lambda i, n: self._probe_keys(k_cache, v_cache, req_to_token,
                                                   req_pool_indices[i], n, rows[i]),
-                    scaling if scaling is not None else query.shape[-1] ** -0.5)
+                    _scale(scaling, query))
             return output
         q_all = query.movedim(0, query.dim() - 2)  # [H, tokens, d]
         start_q = 0
@@ -261,32 +249,28 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             )
             q = q_all[:, start_q : start_q + n_q, :]
             k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, rows[i])
-            if probes[i] is not None and rows[i] is None and fused_mass_serves(q, causal):
+            fused = probes[i] is not None and rows[i] is None and fused_mass_serves(q, causal)
+            if probes[i] is not None and not fused:
+                pos = rows[i].positions_upto(n_kv) if rows[i] is not None else torch.arange(n_kv)
+                add_row_mass(probes[i], q, k, pos.to(q.device), n_prefix, _scale(scaling, q))
+            if fused:
                 # A plain probed row on CPU: the mass from the attention's own normalizer.
                 out, mass = tail_attention_and_mass(q, k, v, n_prefix, scaling,
                                                     probes[i].head_from, probes[i].head_to)
                 probes[i].add(n_prefix, mass)
-                output[start_q : start_q + n_q] = out.movedim(query.dim() - 2, 0)
-                start_q += n_q
-                continue
-            if probes[i] is not None:
-                pos = rows[i].positions_upto(n_kv) if rows[i] is not None else torch.arange(n_kv)
-                add_row_mass(probes[i], q, k, pos.to(q.device), n_prefix,
-                             scaling if scaling is not None else q.shape[-1] ** -0.5)
-            if rows[i] is not None and rows[i].positions is not None and causal:
+            elif rows[i] is not None and rows[i].positions is not None and causal:
                 pos = rows[i].positions_upto(n_kv).to(q.device)
                 mask = pos[None, :] <= pos[n_prefix:, None]  # [n_q, n_kv] by true position
                 out = scaled_dot_product_attention(
                     q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                     enable_gqa=enable_gqa, scale=scaling,
-                ).squeeze(0).movedim(query.dim() - 2, 0)
-                output[start_q : start_q + n_q] = out
+                ).squeeze(0)
             else:
                 # No position mask (a plain row, or keys only re-positioned): the row's new
                 # queries alone, each over its causal prefix (SGLang's torch backend pads the
                 # query to the whole sequence: n_kv² work for n_q new tokens).
                 out = tail_attention(q, k, v, n_prefix, causal, scaling, enable_gqa)
-                output[start_q : start_q + n_q] = out.movedim(query.dim() - 2, 0)
+            output[start_q : start_q + n_q] = out.movedim(query.dim() - 2, 0)
             start_q += n_q
         return output
 
@@ -310,15 +294,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
                                            k_cache.shape[1])
             output[:] = shifted_attention(query, k_cache, v_cache, planned,
-                                          scaling if scaling is not None else
-                                          query.shape[-1] ** -0.5, self._layer_id)
+                                          _scale(scaling, query), self._layer_id)
             return output
         # Re-positioned rows (factored tokens' deviations added to their gathered keys and
         # values): a few batched ops per layer for all of them.
         plan = self._decode_plan(req_to_token, req_pool_indices, seq_lens, rows)
         batched_shift_decode(query, k_cache, v_cache, plan, self.shift_rope,
-                             scaling if scaling is not None else query.shape[-1] ** -0.5, output,
-                             self._layer_id)
+                             _scale(scaling, query), output, self._layer_id)
         q_all = query.movedim(0, query.dim() - 2)
         for i in plan.rest:
             n_kv = int(seq_lens[i])
@@ -336,10 +318,8 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                 tokens, groups = self._grouped_tokens(i, n_kv, row, req_to_token,
                                                       req_pool_indices[i])
                 k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
-                out = grouped_shift_decode(
-                    q, k, v, row.key_shifts.shifts, groups, self.shift_rope,
-                    scaling if scaling is not None else q.shape[-1] ** -0.5,
-                )
+                out = grouped_shift_decode(q, k, v, row.key_shifts.shifts, groups, self.shift_rope,
+                                           _scale(scaling, q))
             else:
                 k, v = self._gather(k_cache, v_cache, req_to_token, req_pool_indices[i], n_kv, None)
                 out = scaled_dot_product_attention(
@@ -397,7 +377,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         one launch (row-causal: every borrowed and recomputed token precedes them); a row's
         recomputed tokens (before some of its borrowed keys in position, after them in row
         order) in PyTorch, masked by true position."""
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scale = _scale(scaling, query)
         planned, q_rows = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
                                             k_cache.shape[1], extend_seq_lens)
         output[q_rows] = shifted_attention(query[q_rows], k_cache, v_cache, planned, scale,
@@ -447,6 +427,11 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             if deltas is not None:
                 k, v = deltas.apply(k, v, self.shift_rope)
         return k.movedim(0, 1), v.movedim(0, 1)
+
+
+def _scale(scaling: float | None, q: torch.Tensor) -> float:
+    """The layer's attention scale, else SDPA's default (``1/sqrt(head_dim)``)."""
+    return scaling if scaling is not None else q.shape[-1] ** -0.5
 
 
 def _factored(row: RowSpans) -> bool:

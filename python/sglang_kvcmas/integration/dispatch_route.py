@@ -7,13 +7,10 @@ A batch runs on one of three paths:
 - ``kernel``: our Triton delta kernels (``DeltaAttnBackend``'s kernel path, GPU).
 - ``torch``: our torch read path (``DeltaAttnBackend``'s PyTorch loops and SDPA).
 
-and for one of a closed set of reasons (:data:`REASONS`): ``plain`` and ``probe`` on the stock
-path, ``reader`` on the kernel path, and on the torch path why the kernels do not read it.
-
-:func:`decide` is the rule; :func:`route_of` caches its answer in the batch's per-forward cache
-(``batch_rows.TaggedRids.cache``), so every layer pays one dict lookup. A batch without rows
-(every batch with sharing off, every batch of exact requests) is ``stock``/``plain`` with no
-lookup at all. ``dispatch_counts`` counts each forward's route once.
+and for one of a closed set of reasons (:data:`REASONS`). :func:`decide` is the rule;
+:func:`route_of` caches its answer in the batch's per-forward cache (``batch_rows.TaggedRids``),
+so every layer pays one dict lookup; a batch without rows (sharing off, exact requests) is
+``stock``/``plain`` with no lookup at all. ``dispatch_counts`` counts each forward's route once.
 
 What the route does not name: on the kernel path a reader's few recomputed tokens (masked by
 true position) are read in PyTorch beside the kernel, and owners' head mass at the probe layers

@@ -11,19 +11,17 @@ In the HTTP process, around ``TokenizerManager.generate_request`` (``request_hoo
    served exactly, which stand for the readers they would have been). While it is behind,
    every request that could borrow (sharing on, not exact, token ids known, no logprobs asked
    by the client, one choice) is marked: it runs with SGLang's output log-probabilities on
-   (top ``TOP_LOGPROBS`` per token), which are taken out of every output before anyone else
-   sees them, so the response is the one the client would get. A burst's first request is
-   usually its leader, which borrows nothing: so every request of the burst is marked, and a
-   marked turn becomes a sample when it finishes as a reader while the monitor is still behind.
-   Marking costs every decode step its log-probabilities, so none of the last
-   ``READER_WINDOW`` finished candidates having read (an idle server, whose spare passes serve
-   every request exactly) stops it until a reader turn finishes.
+   (top ``TOP_LOGPROBS`` per token), taken out of every output before anyone else sees them.
+   Every request of a burst is marked, as its first is usually the leader, which borrows
+   nothing; a marked turn becomes a sample when it finishes as a reader while the monitor is
+   still behind. Marking costs every decode step its log-probabilities, so nothing is marked
+   while none of the last ``READER_WINDOW`` finished candidates read (an idle server, whose
+   spare passes serve every request exactly).
 3. **The exact side.** After the sampled turn has finished, its prompt and its first
-   ``FORCED_TOKENS`` generated tokens are prefilled exactly in a namespace of their own (a
-   fresh ``cache_salt``: nothing is shared, and no other request can ever read that KV), with
-   the exact log-probabilities of those positions (top 1, and the reader's top tokens). One
-   exact prefill runs at a time; at most ``MAX_QUEUED`` wait, and a turn past that is dropped
-   (counted): a busy server samples less rather than queueing work.
+   ``FORCED_TOKENS`` generated tokens are prefilled exactly in a namespace of its own (a fresh
+   ``cache_salt``: nothing is shared), with the exact log-probabilities of those positions (top
+   1, and the reader's top tokens). One exact prefill runs at a time; past ``MAX_QUEUED``
+   waiting, a turn is dropped (counted): a busy server samples less rather than queue work.
 4. **Scores** (:func:`policy.fidelity.score_turn`) go to the loop, which may step a level, to
    the workflow's totals (``GET /kvcmas/workflows``, and responses' usage as
    ``kvcmas_fidelity_*``), to ``/server_info`` (``kvcmas.fidelity``) and to Prometheus:
@@ -304,13 +302,14 @@ async def exact_check(original: Any, manager: Any, ticket: Ticket, forced: list[
     async for out in original(manager, exact_request(ticket, forced, reader_top), None):
         meta = out.get("meta_info", meta) if isinstance(out, dict) else meta
     prompt = int(meta.get("prompt_tokens", 0))
+    prefilled = prompt - int(meta.get("cached_tokens", 0))
     TOTALS.prompt_tokens += prompt
-    TOTALS.prefilled_tokens += prompt - int(meta.get("cached_tokens", 0))
+    TOTALS.prefilled_tokens += prefilled
     cost = metrics.counter("kvcmas:fidelity_tokens", "Tokens of the fidelity monitor's exact "
                            "prefills (prompt, prefilled).", ["kind"])
     if cost is not None:
         cost.labels(kind="prompt").inc(prompt)
-        cost.labels(kind="prefilled").inc(prompt - int(meta.get("cached_tokens", 0)))
+        cost.labels(kind="prefilled").inc(prefilled)
     k = len(forced)
     top1 = [max(pos, key=lambda e: e[0])[1] for pos in meta["input_top_logprobs"][1:k + 1]]
     on_reader = [{int(e[1]): float(e[0]) for e in pos}

@@ -1,8 +1,7 @@
-"""Our Prometheus counters and gauges, each created once per process and only when it is first
-used.
+"""Our Prometheus metrics, each created once per process, when it is first used.
 
 Metrics are optional, like SGLang's ``--enable-metrics``: without ``prometheus_client`` every
-counter is None and callers skip counting.
+metric below is None and callers skip counting.
 """
 
 from __future__ import annotations
@@ -14,22 +13,19 @@ _COUNTERS: dict[str, Any] = {}
 
 
 def counter(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
-    """The process's ``prometheus_client.Counter`` called ``name`` (created on first call), or
-    None when prometheus_client is not installed."""
+    """The process's ``prometheus_client.Counter`` called ``name``."""
     return _metric(name, lambda p: p.Counter(name, documentation, list(labels)))
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str]) -> Any | None:
-    """The process's ``prometheus_client.Gauge`` called ``name`` (created on first call; under
-    SGLang's multiprocess collection the most recent value of any process), or None when
-    prometheus_client is not installed."""
+    """The process's ``prometheus_client.Gauge`` called ``name`` (under SGLang's multiprocess
+    collection, the most recent value of any process)."""
     return _metric(name, lambda p: p.Gauge(name, documentation, list(labels),
                                            multiprocess_mode="mostrecent"))
 
 
 def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Any | None:
-    """The process's ``prometheus_client.Histogram`` called ``name`` (created on first call),
-    or None when prometheus_client is not installed."""
+    """The process's ``prometheus_client.Histogram`` called ``name``."""
     return _metric(name, lambda p: p.Histogram(name, documentation, buckets=list(buckets)))
 
 

@@ -28,20 +28,9 @@ class KvcmasRadixCache(RadixCache):
 
     @classmethod
     def create_simulated(
-        cls,
-        disable: bool = False,
-        mock_allocator: Any | None = None,
-        page_size: int = 1,
+        cls, disable: bool = False, mock_allocator: Any | None = None, page_size: int = 1
     ) -> KvcmasRadixCache:
-        """Build one without memory pools (unit tests), like ``RadixCache.create_simulated``.
-
-        SGLang's classmethod hard-codes ``RadixCache(...)``, so it cannot build a subclass.
-        """
-        return cls(
-            CacheInitParams(
-                disable=disable,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=mock_allocator,
-                page_size=page_size,
-            )
-        )
+        """Build one without memory pools (unit tests), like ``RadixCache.create_simulated``
+        (which hard-codes ``RadixCache(...)``, so it cannot build a subclass)."""
+        return cls(CacheInitParams(disable=disable, req_to_token_pool=None,
+                                   token_to_kv_pool_allocator=mock_allocator, page_size=page_size))

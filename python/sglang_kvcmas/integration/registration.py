@@ -4,26 +4,14 @@ Called by ``sglang_kvcmas.plugin:register`` in every SGLang process that loads p
 launcher, the tokenizer manager and every scheduler), before SGLang applies plugin hooks. It only
 registers — no model load, no device initialisation, no environment changes:
 
-- radix cache backend ``kvcmas`` -> :class:`KvcmasSharedTreeCache` (with cross-agent sharing off,
-  the default, it behaves exactly like SGLang's ``RadixCache``);
-- attention backend ``kvcmas_delta`` (torch_native + shared-span re-positioning and recomputed
-  tokens), also added to ``--attention-backend``'s choices; SGLang's ``triton``, ``flashinfer``
-  and ``torch_native`` factories wrapped so that, with sharing on, batches that read borrowed KV
-  take the delta read path (``shared_backends``), and the graph runners run such batches eagerly;
-  each forward counted by its attention path (AFTER ``ModelRunner.forward``, ``dispatch_counts``);
-- scheduler hooks: agent-turn ordering (AROUND ``Scheduler._get_new_batch_prefill_raw``), whole
-  reader extends under chunked prefill (AROUND ``PrefillAdder._select_prefill_admission``), each
-  row's span metadata carried with its forward batch (AFTER ``ForwardBatch.init_new``) and the
-  ``/server_info`` readback of the tree cache actually built;
-- request hooks in the HTTP process: ``kvcmas_*`` fields checked (400 before the scheduler) and
-  the ``X-KVCMAS-Workflow`` header applied (``request_hooks``); on the OpenAI chat route, each
-  request's agent head named from its system messages (AROUND
-  ``OpenAIServingChat._convert_to_internal_request``, ``chat_split_hook``);
-- the fidelity monitor's state in ``/server_info`` (AROUND the HTTP process's
-  ``get_internal_state``, ``fidelity_monitor``);
-- ``/load_lora_adapter``: the adapter checked against the served model first (``lora_hooks``);
-- OpenAI usage hooks: reuse accounting in ``usage.prompt_tokens_details``, streamed or not, and
-  its JSON.
+- radix cache backend ``kvcmas`` (``tree_cache_factory``);
+- attention backend ``kvcmas_delta``, also added to ``--attention-backend``'s choices, and
+  SGLang's ``triton``, ``flashinfer`` and ``torch_native`` factories wrapped for sharing
+  (``shared_backends``); the LoRA ``torch_native`` backend made CPU-safe (``cpu_lora``);
+- scheduler hooks (``turn_order_hook``, ``admission_hook``, ``batch_rows``, ``dispatch_counts``,
+  ``server_state``) and HTTP-process hooks (``request_hooks``, ``chat_split_hook``,
+  ``fidelity_monitor``, ``lora_hooks``, ``usage_stream``, ``reuse_accounting``); each module's
+  docstring says what its hook does.
 
 Every hook is inert unless the tree cache in use is ours with sharing on (or, for usage, a
 response carries our reuse record), so stock-cache servers are unchanged.

@@ -3,21 +3,15 @@
 Two hooks on SGLang's tokenizer manager (the HTTP process), so a bad ``kvcmas_*`` field is
 answered with a 400 that names it and never reaches the scheduler, whose loop must not raise:
 
-- AROUND ``TokenizerManager.generate_request``: a request with a credential has its
-  ``cache_salt`` and workflow scoped to its tenant (``policy/tenancy.py``); the
-  ``X-KVCMAS-Workflow`` header becomes
-  ``custom_params.kvcmas_workflow`` of every prompt of the request (a body that names another
-  workflow is an error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of
-  prompts whose body names none (the router forwards that header and drops ours and the body's
-  ``custom_params``); every finished request of a workflow is added to the per-workflow ledger
-  (``workflow_accounting.py``), which also refuses a turn of a workflow past an enforced budget;
-  every prompt's ``custom_params`` is parsed strictly
-  (``policy.request_options.RequestOptions.parse``). SGLang turns the ``ValueError`` into a 400
-  (an error event on a stream that has not started). While an OpenAI stream is being served it
-  also collects the reuse records for the stream's usage chunk (``usage_stream.py``). An
-  agent's first request over a long transcript has its head prefilled on its own, so it can
-  borrow (``head_first.py``). Sampled reader turns are checked against exact serving, and
-  every request is served at the fidelity loop's level (``fidelity_monitor.py``).
+- AROUND ``TokenizerManager.generate_request``: the request is scoped to its credential's tenant
+  (``policy/tenancy.py``); the ``X-KVCMAS-Workflow`` header becomes
+  ``custom_params.kvcmas_workflow`` of every prompt (a body that names another workflow is an
+  error); without it, the router's ``X-SMG-Routing-Key`` names the workflow of prompts whose
+  body names none (the router forwards that header and drops ours); every prompt's
+  ``custom_params`` is parsed strictly (``RequestOptions.parse``), and SGLang turns the
+  ``ValueError`` into a 400. The request then passes through the per-workflow ledger
+  (``workflow_accounting.py``), the fidelity monitor (``fidelity_monitor.py``), the head
+  prefill (``head_first.py``) and the stream's reuse collection (``usage_stream.py``).
 - AROUND ``TokenizerManager._validate_one_request``: with the prompt's token ids known, an
   explicit head or shared end past the prompt is refused the same way.
 

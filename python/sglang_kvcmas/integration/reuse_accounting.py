@@ -167,25 +167,20 @@ def add_reuse_to_usage(usage: Any, responses: list[dict], n_choices: int = 1) ->
     records = records_of([responses[i] for i in range(0, len(responses), n_choices)])
     if usage is None or records is None:
         return usage
-    return with_records(usage, records)
-
-
-def with_records(usage: Any, records: list[dict]) -> Any:
-    """``usage`` with ``prompt_tokens_details`` carrying :func:`usage_fields` of ``records``."""
     from sglang.srt.entrypoints.openai.protocol import PromptTokensDetails
 
     details = usage.prompt_tokens_details
     if details is None:
         details = PromptTokensDetails(cached_tokens=cached_tokens(records))
-    usage.prompt_tokens_details = _details_with(details, usage_fields(records))
+    usage.prompt_tokens_details = _details_cls()(**details.model_dump(), **usage_fields(records))
     return usage
 
 
 _DETAILS_CLS = None
 
 
-def _details_with(details: Any, extra: dict[str, Any]) -> Any:
-    """A ``PromptTokensDetails`` that also serializes ``extra`` (a subclass allowing extras)."""
+def _details_cls() -> type:
+    """``PromptTokensDetails`` that also serializes extra fields (ours), made once."""
     global _DETAILS_CLS
     if _DETAILS_CLS is None:
         from sglang.srt.entrypoints.openai.protocol import PromptTokensDetails
@@ -194,7 +189,7 @@ def _details_with(details: Any, extra: dict[str, Any]) -> Any:
             model_config = {"extra": "allow"}
 
         _DETAILS_CLS = KvcmasPromptTokensDetails
-    return _DETAILS_CLS(**details.model_dump(), **extra)
+    return _DETAILS_CLS
 
 
 def usage_hook(result: Any, *args: Any, **kwargs: Any) -> Any:

@@ -7,16 +7,10 @@ layout (``attention/rope.py``). This module turns one of SGLang's rotary modules
 ``_compute_inv_freq`` the way its ``_compute_cos_sin_cache`` does, checks the result against the
 module's ``cos_sin_cache``, and refuses whatever the shift cannot represent.
 
-Supported (each neox or GPT-J style, full or partial rotary):
-
-- ``default``: ``RotaryEmbedding``, ``_compute_inv_freq(base)``;
-- ``linear``: ``LinearScalingRotaryEmbedding`` with one factor, those frequencies / factor;
-- ``dynamic``: ``DynamicNTKScalingRotaryEmbedding`` (or ``...AlphaRotaryEmbedding``), at the
-  base its cache was built with once at init (SGLang's fixed cache, not HF's per-length base);
-- ``llama3``: ``Llama3RotaryEmbedding``, ``_compute_inv_freq(base)``;
-- ``yarn``: ``YaRNScalingRotaryEmbedding``, ``_compute_inv_freq(factor)``; its ``mscale``
-  scales cos and sin, so every stored key carries it once already and the shift rotates by the
-  unscaled angle.
+Supported (each neox or GPT-J style, full or partial rotary): ``default``, ``linear`` (one
+factor), ``dynamic`` (NTK scaling or alpha, at the base SGLang's cache was built with once at
+init, not HF's per-length base), ``llama3`` and ``yarn`` (its ``mscale`` scales cos and sin, so
+every stored key carries it once already and the shift rotates by the unscaled angle).
 
 Refused (:class:`UnsupportedRope`, at the attention backend's start, naming the model and the
 variant): multimodal rotary (``mrope_section``, a ``vision_config``), dual-chunk attention,

@@ -2,15 +2,9 @@
 
 ``/server_info`` shows the ``--radix-cache-backend`` the server was *asked* for; this adds what
 each scheduler *instantiated*. An AFTER hook on the scheduler's internal-state readback adds a
-``kvcmas`` entry to every element of ``/server_info``'s ``internal_states``::
-
-    "kvcmas": {"tree_cache_class": "sglang_kvcmas.integration.radix_cache_backend.KvcmasRadixCache",
-               "radix_cache_backend": "kvcmas", "plugin_version": "0.1.0",
-               "dispatch": {"forward_batches": {"stock": {"plain": 812, "probe": 6}},
-                            "forward_tokens": {"stock": {"plain": 9310, "probe": 4120}}}}
-
-``dispatch``: the scheduler process's forward batches and tokens by attention path and reason
-(``dispatch_counts``; empty with sharing off).
+``kvcmas`` entry to every element of ``/server_info``'s ``internal_states``: the tree cache's
+class and state (:func:`describe_tree_cache`) and ``dispatch``, the scheduler process's forward
+batches and tokens by attention path and reason (``dispatch_counts``; empty with sharing off).
 """
 
 from __future__ import annotations
@@ -61,13 +55,8 @@ def describe_tree_cache(tree_cache: object) -> dict[str, Any]:
 
 
 def add_tree_cache_to_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any):
-    """AFTER hook for ``SchedulerInternalStateController.get_internal_state``.
-
-    Args:
-        result: the ``GetInternalStateReqOutput`` SGLang built; its ``internal_state`` dict is
-            extended in place.
-        controller: the ``SchedulerInternalStateController`` (``self`` of the hooked method).
-    """
+    """AFTER hook for ``SchedulerInternalStateController.get_internal_state``: extends the
+    ``internal_state`` dict of SGLang's ``GetInternalStateReqOutput`` in place."""
     scheduler = getattr(controller, "scheduler", None)
     tree_cache = getattr(scheduler, "tree_cache", None)
     if tree_cache is not None and isinstance(getattr(result, "internal_state", None), dict):

@@ -12,12 +12,8 @@ batch's route (``dispatch_route``, decided once per batch, counted by ``dispatch
   beside it at the probe layers (``stock_probes``). Over ``torch_native`` such a batch takes our
   torch path instead (:attr:`SharedDispatch.KEEP_PROBES_ON_DELTA`);
 - a row reads borrowed spans (re-positioned keys, recomputed tokens, factored leaves):
-  :class:`~sglang_kvcmas.integration.delta_attention_backend.DeltaAttnBackend`, the read path that
-  re-positions borrowed keys, places recomputed tokens at their true positions and adds the
-  deviations of tokens read through factored leaves. On GPU our Triton delta kernels read such a
-  batch in one launch per layer (each KV tile rotated by its run's shift in registers: every
-  decode, every extend's new tokens after a reader's recomputed ones), the rest in
-  device-agnostic PyTorch (gathers, SDPA).
+  :class:`~sglang_kvcmas.integration.delta_attention_backend.DeltaAttnBackend`'s read path (on
+  GPU our Triton delta kernels, the rest in PyTorch).
 
 With sharing off the factories return SGLang's backends untouched.
 
@@ -41,8 +37,6 @@ Refused at start (``ValueError`` naming the model and the backend): MLA attentio
 path reads per-KV-head keys), and every model the shift cannot serve exactly
 (``rope_shift.shift_rope_for_runner``, as for ``kvcmas_delta``). Page sizes above 1 are refused by
 the tree cache (``tree_cache_factory``).
-
-Measured on a GPU by ``scripts/gpu_check.sh`` (kernels), not yet end to end.
 """
 
 from __future__ import annotations

@@ -13,24 +13,19 @@ continued by the shared tree's match of the rest of the shared context by tokens
     prefix_len = h + L - r                 (SGLang extends from here)
     cache_protected_len = h + L - r        (release never frees borrowed slots)
 
-The ``r`` recomputed tokens are borrowed shared tokens the reader computes in its own context
-(``policy/recompute.py``: span boundaries and the owner's largest head-mass tokens); they sit
-after the borrowed slots in the row and the attention backend gives them their true positions
-(``attention.spans.RecomputedTokens``). After the prefill they become the reader's exact leaves
-on the shared nodes (exact overrides in the pool) and the protected length moves to ``h + L``.
-Under leaf mode ``factored`` they become factored leaves instead: the row's ``r`` slots are then
-pointed at the owners' slots (read through those leaves) and freed right after the prefill.
-Tokens a leaf already holds are read from it (exact, no shift) and not recomputed.
+The ``r`` recomputed tokens are borrowed tokens the reader computes in its own context (which
+ones: ``policy/recompute.py``); they sit after the borrowed slots in the row and the attention
+backend gives them their true positions (``attention.spans.RecomputedTokens``). After the prefill
+they become the reader's exact leaves on the shared nodes and the protected length moves to
+``h + L``; under leaf mode ``factored`` they become factored leaves instead, and the row's ``r``
+slots are pointed at the owners' slots and freed right after the prefill. Tokens a leaf already
+holds are read from it (exact, no shift) and not recomputed.
 
-``req.last_node`` is then a :class:`~sglang_kvcmas.tree.borrowed.SharedPrefixHandle` (radix node
-+ deepest shared node); ``lock``/``unlock``/``prefix_device_indices``/``resolve_node_handle``
-understand it. When the row is allocated (``maybe_hand_to_session``) the row's borrowed spans and
-head-mass probe are kept on the request (``req.kvcmas_row``, an ``attention.spans.BatchRow``);
-every forward batch carries its rows' entries to the attention backend (``batch_rows.py``).
-SGLang gives the reader's tokens their own positions, and the backend rotates the owner's keys by
-each span's shift. The walks over the borrowed path live beside the tree (``tree/borrowed.py``),
-what to recompute in ``policy/recompute.py``, what a request asks in
-``policy/request_options.py``; this class is SGLang's ``RadixCache`` plus their wiring.
+``req.last_node`` is then a :class:`~sglang_kvcmas.tree.borrowed.SharedPrefixHandle` (it and the
+walks over its path: ``tree/borrowed.py``), which ``lock``/``unlock``/``prefix_device_indices``/
+``resolve_node_handle`` understand. When the row is allocated (``maybe_hand_to_session``) its
+borrowed spans and head-mass probe go on the request (``req.kvcmas_row``), which every forward
+batch carries to the attention backend (``batch_rows.py``).
 
 Writing (``checkpoint``): an exact request (no borrowed span) is inserted into the radix tree as
 SGLang does, and its not-yet-shared transcript tokens are registered in the shared tree *anchored*
@@ -39,20 +34,19 @@ transcript tokens it computed after its borrowed span as an *owned* shared node 
 ``cache_protected_len`` past them, so release frees only its suffix and output.
 
 Locks and eviction: a reader locks its radix head path, its shared path (``lock_ref``) and every
-radix anchor on that path, so nothing it reads can be evicted or dropped. Eviction frees the
-cheapest to lose first: unlocked exact leaves and owned (approximate) shared nodes, then the
-radix tree's LRU (exact); evicting a radix node drops the shared nodes anchored on it.
+radix anchor on that path, so nothing it reads can be evicted or dropped. Eviction (:meth:`evict`)
+takes the shared tree's leaves and owned nodes before the radix LRU; evicting a radix node drops
+the shared nodes anchored on it.
 ``evictable_size``/``protected_size`` include owned shared slots, so SGLang's pool invariant
 (available + evictable + protected + uncached == total) holds.
 
 With sharing off (``--kvcmas-share-context`` not given) every method is the parent's: identical to
 ``RadixCache``.
 
-NOTE: about 720 lines because SGLang's tree-cache interface is one class: each override (match,
+NOTE: over 500 lines because SGLang's tree-cache interface is one class: each override (match,
 locks, hand-off, checkpoint, release, eviction, sizes) must live on this subclass. The logic they
-call lives beside the tree (``tree/``), in ``policy/`` and, for what a request asks and where it
-may share, in ``agent_requests.py`` (``self.requests``); what stays here is the wiring to SGLang's
-rows, locks and pool.
+call lives in ``tree/``, ``policy/`` and ``agent_requests.py`` (``self.requests``); what stays
+here is the wiring to SGLang's rows, locks and pool.
 """
 
 from __future__ import annotations
@@ -201,8 +195,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def _fault(self, req: Req, where: str) -> None:
         """Log an internal error of ours for one request and stop sharing in its namespace
         (every later request there is served as by the radix cache); the scheduler goes on."""
-        ns = self.requests.namespace(req)
-        self.broken_namespaces.add(ns)
+        self.broken_namespaces.add(self.requests.namespace(req))
         self.faults += 1
         self.pending_owners.pop(req.rid, None)
         logger.exception("sglang-kvcmas: internal error in %s for request %s; sharing is off "
@@ -250,9 +243,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         base = super().match_prefix(params)
         req = params.req
-        if not self.share_context or self.disable or req is None or self.page_size != 1:
-            return base
-        if self.requests.namespace(req) in self.broken_namespaces:
+        if (not self.share_context or self.disable or req is None or self.page_size != 1
+                or self.requests.namespace(req) in self.broken_namespaces):
             return base
         try:
             return self._match_shared(params, base, req)
@@ -267,8 +259,7 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
                 or self.requests.wants_exact(req):
             return base  # unknown agent head, or asked to: compute it (and be an exact owner)
         key = params.key
-        limit = min(len(key), split.shared_end)
-        shared_tokens = key.token_ids[split.head_len : limit]
+        shared_tokens = key.token_ids[split.head_len : min(len(key), split.shared_end)]
         ns = self.requests.namespace(req)
         matched, node = self.shared.match(ns, shared_tokens, split=True)
         begin = base.device_prefix_len - split.head_len
@@ -315,10 +306,9 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         return replace(config, **changes)
 
     def _at_messages(self, spans: list[BorrowedSpan], shared_tokens: Any) -> list[BorrowedSpan]:
-        """A reader with an adapter's ``spans`` cut at every message start of the chat template,
-        so its boundary picks open every message it borrows; unchanged without a detected
-        template. ``shared_tokens``: the request's ids from the shared transcript's start
-        (offset 0)."""
+        """A reader with an adapter's ``spans`` cut at every message start of the chat template
+        in ``shared_tokens`` (from the shared transcript's start), so its boundary picks open
+        every message it borrows; unchanged without a detected template."""
         if self.markers is None:
             return spans
         return split_spans(spans, message_starts(shared_tokens, self.markers.head_close))
@@ -451,17 +441,16 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         if split is not None and covered < split.shared_end:
             probe = HeadMassProbe.for_row(min(self.head_preamble, split.head_len),
                                           split.head_len, split.shared_end)
-            ns = self.requests.namespace(req)
             self.pending_owners[req.rid] = PendingOwner(
-                req.rid, ns, self.requests.shared_tokens(req), time.monotonic())
+                req.rid, self.requests.namespace(req), self.requests.shared_tokens(req),
+                time.monotonic())
         req.kvcmas_row = BatchRow(spans, probe) if spans is not None or probe is not None \
             else None
 
     def _note_held(self) -> None:
-        """Raise the high-water mark of pool slots held (by requests or cached), taken after
-        each row of a prefill batch is allocated: the batch's transient peak. SGLang's gauges
-        are read after the batch's results are processed, when a factored reader's recomputed
-        slots are already freed (``_adopt_recomputed``)."""
+        """Raise the high-water mark of pool slots held (by requests or cached) after a row is
+        allocated: the batch's transient peak, which SGLang's gauges miss (they are read once a
+        factored reader's recomputed slots are freed again)."""
         allocator = self.token_to_kv_pool_allocator
         try:
             held = int(allocator.size) - int(allocator.available_size())
@@ -529,13 +518,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
 
     def _adopt_recomputed(self, req: Req, handle: SharedPrefixHandle, up_to: int) -> None:
         """Keep the tokens a reader recomputed as its exact leaves on the shared nodes (its later
-        turns read them exactly, without recomputing); the row's protected prefix then covers
-        them, and the slots of those a leaf already held are freed at release. Under leaf mode
-        ``factored`` the leaves are the factors its extend made of them, and every recomputed
-        slot is freed: now, with the row re-pointed at the owners' slots read through those leaves
-        (:func:`~sglang_kvcmas.tree.borrowed.factored_reread`; behind a fence while a launched
-        batch may still read the row), unless :meth:`_rereads` keeps them or some recomputed
-        token has no leaf; else at release."""
+        turns read them without recomputing); the row's protected prefix then covers them, and
+        the slots of those a leaf already held are freed at release. Under leaf mode ``factored``
+        the leaves are the factors its extend made of them, and every recomputed slot is freed:
+        now, the row re-pointed at the owners' slots (``factored_reread``) when :meth:`_rereads`
+        allows and every such token has a leaf; else at release."""
         head = handle.split.head_len
         start = head + handle.shared_end
         if not handle.recompute or up_to < start or req.kv.cache_protected_len != handle.prefix_len:
@@ -563,12 +550,11 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
         self._trim_leaves()
 
     def _rereads(self, req: Req, handle: SharedPrefixHandle) -> bool:
-        """Whether a factored reader's row is re-pointed right after its prefill: always but for
-        a reader with an adapter (``lora_share=borrow``) that reads every borrowed token at its
-        own position, whose decode stays on the plain path with its recomputed slots
-        (re-reading would leave it for the deviations alone). While a launched batch may still
-        read the row, only behind a fence on the forward stream (``inflight_fence``): where
-        none can be set, the slots stay until release."""
+        """Whether a factored reader's row is re-pointed right after its prefill: not for a
+        reader with an adapter (``lora_share=borrow``) that reads every borrowed token at its own
+        position (its decode stays on the plain path; re-reading would put it on the deviations
+        path alone), and while a launched batch may still read the row only behind a fence on
+        the forward stream (``inflight_fence``); without one the slots stay until release."""
         if self.requests.reads_across_adapters(req) and not handle.borrowed().shift.any():
             return False
         return not self.rows_in_flight or inflight_fence.fence(self.device)
@@ -588,9 +574,8 @@ class KvcmasSharedTreeCache(KvcmasRadixCache):
     def rows_in_flight(self) -> bool:
         """Whether a launched batch may still be reading rows while the previous batch's
         results are processed (then a row changes only behind ``inflight_fence``): SGLang's
-        overlap scheduler on an accelerator, whose forward runs on its own stream and whose
-        write-after-read fence covers its own metadata reads, not ours during the layers. On
-        CPU a forward has ended when it returns. Unknown counts as yes."""
+        overlap scheduler on an accelerator, whose fence covers its own metadata reads, not ours
+        during the layers. On CPU a forward has ended when it returns. Unknown counts as yes."""
         if self._overlap is None:
             try:
                 from sglang.srt.runtime_context import get_schedule

@@ -37,16 +37,11 @@ def build_shared_tree_cache(ctx: TreeCacheBuildContext) -> KvcmasSharedTreeCache
     """
     config = ServingConfig.from_env()
     share = config.share_context
-    unsupported = [
-        name
-        for name, on in (
-            ("hybrid sliding-window attention", ctx.is_hybrid_swa),
-            ("hybrid state-space (mamba) layers", ctx.is_hybrid_ssm),
-            ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
-            ("DSA sparse attention", ctx.is_dsa),
-        )
-        if on
-    ]
+    features = (("hybrid sliding-window attention", ctx.is_hybrid_swa),
+                ("hybrid state-space (mamba) layers", ctx.is_hybrid_ssm),
+                ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
+                ("DSA sparse attention", ctx.is_dsa))
+    unsupported = [name for name, on in features if on]
     if unsupported:
         raise ValueError(
             f"--radix-cache-backend {KvcmasRadixCache.backend_name} does not support "

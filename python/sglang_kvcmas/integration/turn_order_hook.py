@@ -46,15 +46,13 @@ _head_wait_since: dict[str, float] = {}
 _held_since: dict[str, float] = {}
 """rid -> when the hook first held the request back. The wait bound counts from there, not from
 arrival: under load a request can queue for longer than the bound before its leader is even
-admitted, and a bound from arrival then released readers to recompute what their leader was
+admitted, and a bound from arrival would release its readers to recompute what their leader is
 computing."""
-
 
 _prefix_memo: dict[tuple[int, int], tuple] = {}
 """Common shared prefixes of (leader, candidate) pairs for ``plan_turns``, keyed by their token
 views (``cache.requests.shared_tokens``, one object per request): each pair is compared once while
 both are queued or in flight."""
-
 
 SPARE = {"passes": 0, "requests": 0}
 """Scheduling passes with prefill to spare, and the requests they served exactly."""

@@ -5,31 +5,22 @@ Every response passes through the tokenizer manager's ``generate_request`` (our 
 finished request that names a workflow (``kvcmas_workflow``, the ``X-KVCMAS-Workflow`` header or
 the router's routing key) to one :class:`~sglang_kvcmas.policy.workflow_ledger.WorkflowLedger`:
 
-- ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (prompt tokens,
-  reused exact / factored / re-positioned, recomputed, completion tokens, computed = prefill +
-  decode, requests, agents, first and last seen, requests in flight, KV bytes written and read,
-  the spend forecast and the budget);
-- ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns (its trajectory:
-  each turn's counts, the requests still in flight when it finished and the KV bytes it wrote);
-  404 for a workflow the ledger does not hold;
+- ``GET /kvcmas/workflows?limit=N``: the most recently active workflows' totals (the ledger's
+  counts, requests in flight, the spend forecast and the budget);
+- ``GET /kvcmas/workflows/{workflow}``: one workflow with its recent turns; 404 for a workflow the
+  ledger does not hold;
 - Prometheus ``kvcmas:workflow_tokens_total{workflow, kind}`` (``kind``: ``prompt``, ``exact``,
   ``factored``, ``repositioned``, ``recomputed``, ``completion``) and
   ``kvcmas:workflow_kv_bytes_total{workflow, kind}`` (``written``, ``read``), with at most
   ``METRIC_WORKFLOWS`` workflow label values per server process: later workflows are counted
   under ``workflow="_other"``, so the series count stays bounded.
 
-Each finished turn also updates the workflow's spend forecast (``policy/spend_forecast.py``,
-its artifact loaded once; missing or bad: a log line and no forecasts), shown in the route as
-``forecast: {total, low, high, at_turn, spent, prompt}``. A workflow with a budget (request field
-``kvcmas_budget_tokens``, else the ``--kvcmas-budget-tokens`` knob) has every response's usage
-report its spend and forecast against it (the finished request's reuse record gets a ``budget``
-entry, which ``reuse_accounting.usage_fields`` turns into ``prompt_tokens_details.
-kvcmas_budget_*``), and under enforcement :func:`admit` refuses its further turns with a 400
-naming the workflow, its spend and forecast (``policy/spend_budget.py``).
-
-Once the fidelity monitor has scored a sampled turn of a workflow (``fidelity_monitor.py``),
-the route shows ``fidelity: {turns, top1_agreement, diverged, kl}`` and every later response's
-usage carries them as ``kvcmas_fidelity_*``.
+Each finished turn also updates the workflow's spend forecast (``policy/spend_forecast.py``, its
+artifact loaded once; missing or bad: a log line and no forecasts). A workflow with a budget
+(``policy/spend_budget.py``) gets a ``budget`` entry in each finished request's reuse record,
+which ``reuse_accounting.usage_fields`` turns into ``prompt_tokens_details.kvcmas_budget_*``;
+under enforcement :func:`admit` refuses its further turns. Once the fidelity monitor has scored a
+turn of the workflow, its scores ride the same way as ``kvcmas_fidelity_*``.
 
 Requests without a workflow are not in the ledger (SGLang's own metrics count them). Accounting
 never fails a response: an error here is logged and the output passes on unchanged.
@@ -59,7 +50,6 @@ OTHER = "_other"
 KIND_FIELDS = {"prompt": "prompt_tokens", "exact": "reused_exact",
                "factored": "reused_factored", "repositioned": "reused_repositioned",
                "recomputed": "recomputed", "completion": "completion_tokens"}
-
 
 
 def load_forecaster(path: Any = None) -> spend_forecast.SpendForecaster | None:
@@ -166,18 +156,19 @@ def observe(out: Any, now: float | None = None) -> list[str]:
         rec = rec[0] if isinstance(rec, list) and rec else rec
         if not isinstance(rec, dict) or not rec.get("workflow"):
             continue
+        workflow = rec["workflow"]
         turn = Turn.of_record(time.time() if now is None else now, rec,
                               meta.get("completion_tokens", 0))
-        LEDGER.add(rec["workflow"], turn)
-        finished.append(rec["workflow"])
-        status = LEDGER.budget_status(rec["workflow"], default_budget())
+        LEDGER.add(workflow, turn)
+        finished.append(workflow)
+        status = LEDGER.budget_status(workflow, default_budget())
         if status is not None:
             rec[BUDGET_KEY] = status.usage_fields()
-        tally = LEDGER.get(rec["workflow"]).fidelity
+        tally = LEDGER.get(workflow).fidelity
         if tally is not None:
             rec[FIDELITY_KEY] = {f"kvcmas_fidelity_{k}": v for k, v in tally.to_json().items()}
         counter, kv = _counter(), _kv_counter()
-        label = metric_label(rec["workflow"])
+        label = metric_label(workflow)
         if counter is not None:
             for kind, name in KIND_FIELDS.items():
                 if (value := getattr(turn, name)) > 0:

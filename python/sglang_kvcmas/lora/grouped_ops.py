@@ -4,9 +4,8 @@ SGLang's ``torch_native`` LoRA ops (the LoRA backend that runs without an accele
 batch segment by segment, a segment being consecutive tokens of one adapter, and read each
 segment's rank and scaling out of tensors on the way. A decode batch whose requests alternate
 adapters has one segment per request, so every projection of every layer pays a few dozen small
-tensor operations per request: at 9 decoding requests of a 30-layer model that is most of a
-decode step on two cores, and it is paid per request, not per token (a request that prefills 20
-tokens costs as much of it as one that prefills 2000).
+tensor operations per request, not per token: most of a CPU decode step at a handful of
+requests.
 
 Here the batch's tokens are grouped by adapter once per forward (:meth:`AdapterGroups.build`,
 ranks and scalings as Python numbers), and each projection's delta is one matmul per adapter
@@ -28,8 +27,8 @@ max_rank]; lora_a's output [T, slices * max_rank]; ``offsets``: slices + 1 ints,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -128,8 +127,7 @@ def lora_b(a: torch.Tensor, weights: torch.Tensor, groups: AdapterGroups,
     """
     bounds = [int(o) for o in offsets]
     slices = list(zip(bounds, bounds[1:]))
-    out = base_output if base_output is not None else \
-        a.new_zeros(a.shape[0], bounds[-1])
+    out = base_output if base_output is not None else a.new_zeros(a.shape[0], bounds[-1])
     for g in groups.groups:
         r = g.rank
         if isinstance(g.rows, torch.Tensor):

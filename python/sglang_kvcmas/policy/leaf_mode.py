@@ -1,19 +1,15 @@
-"""What a reader keeps of the borrowed tokens it recomputes: its leaf mode.
-
-A reader recomputes some borrowed tokens in its own context (``policy/recompute.py``). Those
-exact tokens can be kept these ways:
+"""What a reader keeps of the borrowed tokens it recomputes (``policy/recompute.py``): its leaf
+mode.
 
 - ``exact``: as exact leaves (``tree/pool_overrides.py``: full-size KV in the pool, read exactly
   on the agent's later turns);
-- ``factored`` (the default, at rank 4): as the agent's factored leaves
-  (``attention/deviation_factors.py``, ``tree/factored_leaves.py``): the same tokens as ``exact``
-  keeps, but only their deviation from the owner's KV, cut to rank ``rank`` per layer and KV
-  head (host memory: up to ``d / rank`` times smaller than their exact leaves, less a basis per
-  fit); the request's decode and the agent's later turns read them as the owner's KV
-  re-positioned plus that deviation; the recomputed slots are freed right after the prefill
-  (with the request where a launched batch may still read them). The default because it is
-  the one mode that met every target of a 16-agent panel in the frontier benchmark
-  (``benchmark/serving/frontier.py``; figures in ``docs/results.md``).
+- ``factored`` (the default): the same tokens, but only their deviation from the owner's KV, cut
+  to rank ``rank`` per layer and KV head, in host memory (``attention/deviation_factors.py``,
+  ``tree/factored_leaves.py``); the request's decode and the agent's later turns read the owner's
+  KV re-positioned plus that deviation, and the recomputed slots are freed right after the
+  prefill (with the request where a launched batch may still read them). The default because it
+  is the one mode that met every target of the frontier benchmark
+  (``benchmark/serving/frontier.py``, ``docs/results.md``).
 
 Pure Python.
 """

@@ -1,6 +1,6 @@
 """Which requests may read each other's transcript KV when agents differ by LoRA adapter.
 
-SGLang keys its radix cache by ``extra_key``, and appends a request's adapter id to it
+SGLang keys its radix cache by ``extra_key`` with the request's adapter id appended
 (``Req.extra_key = (extra_key or "") + lora_id``): every adapter keeps its own copy of every
 prefix. The sharing namespace decides what the shared-context tree may lend across; it never
 crosses ``cache_salt`` or the caller's own ``extra_key``:
@@ -13,23 +13,15 @@ crosses ``cache_salt`` or the caller's own ``extra_key``:
 =============  ==========================================  ================================
 
 Under ``borrow`` an adapter reads the transcript another adapter computed through the same read
-path as prompt agents (its own head exact, borrowed tokens re-positioned, some recomputed with its
-own adapter, leaf mode as configured); the first adapter to compute a segment is an exact owner.
-Across adapters every borrowed token deviates, not only a span's first ones, so a reader with an
-adapter recomputes more by default (the ``LORA_RECOMPUTE_*`` constants below), and the fidelity
-monitor bounds what is left: a namespace or agent whose sampled turns drift is served at a
-raised level, up to exact (``policy/fidelity.py``). Two modes served before are gone (their
-values fail naming this one, ``config.REMOVED_CHOICES``): ``catchup`` (every adapter's own exact
-cache, caught up in the background: exact as ``separate`` is, with a longer makespan) and
-``rebase`` (the adapters' centroid writes the shared transcript: on the turn's critical path,
-slower than ``borrow`` in every measured workflow).
+path as prompt agents; the first adapter to compute a segment is an exact owner. Across adapters
+every borrowed token deviates, not only a span's first ones, so a reader with an adapter
+recomputes more by default (the ``LORA_RECOMPUTE_*`` constants below), and the fidelity monitor
+serves a namespace or agent whose sampled turns drift at a raised level (``policy/fidelity.py``).
 A request without an adapter never reads KV computed with one (and never lends to one), so the
 base model's answers are what they are without adapters in the server.
 
 The agent of a request with an adapter is its head *and* its adapter (:func:`lora_agent`): two
-adapters behind the same system prompt are two agents, each with its own leaves.
-
-Pure Python: no SGLang import.
+adapters behind the same system prompt are two agents, each with its own leaves. Pure Python.
 """
 
 from __future__ import annotations
@@ -40,21 +32,17 @@ MODES = ("separate", "borrow")
 ADAPTERS = "lora"
 """The namespace tag every adapter shares under ``borrow``."""
 LORA_RECOMPUTE_TAIL = 32
-"""Under ``borrow``, the fewest last borrowed tokens before its suffix that a
-reader with an adapter recomputes (what it attends to most; across adapters every borrowed token
-deviates, not only a span's first ones), unless its request sets ``kvcmas_recompute_tail``."""
+"""Under ``borrow``, the fewest last borrowed tokens before its suffix (what it attends to most)
+that a reader with an adapter recomputes, unless its request sets ``kvcmas_recompute_tail``."""
 LORA_RECOMPUTE_BOUNDARY = 8
-"""Under ``borrow``, the first tokens of every span and every message a reader
-with an adapter borrows that it recomputes, in place of the deployment's ``recompute_boundary``,
-unless its request sets ``kvcmas_recompute_boundary``."""
+"""Under ``borrow``, the first tokens of every span and message that a reader with an adapter
+recomputes, in place of ``recompute_boundary``, unless its request sets
+``kvcmas_recompute_boundary``."""
 LORA_RECOMPUTE_MASS_FRACTION = 0.0
-"""Under ``borrow``, the share of its borrowed tokens that a reader with an
-adapter recomputes by owner head mass, in place of the deployment's
-``recompute_mass_fraction``, unless its request sets ``kvcmas_recompute_mass_fraction``.
-Model-dependent: on the embedded model head mass picks no better tokens than the tail does (0 is
-its best); on Qwen2.5-Coder-0.5B a quarter recovers the fidelity the tail misses at most of the
-speed."""
-
+"""Under ``borrow``, the share by owner head mass that a reader with an adapter recomputes, in
+place of ``recompute_mass_fraction``, unless its request sets ``kvcmas_recompute_mass_fraction``.
+Model-dependent: on the embedded model head mass picks no better tokens than the tail does; on
+others it recovers fidelity the tail misses."""
 
 def caller_extra_key(extra_key: Any, lora_id: str | None) -> Any:
     """The caller's own ``extra_key``: SGLang's key with the appended adapter id taken off."""
@@ -67,14 +55,9 @@ def caller_extra_key(extra_key: Any, lora_id: str | None) -> Any:
 
 def sharing_namespace(extra_key: Any, cache_salt: Any, lora_id: str | None = None,
                       mode: str = "separate") -> tuple:
-    """The namespace a request shares its transcript in (see the module docstring).
-
-    Args:
-        extra_key: the request's ``extra_key`` as SGLang keeps it (adapter id appended).
-        cache_salt: its ``cache_salt`` (None or "" for none).
-        lora_id: its adapter id (None: the base model).
-        mode: one of :data:`MODES`.
-    """
+    """The namespace a request shares its transcript in (see the module docstring), from its
+    ``extra_key`` as SGLang keeps it (adapter id appended), its ``cache_salt`` (None or "" for
+    none) and its adapter id (None: the base model)."""
     if mode not in MODES:
         raise ValueError(f"unknown lora_share mode {mode!r}; choose from {MODES}")
     salt = cache_salt or None

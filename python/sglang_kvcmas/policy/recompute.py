@@ -1,9 +1,8 @@
 """Which borrowed shared-context tokens a reader recomputes exactly (sparse correction).
 
 A reader agent reads another agent's KV for the shared transcript re-positioned to its own
-positions. The serving path recomputes a few of those tokens in the reader's own context, in the
-same forward pass as the reader's new tokens, and reads the rest re-positioned. Two signals pick
-them, neither needing a reference prefill or a probe:
+positions, except a few tokens it recomputes in its own context, in the same forward pass as its
+new tokens. Two signals pick them, neither needing a reference prefill or a probe:
 
 - **boundary**: the first tokens of each borrowed span deviate most (they attended most to the
   other agent's head); for a reader with an adapter, of each message too (``split_spans`` at
@@ -12,22 +11,20 @@ them, neither needing a reference prefill or a probe:
 - **owner head mass**: a shared token's attention output is λ·o_head + (1 − λ)·o_rest, so
   changing the head moves it in proportion to λ, its attention mass on the head. The owner's own
   pass records λ (``attention.spans.HeadMassProbe``); the tokens with the largest λ are
-  recomputed (``benchmark/lab/owner_mass_study.py`` measures the selector against random and the
-  true-deviation oracle; ``benchmark/serving/recompute_fidelity.py`` measures it in the server).
+  recomputed (``benchmark/lab/owner_mass_study.py``).
 
 Opt-in, **tail**: the last borrowed tokens before the reader's suffix (``tail_offsets``).
 
-A reader borrows only when enough foreign tokens are at stake (``borrow_pays``); fewer are
-computed exactly. Pure functions over plain values; the tree cache
-(``integration/shared_tree_cache.py``) applies them through :func:`select_recompute`. The
-lab's counterpart, which selects against a reference prefill, is
-``sglang_kvcmas_lab.correction.selection``.
+Pure functions over plain values; the tree cache (``integration/shared_tree_cache.py``) applies
+them through :func:`select_recompute_arrays`. The lab's counterpart, which selects against a
+reference prefill, is ``sglang_kvcmas_lab.correction.selection``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import numpy as np
 
@@ -40,8 +37,7 @@ _KNOB_OF = {"boundary_tokens": "recompute_boundary", "mass_fraction": "recompute
 
 MAX_FRACTION = 0.5
 """Most of a reader's borrowed tokens it recomputes under the boundary and tail rules, so a
-transcript of many short spans never degenerates into a full prefill (a request that asks for a
-larger mass share gets that share as its cap: :meth:`RecomputeConfig.from_serving`)."""
+transcript of many short spans never degenerates into a full prefill."""
 MIN_BORROWED = 128
 """Fewest foreign tokens worth borrowing: fewer are computed exactly (they save little and risk
 a flipped greedy token)."""
@@ -80,8 +76,8 @@ class BorrowedToken:
     Attributes:
         offset: shared-context offset.
         foreign: read from another context (deviates unless recomputed).
-        from_leaf: read from the reader agent's own exact leaf (exact; ranks by mass like a
-            foreign token, so the exact set stays the top share by mass).
+        from_leaf: read from the reader agent's own exact leaf (exact, but ranked by mass like a
+            foreign token: :func:`mass_offsets`).
         mass: the owner's head mass of the token (0 where none was recorded).
     """
 
@@ -99,15 +95,12 @@ class RecomputeConfig:
         boundary_tokens: tokens recomputed at the start of every foreign span (0: none).
         mass_fraction: share of the borrowed foreign tokens recomputed in addition, largest owner
             head mass first (0: none).
-        max_fraction: cap on the recomputed share of the borrowed tokens, so a transcript of
-            many short spans never degenerates into a full prefill.
+        max_fraction: cap on the recomputed share of the borrowed tokens (:data:`MAX_FRACTION`).
         min_borrowed: fewest foreign tokens worth borrowing (``borrow_pays``).
         tail_tokens: the last foreign tokens before the reader's own suffix, recomputed (0:
             none); a reader's first answer tokens attend most to them.
-        segment_share: most of the borrowed tokens the readers of one new segment recompute by
-            mass together: with ``readers`` of them (two or more), each takes
-            ``min(mass_fraction, segment_share / readers)`` (None: ``mass_fraction`` whatever
-            the readers; a reader that waited alone takes ``mass_fraction``).
+        segment_share: :data:`SEGMENT_SHARE`, split among ``readers``
+            (:attr:`reader_mass_fraction`; None: ``mass_fraction`` whatever the readers).
         readers: how many readers waited together for the segment this reader borrows (the
             turn-order hook counts them; 1: it waited alone or not at all).
     """
@@ -121,12 +114,9 @@ class RecomputeConfig:
     readers: int = 1
 
     def __post_init__(self) -> None:
-        share = self.segment_share
-        if self.readers < 1 or (share is not None and not 0.0 <= share <= 1.0):
-            raise ValueError(f"bad recompute config {self}")
-        if self.boundary_tokens < 0 or self.min_borrowed < 0 or self.tail_tokens < 0 or not (
-            0.0 <= self.max_fraction <= 1.0 and 0.0 <= self.mass_fraction <= 1.0
-        ):
+        share = 0.0 if self.segment_share is None else self.segment_share
+        if self.readers < 1 or min(self.boundary_tokens, self.min_borrowed, self.tail_tokens) < 0 \
+                or not all(0.0 <= f <= 1.0 for f in (share, self.max_fraction, self.mass_fraction)):
             raise ValueError(f"bad recompute config {self}")
 
     @classmethod
@@ -156,22 +146,15 @@ class RecomputeConfig:
 
 
 def borrow_pays(foreign_tokens: int, config: RecomputeConfig) -> bool:
-    """Whether a reader should borrow ``foreign_tokens`` of other contexts' KV at all.
-
-    Borrowing saves prefill in proportion to the tokens borrowed, but any borrowed span risks a
-    flipped greedy token; below ``config.min_borrowed`` the reader computes them exactly (a
-    short borrowed question was where most diverging debates first diverged).
-    """
+    """Whether a reader should borrow ``foreign_tokens`` of other contexts' KV at all: borrowing
+    saves prefill in proportion to the tokens borrowed, but any borrowed span risks a flipped
+    greedy token (:data:`MIN_BORROWED`)."""
     return foreign_tokens >= config.min_borrowed
 
 
 def boundary_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> tuple[int, ...]:
     """Shared-context offsets to recompute: the first ``boundary_tokens`` of each foreign span,
-    earliest spans first, at most ``max_fraction`` of all borrowed tokens.
-
-    Returns:
-        sorted, distinct offsets, each inside one of ``spans``.
-    """
+    earliest spans first, at most ``max_fraction`` of all borrowed tokens (sorted, distinct)."""
     k = config.boundary_tokens
     if k == 0:
         return ()
@@ -211,32 +194,23 @@ def message_starts(tokens: Sequence[int] | np.ndarray, close: Sequence[int]) -> 
 
 def split_spans(spans: Sequence[BorrowedSpan], cuts: Sequence[int] | np.ndarray
                 ) -> list[BorrowedSpan]:
-    """``spans`` with each one cut at every offset of ``cuts`` strictly inside it, so that
-    :func:`boundary_offsets` takes the first tokens of every message rather than only of every
-    span (a turn's new messages, prefilled in one pass, are one span).
-
-    Args:
-        spans: sorted, disjoint borrowed spans.
-        cuts: shared offsets (any order; those outside every span are ignored).
-    Returns:
-        the pieces, in order; owner, shift and foreign as their span's.
+    """``spans`` (sorted, disjoint) with each one cut at every offset of ``cuts`` (any order)
+    strictly inside it, so that :func:`boundary_offsets` takes the first tokens of every message
+    rather than only of every span (a turn's new messages, prefilled in one pass, are one span).
     """
     points = np.unique(np.asarray(cuts, dtype=np.int64))
     out: list[BorrowedSpan] = []
     for span in spans:
         lo, hi = np.searchsorted(points, [span.begin + 1, span.end])
         edges = [span.begin, *points[lo:hi].tolist(), span.end]
-        out.extend(replace(span, begin=a, end=b) for a, b in zip(edges, edges[1:]))
+        out.extend(replace(span, begin=a, end=b) for a, b in pairwise(edges))
     return out
 
 
 def tail_offsets(spans: Sequence[BorrowedSpan], config: RecomputeConfig) -> tuple[int, ...]:
     """Shared-context offsets to recompute: the last ``tail_tokens`` foreign borrowed tokens
-    (latest first, across spans), at most ``max_fraction`` of all borrowed tokens.
-
-    Returns:
-        sorted, distinct offsets, each inside one of ``spans``.
-    """
+    (latest first, across spans), at most ``max_fraction`` of all borrowed tokens (sorted,
+    distinct)."""
     budget = min(config.tail_tokens, int(config.max_fraction * sum(s.end - s.begin for s in spans)))
     out: list[int] = []
     for span in sorted(spans, key=lambda s: -s.end):
@@ -256,8 +230,8 @@ def mass_offsets(
     config: RecomputeConfig,
 ) -> tuple[int, ...]:
     """Offsets to recompute: ``chosen`` (the boundary) plus, among the other borrowed tokens, the
-    ``mass_fraction`` (of all borrowed) with the largest owner head
-    mass that are not already exact — within ``max_fraction`` recomputed.
+    ``mass_fraction`` (of all borrowed) with the largest owner head mass that are not already
+    exact — within ``max_fraction`` recomputed.
 
     Ranking includes the tokens the reader already holds exactly (its exact leaves), so over a
     growing transcript the exact set stays the top share by mass and each turn recomputes only
@@ -270,8 +244,6 @@ def mass_offsets(
         exact: candidates the reader already holds exactly (never recomputed).
         chosen: offsets already chosen (kept first; never dropped).
         num_borrowed: all borrowed tokens (the base of both fractions).
-    Returns:
-        sorted, distinct offsets.
     """
     if len(candidates) != len(mass):
         raise ValueError(f"{len(candidates)} candidates but {len(mass)} masses")
@@ -292,16 +264,10 @@ def mass_offsets(
 def select_recompute(
     spans: Sequence[BorrowedSpan], tokens: Sequence[BorrowedToken], config: RecomputeConfig,
 ) -> tuple[int, ...]:
-    """Every offset a reader recomputes under ``config``: boundary first, then tail, within the
-    ``max_fraction`` budget, then the top of the mass ranking (:func:`mass_offsets`).
-
-    Args:
-        spans: the borrowed path as runs of one owner and shift.
-        tokens: every borrowed token in shared order, the ones already chosen for recompute
-            left in (they are ranked like the others).
-    Returns:
-        sorted, distinct offsets.
-    """
+    """Every offset a reader recomputes under ``config`` (sorted, distinct): boundary first, then
+    tail, within the ``max_fraction`` budget, then the top of the mass ranking
+    (:func:`mass_offsets`). ``tokens``: every borrowed token in shared order. The reference that
+    :func:`select_recompute_arrays` is tested against."""
     exact = {t.offset for t in tokens if not t.foreign}
     deviating = [t for t in tokens if t.foreign or t.from_leaf]
     budget = int(config.max_fraction * len(tokens))
@@ -318,11 +284,8 @@ def select_recompute_arrays(
     """:func:`select_recompute` over the borrowed tokens as arrays (the same offsets).
 
     Args:
-        spans: the borrowed path as runs of one owner and shift.
         offsets: [B] int64 shared offsets of every borrowed token, consecutive.
         foreign: [B] bool; from_leaf: [B] bool; mass: [B] float owner head mass.
-    Returns:
-        sorted, distinct offsets.
     """
     n = int(offsets.shape[0])
     if n == 0:

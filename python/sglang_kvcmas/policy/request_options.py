@@ -83,22 +83,9 @@ class RequestOptionError(ValueError):
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """The ``kvcmas_*`` fields of one request.
-
-    Attributes:
-        agent: the explicit agent name, or None.
-        head_len: explicit agent head length, or None (ChatML detection decides).
-        shared_end: explicit end of the shared transcript, or None (the prompt's end).
-        exact: read no other agent's KV.
-        workflow: workflow name, or None.
-        budget_tokens: the workflow's budget (computed tokens), or None (not given).
-        budget_enforce: whether to enforce it, or None (not given).
-        knobs: per-request knob overrides, ``(knob name, value)`` in declaration order.
-        read_leaves: read the agent's leaves, or None (not given: only without ``knobs``).
-        head_first: the server is prefilling the agent's head on its own (set by the server).
-        fidelity_level: the fidelity loop's level for the request (set by the server; 0: the
-            deployment's knobs as set).
-    """
+    """The ``kvcmas_*`` fields of one request (the module docstring's table), None where not
+    given (``head_len``: template detection decides); ``knobs``: the per-request knob overrides,
+    ``(knob name, value)`` in declaration order."""
 
     agent: str | None = None
     head_len: int | None = None
@@ -114,11 +101,8 @@ class RequestOptions:
 
     @classmethod
     def parse(cls, custom_params: Any) -> RequestOptions:
-        """Strictly parse a request's ``custom_params``.
-
-        Raises:
-            RequestOptionError: naming the field (``custom_params.kvcmas_...``).
-        """
+        """Strictly parse a request's ``custom_params``; raises RequestOptionError naming the
+        field (``custom_params.kvcmas_...``)."""
         if custom_params is None:
             return cls()
         if not isinstance(custom_params, Mapping):
@@ -179,11 +163,8 @@ class RequestOptions:
             return None
 
     def check_prompt(self, num_tokens: int) -> None:
-        """Check the explicit split against the prompt's length.
-
-        Raises:
-            RequestOptionError: when the head or the shared end lies past the prompt.
-        """
+        """Raises RequestOptionError when the explicit head or shared end lies past the prompt's
+        ``num_tokens``."""
         if self.head_len is not None and self.head_len > num_tokens:
             raise RequestOptionError(
                 f"custom_params.{HEAD_LEN_FIELD}={self.head_len} is past the prompt's end "

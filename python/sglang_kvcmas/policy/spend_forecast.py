@@ -7,26 +7,21 @@
 - ``prompt`` = ``prompt_tokens``: the tokens every call read (reused or not), the cost a
   provider without a shared cache would bill.
 
-The model sees only what a server sees of a run (no workflow kind, no script): after ``k``
-finished turns, the aggregates in :class:`TrajectoryState` (turns, agents seen (also one-hot:
-the shape of the workflow), spend so far, first and last prompt length, completion and reuse
-per turn, and the workflow's requests still in flight when the turn finished: a fan-out's
-workers, a round's other debaters). Per measure it predicts the *remaining* spend,
-``log1p(remaining)``, by a random forest (scikit-learn's ``RandomForestRegressor``, fitted
-offline, rows weighted so that every run weighs the same, and monotone non-decreasing in the
-features that grow with the spend so far: :data:`SIGNS`); the total is ``spent + remaining``, so
-the forecast is never below the spend so far and does not fall when it rises. The interval
-scales the remaining spend by the ``q_low`` / ``q_high`` quantiles of held-out log residuals
-(``low <= total <= high`` by construction). Its error against the ridge regression it replaced
-is in ``docs/results.md`` (Serving: spend forecast).
+The model sees only what a server sees of a run (no workflow kind, no script): the aggregates in
+:class:`TrajectoryState` after ``k`` finished turns. Per measure it predicts ``log1p`` of the
+*remaining* spend by a random forest (scikit-learn's ``RandomForestRegressor``, fitted offline,
+every run weighing the same, monotone in the features that grow with the spend so far:
+:data:`SIGNS`); the total is ``spent + remaining``, so the forecast is never below the spend so
+far and does not fall when it rises. The interval scales the remaining spend by the ``q_low`` /
+``q_high`` quantiles of held-out log residuals (``low <= total <= high`` by construction).
 
 Fitted offline (``sglang_kvcmas_bench.forecast_fit``, by ``benchmark/serving/forecast_bench.py
---fit`` on recorded runs) into a JSON artifact of the trees' arrays, loaded once (:func:`load`):
-token counts differ by model (answer lengths, how a model stops), so each known model may ship
-its own beside this module (``spend_forecast_<short name>.json``, :func:`artifact_for`), and
+--fit`` on recorded runs) into a JSON artifact of the trees' arrays, loaded once (:func:`load`).
+Token counts differ by model (answer lengths, how a model stops), so a known model may ship its
+own artifact beside this module (``spend_forecast_<short name>.json``, :func:`artifact_for`);
 ``spend_forecast.json`` (the embedded model's runs) serves every other model unless the server is
-given one (``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python (tens of
-microseconds); the served package needs neither scikit-learn nor numpy for it.
+given one (``--kvcmas-forecast-artifact``). A forecast walks the trees in pure Python: the served
+package needs neither scikit-learn nor numpy for it.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ FEATURES = ("bias", "log_turns", "log_agents", "log_last_prompt", "log_prompt_gr
 SIGNS = {"log_mean_completion": 1, "log_mean_computed": 1, "log_spent": 1,
          "reused_fraction": -1, "log_in_flight": 1, "log_in_flight_computed": 1}
 """Monotone constraints of the fit: the features that grow with the spend so far (and the reused
-share, which shrinks as more is recomputed) may only push the remaining spend up, so the total
-forecast never falls when the spend so far rises."""
+share, which shrinks as more is recomputed) may only push the remaining spend up."""
 
 
 def artifact_for(model: str | None) -> Path:
@@ -70,20 +64,9 @@ class ForecastArtifactError(ValueError):
 
 @dataclass(frozen=True)
 class TrajectoryState:
-    """What a server knows of a run after some finished turns (all counts in tokens).
-
-    Attributes:
-        turns: finished turns (requests) so far.
-        agents: distinct agents seen.
-        prompt_tokens: prompt tokens read so far (every turn's prompt, reused or not).
-        recomputed: prompt tokens prefilled so far.
-        completion_tokens: tokens decoded so far.
-        first_prompt: the first turn's prompt length.
-        last_prompt: the latest turn's prompt length.
-        in_flight: the workflow's requests admitted and not finished when the latest turn
-            finished (its own work still under way: a fan-out's workers, a round's other
-            agents).
-    """
+    """What a server knows of a run after some finished turns (counts in tokens, but ``turns``,
+    ``agents`` (distinct) and ``in_flight``: the workflow's requests admitted and not finished
+    when the latest turn finished, such as a fan-out's workers or a round's other agents)."""
 
     turns: int = 0
     agents: int = 0
@@ -104,8 +87,7 @@ class TrajectoryState:
 
     def add(self, prompt_tokens: int, recomputed: int, completion_tokens: int,
             new_agent: bool, in_flight: int = 0) -> TrajectoryState:
-        """The state after one more finished turn (``in_flight``: the workflow's other requests
-        still running then)."""
+        """The state after one more finished turn."""
         return replace(self, turns=self.turns + 1, agents=self.agents + int(new_agent),
                        prompt_tokens=self.prompt_tokens + prompt_tokens,
                        recomputed=self.recomputed + recomputed,
@@ -184,14 +166,9 @@ class SpendForecast:
 
 @dataclass(frozen=True)
 class Tree:
-    """One regression tree, as arrays over its nodes (scikit-learn's ``tree_`` layout).
-
-    Attributes:
-        feature: [nodes] the feature index a node splits on (unused at a leaf).
-        threshold: [nodes] ``x[feature] <= threshold`` goes left.
-        left, right: [nodes] child node indices, -1 at a leaf.
-        value: [nodes] the prediction at a leaf.
-    """
+    """One regression tree, as arrays over its nodes (scikit-learn's ``tree_`` layout): at node
+    ``i``, ``x[feature[i]] <= threshold[i]`` goes to ``left[i]``, else ``right[i]`` (-1 at a
+    leaf, whose prediction is ``value[i]``)."""
 
     feature: tuple[int, ...]
     threshold: tuple[float, ...]
@@ -260,13 +237,8 @@ class MeasureModel:
 
 @dataclass(frozen=True)
 class SpendForecaster:
-    """A fitted forecaster: one :class:`MeasureModel` per measure, and what it was fitted on.
-
-    Attributes:
-        models: measure (``computed``, ``prompt``) -> its model.
-        coverage: the nominal interval, e.g. ``(0.1, 0.9)``.
-        fitted_on: a short description of the training runs.
-    """
+    """A fitted forecaster: one :class:`MeasureModel` per measure, its nominal interval
+    ``coverage`` (e.g. ``(0.1, 0.9)``) and a short description of the runs it was fitted on."""
 
     models: Mapping[str, MeasureModel]
     coverage: tuple[float, float]
@@ -296,8 +268,7 @@ class SpendForecaster:
 
     @classmethod
     def from_json(cls, data: Any) -> SpendForecaster:
-        """Raises:
-            ForecastArtifactError: naming what is wrong."""
+        """Raises ForecastArtifactError naming what is wrong."""
         try:
             if data.get("version") != VERSION:
                 raise ForecastArtifactError(f"version {data.get('version')!r}, expected "
@@ -329,11 +300,8 @@ class SpendForecaster:
 
 
 def load(path: Path | None = None) -> SpendForecaster:
-    """The forecaster stored at ``path`` (default: :data:`ARTIFACT`).
-
-    Raises:
-        ForecastArtifactError: missing, unreadable or malformed.
-    """
+    """The forecaster stored at ``path`` (default: :data:`ARTIFACT`); raises
+    ForecastArtifactError when it is missing, unreadable or malformed."""
     path = path or ARTIFACT
     try:
         data = json.loads(Path(path).read_text())

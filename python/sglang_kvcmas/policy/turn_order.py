@@ -61,12 +61,8 @@ class TurnLeader:
 
 @dataclass(frozen=True)
 class TurnConfig:
-    """Policy constants (fields so that tests can vary them).
-
-    Attributes:
-        min_gain: fewest extra shared tokens a wait must buy.
-        max_wait_s: a request held back this long in total is never held back again.
-    """
+    """Policy constants (:data:`MIN_GAIN`, :data:`MAX_WAIT_S`), as fields so that tests can vary
+    them."""
 
     min_gain: int = MIN_GAIN
     max_wait_s: float = MAX_WAIT_S
@@ -117,12 +113,10 @@ def plan_turns(
     its turns read nothing approximate, where a new leader would compute the new segment over
     the part it had borrowed, and every later reader would inherit that approximation.
 
-    Args:
-        memo: common prefix lengths by the identity of the two token sequences, read and
-            filled: ``(id(leader.shared), id(candidate.shared)) -> (length, leader.shared,
-            candidate.shared)`` (the entry holds both, so their ids stay theirs). A request's
-            shared tokens never change, so a caller that passes the same sequence objects
-            across passes compares each pair once; it drops entries of requests that left.
+    ``memo``, read and filled: ``(id(leader.shared), id(candidate.shared)) -> (common prefix
+    length, leader.shared, candidate.shared)`` (the entry holds both, so their ids stay theirs).
+    A request's shared tokens never change, so a caller that passes the same sequence objects
+    across passes compares each pair once; it drops entries of requests that left.
     """
     leaders = list(in_flight)
     deferred: dict[str, str] = {}
@@ -134,13 +128,11 @@ def plan_turns(
                     continue
                 pair = (id(lead.shared), id(cand.shared))
                 hit = memo.get(pair) if memo is not None else None
-                if hit is not None:
-                    common = hit[0]
-                else:
-                    common = common_prefix_len(lead.shared, cand.shared)
+                if hit is None:
+                    hit = (common_prefix_len(lead.shared, cand.shared), lead.shared, cand.shared)
                     if memo is not None:
-                        memo[pair] = (common, lead.shared, cand.shared)
-                gain = common - cand.available
+                        memo[pair] = hit
+                gain = hit[0] - cand.available
                 if gain > best:
                     best, best_rid = gain, lead.rid
         if best_rid is not None and best >= config.min_gain:

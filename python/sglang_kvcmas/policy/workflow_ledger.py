@@ -4,26 +4,23 @@ A *workflow* is the product's one identity for a multi-agent run (``kvcmas_workf
 ``X-KVCMAS-Workflow``, or the router's routing key). Every finished request of a workflow adds
 one :class:`Turn` (its reuse record and completion tokens) to the workflow's
 :class:`WorkflowTotals`. The ledger holds the ``max_workflows`` most recently active workflows
-(least recently active dropped first, counted in ``dropped``), and each keeps its last
-``max_turns`` turns as a trajectory, so memory stays bounded on a server that runs for months.
+(counting the ones dropped), each with its last ``max_turns`` turns, so memory stays bounded on a
+server that runs for months.
 
 Token kinds (the reuse record's): ``reused_exact`` + ``reused_factored`` +
 ``reused_repositioned`` + ``recomputed`` = ``prompt_tokens``; ``computed`` = ``recomputed``
 (prefill) + ``completion_tokens`` (decode), the tokens the server ran the model for.
 
-KV bytes (with the server's KV bytes per token, from the reuse record): ``kv_bytes_written`` =
-``computed`` tokens' KV, the pool slots the workflow's requests filled (each turn's in its
-trajectory, so the growth shows over time; the cache may since have evicted some, so this bounds
-what the workflow holds from above), and ``kv_bytes_read`` = ``prompt_tokens``' KV, what its
-turns attended over (shared or not). What a workflow *holds* at a moment is not counted per
-workflow: a cached prefix (a system prompt, a shared transcript) is one copy that several
-workflows may read; the pool's occupancy is in ``/server_info``.
+KV bytes: ``kv_bytes_written`` is the ``computed`` tokens' KV, the pool slots the workflow's
+requests filled (an upper bound on what it holds: the cache may have evicted some since), and
+``kv_bytes_read`` the ``prompt_tokens``' KV its turns attended over. What a workflow *holds* is
+not counted: a cached prefix is one copy that several workflows may read; the pool's occupancy is
+in ``/server_info``.
 
-With a forecaster (``policy/spend_forecast.py``), each finished turn also updates the workflow's
-forecast of its total spend (:attr:`WorkflowTotals.forecast`); a forecaster that fails is logged
-and the workflow goes without a forecast. A workflow may carry a budget (``policy/spend_budget``:
-:meth:`WorkflowLedger.set_budget`, :meth:`WorkflowLedger.budget_status`) and the fidelity
-monitor's scores of its sampled turns (:meth:`WorkflowLedger.add_fidelity`). Pure Python.
+A workflow also carries its spend forecast (``policy/spend_forecast.py``; a forecaster that fails
+is logged and the workflow goes without), its budget (``policy/spend_budget.py``) and the
+fidelity monitor's scores of its sampled turns (:meth:`WorkflowLedger.add_fidelity`). Pure
+Python.
 """
 
 from __future__ import annotations
@@ -45,12 +42,9 @@ COUNTS = ("prompt_tokens", "reused_exact", "reused_factored", "reused_reposition
 
 @dataclass(frozen=True)
 class Turn:
-    """One finished request of a workflow.
+    """One finished request of a workflow, at ``t`` (seconds, the ledger's clock).
 
     Attributes:
-        t: when it finished (seconds, the ledger's clock).
-        agent: its agent id, or None.
-        prompt_tokens ... completion_tokens: its counts (see the module docstring).
         in_flight: the workflow's requests still running when it finished (set by the ledger).
         kv_bytes_per_token: the server's KV bytes per pool slot (0: unknown).
     """
@@ -154,14 +148,8 @@ class WorkflowTotals:
 
 
 class WorkflowLedger:
-    """The most recently active workflows' totals (see the module docstring).
-
-    Args:
-        max_workflows: workflows held; the least recently active is dropped past it.
-        max_turns: turns kept per workflow as its trajectory.
-        forecaster: updates each workflow's spend forecast per finished turn (None: no
-            forecasts).
-    """
+    """The most recently active workflows' totals (see the module docstring); ``forecaster``
+    updates each workflow's spend forecast per finished turn (None: no forecasts)."""
 
     def __init__(self, max_workflows: int = 1024, max_turns: int = 256,
                  forecaster: SpendForecaster | None = None) -> None:

@@ -4,20 +4,19 @@
         [--tenant-keys keys.txt]
 
 starts N servers (our launcher, every one with the same flags, on 127.0.0.1 and the ports after
-the gateway's) and SMG (PyPI ``smg`` 1.13, the Rust gateway that succeeded ``sglang-router``) in
-front of them, waits until the gateway reports every worker healthy, and stops them all on
-SIGINT or SIGTERM. Clients talk to the gateway's port as to one server.
+the gateway's) and SMG (SGLang's Rust gateway, PyPI ``smg``) in front of them, waits until the
+gateway reports every worker healthy, and stops them all on SIGINT or SIGTERM. Clients talk to
+the gateway's port as to one server.
 
 Placement. Agents share KV only inside one server, so every request of a workflow must reach the
 same one. SMG's ``manual`` policy keeps each routing key, the ``X-SMG-Routing-Key`` header, on
 the worker it first sent it to; a new key goes to the worker with the fewest keys in flight
 (``--assignment-mode min_group``; with equal counts, either); a key moves only when its worker
-is unhealthy. Requests without a key go to a worker at random. (SMG's sticky sessions over its
-``cache_aware`` policy, ``--routing-key-override``, would place those by prefix, but they split
-a workflow whose agents send their first requests together: 4 of 6 new keys sent three at a
-time reached both workers, against none under ``manual``.) Clients send the workflow id in
-``X-SMG-Routing-Key`` (:func:`workflow_headers`), which the server also takes as the workflow id
-when ``X-KVCMAS-Workflow`` (not forwarded) is absent.
+is unhealthy. Requests without a key go to a worker at random. (SMG's sticky sessions over
+``cache_aware`` would place those by prefix, but they split a workflow whose agents send their
+first requests together.) Clients send the workflow id in ``X-SMG-Routing-Key``
+(:func:`workflow_headers`), which the server also takes as the workflow id when
+``X-KVCMAS-Workflow`` (not forwarded) is absent.
 
 Tenants (``--tenant-keys``: one ``name:key`` a line). SMG then admits a request only with one of
 these keys (``Authorization: Bearer <key>``; any other: 401) and passes the header on unchanged;
@@ -28,26 +27,26 @@ SGLang's ``--api-key`` on the servers (they would refuse the tenants' keys). The
 control routes (``/workers``) then take a key of the cluster's own, made at start. The keys
 are on SMG's command line: keep the host to the operator.
 
-What SMG 1.13 passes on (checked in ``test/server/test_cluster.py``): of the request headers
+What SMG passes on (checked in ``test/server/test_cluster.py``): of the request headers
 ``authorization`` and ``x-smg-routing-key`` (not ``X-KVCMAS-Workflow``, nor a forged
 ``x-smg-tenant-id``); the ``/generate`` and ``/v1/chat/completions`` bodies with their
-``cache_salt`` and ``custom_params`` (every ``kvcmas_*`` field). ``sglang-router`` 0.3.2 dropped
-both, so behind it agents were told apart by template detection only and tenants shared one
-namespace. Responses come back unchanged (``meta_info.kvcmas_reuse``, OpenAI usage).
+``cache_salt`` and ``custom_params`` (every ``kvcmas_*`` field). Responses come back unchanged
+(``meta_info.kvcmas_reuse``, OpenAI usage).
 
-Failures (:class:`RouterSettings`): the gateway asks every worker's ``/health`` each second (our
-servers answer it without running the model) and takes a worker out after two failures; a
-request whose worker refuses the connection, or dies before answering, is retried on the worker
-the policy picks then, and a worker's circuit breaker opens after three failed requests. SMG's
-overload veto (a worker over its KV-usage threshold left out of routing) is off: it would move
-workflows off their KV, and with one worker down it refused every request though the other was
-healthy. A stream already under way cannot be retried: when its worker dies the client's stream
-ends early (``router_scale.py``'s kill run counts it as a clear error, never as an answer).
+Failures (:class:`RouterSettings`): the gateway checks every worker's ``/health`` (our servers
+answer it without running the model) and takes a worker out after failed checks; a request
+whose worker refuses the connection, or dies before answering, is retried on the worker the
+policy picks then, and a worker's circuit breaker opens after failed requests. SMG's overload
+veto (a worker over its KV-usage threshold left out of routing) is off: it would move workflows
+off their KV, and with one worker down it could refuse requests a healthy worker would serve.
+A stream already under way cannot be retried: when its worker dies the client's stream ends
+early (``router_scale.py``'s kill run counts it as a clear error, never as an answer).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -71,11 +70,10 @@ WORKFLOW_HEADER = "X-KVCMAS-Workflow"
 ROUTER_MODULE = "smg.launch_router"
 WORKER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 """Every worker answers the gateway's ``/health`` checks without running the model. By default
-each check queues a one-token generation (51 per worker in two idle minutes at one check a
-second) and waits up to 20 s for the scheduler's next output, longer than the gateway's 5 s check
-timeout behind a long CPU prefill, which would take a busy, healthy worker out and move its
-workflows. A killed worker still fails at once (connection refused); ``/health_generate`` still
-runs the model."""
+each check queues a one-token generation and waits for the scheduler's next output, which behind
+a long CPU prefill outlasts the gateway's check timeout and would take a busy, healthy worker out
+(moving its workflows). A killed worker still fails at once (connection refused);
+``/health_generate`` still runs the model."""
 REQUEST_LOG_DIR = "requests"
 """Under a worker's log folder: SGLang's request log (``--log-requests-target``), one JSON line
 per request with the ``x-smg-routing-key`` header it came with (``request_log``)."""
@@ -97,16 +95,10 @@ class RouterSettings:
             ``round_robin`` and ``power_of_two``.
         assignment_mode: where ``manual`` puts a new key: ``min_group`` (the worker with the
             fewest keys in flight), ``min_load`` (fewest requests) or ``random``.
-        health_check_interval_s: seconds between ``/health`` checks of each worker.
         health_failure_threshold: failed checks in a row that take a worker out.
-        health_check_timeout_s: seconds a check waits.
-        cb_failure_threshold: failed requests that open a worker's circuit breaker.
         cb_timeout_s: seconds an open breaker waits before it lets one request try again.
         retry_max_retries: attempts per request (the first included).
-        overload_protection: SMG's overload veto (a worker over its KV-usage or queue
-            threshold left out of routing); off, for the reasons in the module docstring.
-        request_timeout_s: longest a request may take end to end.
-        log_level: the gateway's log level.
+        overload_protection: SMG's overload veto; off (see the module docstring).
     """
 
     policy: str = "manual"
@@ -201,12 +193,6 @@ def free_ports(n: int, start: int = 30000, end: int = 31000) -> list[int]:
     return ports
 
 
-def _get_json(url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> dict:
-    req = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def router_process(worker_urls: list[str], port: int, log_path: Path,
                    settings: RouterSettings = RouterSettings(),
                    tenants: Tenants | None = None) -> ServerProcess:
@@ -222,9 +208,11 @@ def router_process(worker_urls: list[str], port: int, log_path: Path,
 def router_workers(url: str, tenants: Tenants | None = None) -> list[dict]:
     """The gateway's view of its workers (``GET /workers``: url, is_healthy, load), or [] when
     the gateway does not answer."""
+    headers = tenants.control_headers() if tenants else {}
     try:
-        headers = tenants.control_headers() if tenants else {}
-        return list(_get_json(f"{url}/workers", headers).get("workers", []))
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/workers", headers=headers),
+                                    timeout=10.0) as r:
+            return list(json.loads(r.read()).get("workers", []))
     except (urllib.error.URLError, OSError, ValueError):
         return []
 
@@ -250,18 +238,15 @@ class Cluster:
     """N servers and the gateway. Use as a context manager, or call :meth:`start` / :meth:`stop`.
 
     Attributes:
-        workers: how many servers.
         worker_args: launcher/SGLang flags of every server (``--port`` and ``--host`` added).
         log_dir: ``router.log``, ``worker<i>.log`` and, with ``request_log``, each worker's
             request log under ``worker<i>/requests/``.
         port: the gateway's port (a free one in 30000–30999 when None); the workers take the
             free ports after it.
-        settings: the gateway's policy, health checks and retries.
         tenants: the tenants' API keys (none: one tenant, no authentication).
         request_log: have every worker log each request's routing key (SGLang's
             ``--log-requests``, metadata only), for :meth:`placement`.
         pin_cores: run worker ``i`` on core ``i mod cores`` only (the gateway on any).
-        env: extra environment variables for every server.
         boot_timeout_s: how long each server may take to become healthy.
     """
 
@@ -302,9 +287,8 @@ class Cluster:
 
     def start(self) -> Cluster:
         """Boot the servers one after another, then the gateway; block until the gateway reports
-        every worker healthy. (Booted together, a server sized its KV pool from host memory while
-        the other was loading its weights and failed: "Loaded weights leave no GPU memory for the
-        KV cache under --mem-fraction-static=0.1"; on 2 cores, booting together saved nothing.)
+        every worker healthy. (One at a time: a server sizes its KV pool from the host memory
+        free when it boots, which a sibling still loading its weights would take.)
 
         Raises:
             ServerStartError: a server or the gateway failed to start (everything is stopped).
@@ -344,10 +328,8 @@ class Cluster:
         proc = self.servers[i].proc
         if proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
 
     def placement(self) -> list[Counter]:

@@ -61,11 +61,13 @@ def static_fraction(footprint: ModelFootprint, max_total_tokens: int, free_bytes
     with headroom: ``need = 2 * weights + pool + 1 GiB`` over ``pre = free - min(4 GiB,
     free / 4)``.
 
-    An unknown footprint (no weights found) gets ``MIN_FRACTION``. Rounded up to 3 decimals and kept within ``[MIN_FRACTION, MAX_FRACTION]`` (at the top the
-    machine lacks the memory asked for; SGLang then sizes the pool smaller or fails, saying so).
+    An unknown footprint (no weights found; SGLang reports a bad path itself) gets
+    ``MIN_FRACTION``. Rounded up to 3 decimals and kept within ``[MIN_FRACTION, MAX_FRACTION]``
+    (at the top the machine lacks the memory asked for; SGLang then sizes the pool smaller or
+    fails, saying so).
     """
     if footprint.weight_bytes <= 0:
-        return MIN_FRACTION  # nothing known of the model (SGLang reports a bad path itself)
+        return MIN_FRACTION
     pre = free_bytes - min(LAUNCH_RESERVE_BYTES, free_bytes // 4)
     if pre <= 0:
         return MAX_FRACTION

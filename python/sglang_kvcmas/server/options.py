@@ -22,6 +22,9 @@ from sglang_kvcmas.server.memory import (
     static_fraction,
 )
 
+PROG = "sglang-kvcmas-server"
+CPU_MAX_TOTAL_TOKENS = 16384
+"""Our CPU default KV pool (tokens): without a bound SGLang sizes it from host RAM."""
 DEFAULT_RADIX_CACHE_BACKEND = "kvcmas"
 SHARED_ATTENTION_BACKEND = "kvcmas_delta"
 """The attention backend that reads borrowed KV re-positioned on CPU (sharing on)."""
@@ -53,9 +56,6 @@ def check_shared_attention_backend(argv: list[str] | tuple[str, ...]) -> None:
                 f"{PROG}: error: --kvcmas-share-context reads other agents' KV re-positioned, "
                 f"which the attention backends {', '.join(served)} do; got {flag} {value}"
             )
-PROG = "sglang-kvcmas-server"
-CPU_MAX_TOTAL_TOKENS = 16384
-"""Our CPU default KV pool (tokens): without a bound SGLang sizes it from host RAM."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,6 @@ class LauncherOptions:
     config: ServingConfig
     sglang_argv: tuple[str, ...]
     device: str | None
-
-    @property
-    def stock_radix_cache(self) -> bool:
-        return self.config.stock_cache
 
     @property
     def share_context(self) -> bool:
@@ -144,10 +140,6 @@ def _peek(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
     return known.value
 
 
-def _device_of(argv: list[str]) -> str | None:
-    return _peek(argv, "--device")
-
-
 def cpu_mem_fraction(options: LauncherOptions, model_path: str) -> float:
     """Our CPU default ``--mem-fraction-static`` for this model and the pool asked for
     (``--max-total-tokens``, else ours), at the served ``--dtype`` (see ``server/memory.py``)."""
@@ -181,18 +173,14 @@ def parse_launcher_args(argv: list[str]) -> LauncherOptions:
     if config.share_context:
         check_shared_attention_backend(rest)
     return LauncherOptions(model=model, config=config, sglang_argv=tuple(rest),
-                           device=_device_of(rest))
+                           device=_peek(rest, "--device"))
 
 
 def default_flags(
     options: LauncherOptions, mem_fraction_static: float = MIN_FRACTION
 ) -> tuple[DefaultFlag, ...]:
-    """Our defaults for SGLang's options, for this launch.
-
-    Args:
-        mem_fraction_static: the CPU default of ``--mem-fraction-static`` (see
-            :func:`cpu_mem_fraction`).
-    """
+    """Our defaults for SGLang's options, for this launch (``mem_fraction_static``: the CPU
+    default of ``--mem-fraction-static``, see :func:`cpu_mem_fraction`)."""
     flags = [
         DefaultFlag("device", ("--device", "cpu"), cpu_only=True),
         # fp16 (SGLang's CPU default cast) decodes far slower than fp32 on CPUs.
@@ -207,11 +195,10 @@ def default_flags(
         # Without a bound SGLang sizes the KV pool from host RAM.
         DefaultFlag("max_total_tokens", ("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)),
                     cpu_only=True),
-        # Sized from the model's weights and the pool (a fixed 0.1 fails a 0.5B model's boot).
+        # Sized from the model's weights and the pool (a fixed fraction fails larger models).
         DefaultFlag("mem_fraction_static", ("--mem-fraction-static", f"{mem_fraction_static:g}"),
                     cpu_only=True),
-        # An idle scheduler otherwise polls for requests on one full core (measured: 100% CPU
-        # idle, 2% with it; 1-token latency 0.06-0.12 s either way).
+        # An idle scheduler otherwise polls for requests on one full core, for no lower latency.
         DefaultFlag("sleep_on_idle", ("--sleep-on-idle",), cpu_only=True),
         # SGLang's default LoRA backend is a GPU kernel; torch_native runs on CPU (cpu_lora).
         DefaultFlag("lora_backend", ("--lora-backend", "torch_native"), cpu_only=True),
@@ -219,7 +206,7 @@ def default_flags(
     ]
     if importlib.util.find_spec("prometheus_client") is not None:
         flags.append(DefaultFlag("enable_metrics", ("--enable-metrics",)))
-    if not options.stock_radix_cache:
+    if not options.config.stock_cache:
         flags.append(
             DefaultFlag("radix_cache_backend", ("--radix-cache-backend", DEFAULT_RADIX_CACHE_BACKEND))
         )
@@ -229,13 +216,8 @@ def default_flags(
 def build_sglang_argv(
     options: LauncherOptions, model_path: str, explicit_dests: set[str]
 ) -> list[str]:
-    """SGLang's command line: the user's flags, the resolved model, then our unset defaults.
-
-    Args:
-        options: parsed launcher options.
-        model_path: the resolved local model folder.
-        explicit_dests: SGLang option dests the user set (see ``integration.serve``).
-    """
+    """SGLang's command line: the user's flags, the resolved model folder, then our defaults
+    for the options the user did not set (``explicit_dests``, see ``integration.serve``)."""
     argv = [*options.sglang_argv, "--model-path", model_path]
     fraction = (cpu_mem_fraction(options, model_path)
                 if options.on_cpu and "mem_fraction_static" not in explicit_dests

@@ -7,6 +7,7 @@ error with the log's tail when it dies or does not become healthy in time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -59,8 +60,6 @@ class ServerProcess:
         args: extra launcher/SGLang flags (``--port`` and ``--host`` are added).
         log_path: where the server's stdout and stderr go.
         port: port to serve on; a free one in 30000–30999 when None.
-        env: extra environment variables for the server.
-        boot_timeout_s: how long :meth:`start` waits for ``/health``.
         module: the launcher module run with ``python -m``.
         on_wait: called about every 10 s while booting with the seconds waited and the log's
             last line (progress output), or None.
@@ -161,14 +160,10 @@ class ServerProcess:
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the process group: scheduler and detokenizer, if any survived
+        with contextlib.suppress(ProcessLookupError):  # the group: scheduler, detokenizer
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         self.proc = None
 

@@ -10,15 +10,13 @@
 Two ways to get the split, no engine imports here (pure bookkeeping):
 
 - **Template detection (zero config).** The served chat template's markers
-  (``template_markers.TemplateMarkers``, derived from the template itself) find a prompt's
-  system turn: a prompt that starts with ``system_open`` has as head everything up to the end of
-  the first system close after it (``head_close``: the ``head_keep`` ids of ``head_sep`` that
-  close the system turn, or the whole separator when none does); the shared context runs up to
-  the last generation opener (the assistant opener and anything after it is the suffix; without
-  one, the prompt's end, so a prompt rendered without the generation prompt has its last
-  assistant turn, if any, as suffix). ChatML: ``<|im_start|>system\\n ... <|im_end|>\\n``
-  is the head and ``<|im_start|>assistant\\n`` starts the suffix. The agent is the head itself
-  (its token ids), so two requests with the same system prompt are the same agent.
+  (``tree/template_markers.py``) find a prompt's system turn: a prompt that starts with
+  ``system_open`` has as head everything up to the end of the first
+  :attr:`~sglang_kvcmas.tree.template_markers.TemplateMarkers.head_close` after it; the shared
+  context runs up to the last generation opener (the opener and anything after it is the
+  suffix), else to the prompt's end. ChatML: ``<|im_start|>system\\n ... <|im_end|>\\n`` is the
+  head and ``<|im_start|>assistant\\n`` starts the suffix. The agent is the head itself (its
+  token ids), so two requests with the same system prompt are the same agent.
 - **Explicit (``/generate``, and ``/v1/chat/completions`` through ``custom_params``, which the
   chat route also sets from the request's messages: ``integration/chat_split_hook.py``).**
   ``sampling_params.custom_params = {"kvcmas_agent": NAME, "kvcmas_head_len": H}`` (optionally
@@ -127,9 +125,7 @@ def detect_template_split(ids: Sequence[int], markers: TemplateMarkers) -> Agent
     start = _opener_end(arr, opener)
     if start < 0:
         return None
-    window = arr[: min(n, HEAD_SEARCH_LIMIT)]
-    close = markers.head_close
-    sep_at = find_first(window, close, start)
+    sep_at = find_first(arr[:HEAD_SEARCH_LIMIT], markers.head_close, start)
     if sep_at < 0:
         return None
     head_len = sep_at + markers.head_keep

@@ -3,16 +3,11 @@
 When a request's own exact radix match ends inside the shared transcript, the tree cache matches
 the rest in the shared tree and hands SGLang a :class:`SharedPrefixHandle` as ``req.last_node``.
 The handle's shared path is walked once, at match time, into a :class:`BorrowedPath`: every
-borrowed token's pool slot, shift, owner head mass and whether the reader agent's own exact leaf
-holds it, as arrays (one slice per tree node, no per-token Python work). Selection
-(``policy/recompute.py``), the row's prefix slots, its spans for the attention backend
-(:func:`row_spans`) and its accounting all read those arrays.
-
-- :func:`borrowed_spans`: runs of one owner and one shift (what selection needs);
-- :func:`borrowed_tokens`: the same tokens one object each: the reference that tests compare
-  :class:`BorrowedPath` against;
-- :func:`row_spans`: the reader's row in row coordinates for the attention backend;
-- :func:`factored_reread`: the same row once its recomputed tokens are factored leaves.
+borrowed token's pool slot, shift, owner head mass and whether the reader agent's own leaves hold
+it, as arrays (one slice per tree node, no per-token Python work). Selection
+(``policy/recompute.py``, over :func:`borrowed_spans`), the row's prefix slots, its spans for the
+attention backend (:func:`row_spans`, :func:`factored_reread`) and its accounting all read those
+arrays; :func:`borrowed_tokens`, one object per token, is the reference tests compare them to.
 
 Bookkeeping over plain values and CPU tensors; no SGLang import (the radix node is opaque).
 """
@@ -119,8 +114,7 @@ class BorrowedPath:
         """One walk of the handle's path: a slice of each node's slots and mass, its leaf's
         slots written over them."""
         head, agent = handle.split.head_len, handle.split.agent
-        slots, shift, foreign, leaf_mask, mass = [], [], [], [], []
-        factored: list[np.ndarray] = []
+        columns: list[tuple[np.ndarray, ...]] = []  # per node: slots ... factored
         parts: list[tuple[np.ndarray, Any]] = []
         at_path = 0
         for piece in SharedTree.path(handle.shared_node):
@@ -156,21 +150,14 @@ class BorrowedPath:
                         parts.append((at_path + i, part.factors if inside.all() else
                                       part.factors.select(torch.from_numpy(inside))))
             at_path += n
-            factored.append(fa)
-            slots.append(s)
-            shift.append(sh)
-            foreign.append(fo)
-            leaf_mask.append(fl)
-            mass.append(m.astype(np.float32, copy=False))
+            columns.append((s, sh, fo, fl, m.astype(np.float32, copy=False), fa))
         b = handle.shared_end - handle.shared_begin
-        if not slots:
+        if not columns:
             empty = np.zeros(0, dtype=np.int64)
             none = np.zeros(0, dtype=bool)
             return cls(empty, empty, empty, none, none, np.zeros(0, dtype=np.float32), none)
         out = cls(np.arange(handle.shared_begin, handle.shared_end, dtype=np.int64),
-                  np.concatenate(slots), np.concatenate(shift), np.concatenate(foreign),
-                  np.concatenate(leaf_mask), np.concatenate(mass), np.concatenate(factored),
-                  tuple(parts))
+                  *(np.concatenate(c) for c in zip(*columns)), tuple(parts))
         if out.slots.shape[0] != b:
             raise RuntimeError(f"borrowed path walked {out.slots.shape[0]} tokens, expected {b}")
         return out

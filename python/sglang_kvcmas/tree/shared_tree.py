@@ -13,22 +13,21 @@ Slot ownership (who frees them) is one of two kinds:
 - **owned** (``anchor is None``): slots computed by a request that itself read borrowed KV, so no
   radix path can hold them. The tree frees them when the node is evicted.
 
-Exact leaves (``exact_leaves``: agent -> :class:`~sglang_kvcmas.tree.pool_overrides.PoolOverrides`)
-hold a reader agent's exact KV for some of a node's tokens (the boundary tokens it recomputed);
-the tree owns their slots like an owned node's, counts them in ``owned_size`` and frees them when
-the leaf (least recently used first) or its node is evicted. A reader agent's factored leaves
-(``factors``: the deviations of tokens it recomputed, host memory, not pool slots) are kept on
-the nodes, like exact ones (``tree/factored_leaves.py``).
+A reader agent's exact leaves (``exact_leaves``, ``tree/pool_overrides.py``) hold its exact KV
+for some of a node's tokens (those it recomputed); the tree owns their slots like an owned node's,
+counts them in ``owned_size`` and frees them when the leaf (least recently used first) or its
+node is evicted. Its factored leaves (``factors``, ``tree/factored_leaves.py``: host memory, not
+pool slots) are kept on the nodes likewise.
 
-Keys are numpy int64 arrays and matching compares whole slices at once: a 32k-token
-transcript matches in microseconds, not one Python step per token.
+Keys are numpy int64 arrays and matching compares whole slices at once, not one Python step per
+token.
 
 NOTE: a node is locked (``lock_ref > 0``) while any request reads it or a descendant; locked nodes
 and their exact leaves are never dropped or evicted. Bookkeeping only: slot tensors are opaque
 int64 payloads.
 
-NOTE: about 600 lines because ``SharedTree`` keeps one set of invariants (node map, lock
-counts, owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
+NOTE: over 500 lines because ``SharedTree`` keeps one set of invariants (node map, lock counts,
+owned and leaf sizes, eviction order, the leaf budget over both leaf types) that
 ``check_invariants`` and ``trim_leaves`` walk together; the borrowed-path walks live in
 ``tree/borrowed.py``, the leaves themselves in ``pool_overrides.py`` and ``factored_leaves.py``
 (only their adoption, budget and byte counts are here, beside the sizes they change).
@@ -100,9 +99,6 @@ class SharedNode:
     @property
     def owns_slots(self) -> bool:
         return self.anchor is None
-
-    def exact_leaf_nbytes(self) -> int:
-        return sum(int(d.nbytes()) for d in self.exact_leaves.values())
 
     @property
     def exact_leaf_tokens(self) -> int:
@@ -268,12 +264,8 @@ class SharedTree:
             parent=node.parent, lock_ref=node.lock_ref, last_access=node.last_access,
             segment_start=node.segment_start,
         )
-        parts = {a: d.split(n) for a, d in node.exact_leaves.items()}
-        head.exact_leaves = {a: h for a, (h, _) in parts.items() if len(h)}
-        node.exact_leaves = {a: t for a, (_, t) in parts.items() if len(t)}
-        halves = {a: f.split(n) for a, f in node.factors.items()}
-        head.factors = {a: h for a, (h, _) in halves.items() if len(h)}
-        node.factors = {a: t for a, (_, t) in halves.items() if len(t)}
+        head.exact_leaves, node.exact_leaves = _split_leaves(node.exact_leaves, n)
+        head.factors, node.factors = _split_leaves(node.factors, n)
         if node.head_mass is not None:
             head.head_mass, node.head_mass = node.head_mass[:n].clone(), node.head_mass[n:].clone()
         head.parent.children[head.first] = head
@@ -324,8 +316,7 @@ class SharedTree:
             stack.extend(n.children.values())
             n.alive = False
             for leaf in n.exact_leaves.values():
-                self.owned_size -= len(leaf)
-                self.leaf_size -= len(leaf)
+                self._forget_leaf(leaf)
                 freed.append(leaf.slots)
             n.exact_leaves = {}
             n.factors = {}
@@ -358,17 +349,11 @@ class SharedTree:
         return self.owned_size - self.owned_locked_size
 
     def _evictable_leaves(self) -> Iterator[SharedNode]:
-        for root in self.roots.values():
-            stack = list(root.children.values())
-            while stack:
-                n = stack.pop()
-                stack.extend(n.children.values())
-                if not n.children and n.lock_ref == 0:
-                    yield n
+        return (n for n in self.nodes() if not n.children and n.lock_ref == 0)
 
     def evict(self, num_tokens: int) -> int:
-        """Free ``num_tokens`` owned slots: least recently used first among unlocked delta
-        leaves and unlocked tree leaves (anchored tree leaves free nothing but their delta
+        """Free ``num_tokens`` owned slots: least recently used first among unlocked exact
+        leaves and unlocked tree leaves (anchored tree leaves free nothing but their exact
         leaves, and are removed on the way). Returns slots freed."""
         freed = 0
         while freed < num_tokens:
@@ -385,8 +370,7 @@ class SharedTree:
                     leaf = node.exact_leaves.pop(agent, None)
                     if leaf is None:
                         continue
-                    self.owned_size -= len(leaf)
-                    self.leaf_size -= len(leaf)
+                    self._forget_leaf(leaf)
                     slots = [leaf.slots]
                 else:
                     slots = self._remove_subtree(node)
@@ -399,6 +383,11 @@ class SharedTree:
 
     def _unlocked_nodes(self) -> Iterator[SharedNode]:
         return (n for n in self.nodes() if n.lock_ref == 0)
+
+    def _forget_leaf(self, leaf: PoolOverrides) -> None:
+        """Take a dropped exact leaf's slots out of the sizes (the caller frees them)."""
+        self.owned_size -= len(leaf)
+        self.leaf_size -= len(leaf)
 
     # ----- exact leaves -----
 
@@ -497,13 +486,11 @@ class SharedTree:
             if kind == 1:  # a factored leaf: host memory
                 where.factors.pop(agent)
                 freed += tokens_of(leaf)
-                dropped += 1
-                continue
-            where.exact_leaves.pop(agent)
-            self.owned_size -= len(leaf)
-            self.leaf_size -= len(leaf)
-            self._free(leaf.slots)
-            freed += len(leaf)
+            else:
+                where.exact_leaves.pop(agent)
+                self._forget_leaf(leaf)
+                self._free(leaf.slots)
+                freed += len(leaf)
             dropped += 1
         if dropped:
             self.version += 1  # cached reads of the dropped leaves are stale
@@ -520,21 +507,16 @@ class SharedTree:
                 yield n
 
     def exact_leaf_nbytes(self) -> int:
-        return sum(n.exact_leaf_nbytes() for n in self.nodes())
+        return sum(int(leaf.nbytes()) for n in self.nodes() for leaf in n.exact_leaves.values())
 
     def leaf_bytes_by_agent(self) -> dict[str, dict[str, int]]:
         """agent -> bytes of its leaves by type (``exact``: pool slots of its exact leaves;
         ``factored``: its factored leaves)."""
         out: dict[str, dict[str, int]] = {}
-
-        def entry(agent: str) -> dict[str, int]:
-            return out.setdefault(agent, {"exact": 0, "factored": 0})
-
         for n in self.nodes():
-            for agent, leaf in n.exact_leaves.items():
-                entry(agent)["exact"] += int(leaf.nbytes())
-            for agent, leaf in n.factors.items():
-                entry(agent)["factored"] += int(leaf.nbytes())
+            for kind, leaves in (("exact", n.exact_leaves), ("factored", n.factors)):
+                for agent, leaf in leaves.items():
+                    out.setdefault(agent, {"exact": 0, "factored": 0})[kind] += int(leaf.nbytes())
         return out
 
     def check_invariants(self) -> list[str]:
@@ -563,7 +545,7 @@ class SharedTree:
                     problems.append("a factored leaf holds an offset twice or off its node")
         if owned != self.owned_size:
             problems.append(f"owned_size {self.owned_size} but nodes own {owned}")
-        leaves = sum(n.exact_leaf_tokens for n in self.nodes())
+        leaves = self.exact_leaf_tokens()
         if leaves != self.leaf_size:
             problems.append(f"leaf_size {self.leaf_size} but leaves hold {leaves}")
         if locked != self.owned_locked_size:
@@ -577,3 +559,10 @@ class SharedTree:
             if any(not n.alive for n in group):
                 problems.append("an anchor lists a dropped node")
         return problems
+
+
+def _split_leaves(leaves: dict, n: int) -> tuple[dict, dict]:
+    """A node's leaves (agent -> leaf) split after its first ``n`` tokens, empty halves dropped."""
+    halves = {agent: leaf.split(n) for agent, leaf in leaves.items()}
+    return ({a: h for a, (h, _) in halves.items() if len(h)},
+            {a: t for a, (_, t) in halves.items() if len(t)})

@@ -50,15 +50,9 @@ _ASSISTANT = "Mike answers"
 
 @dataclass(frozen=True)
 class TemplateMarkers:
-    """Token ids that delimit the agent head, the shared transcript and the suffix of a prompt.
-
-    Attributes:
-        name: where the template came from (for logs), e.g. ``"tokenizer"`` or a file name.
-        system_open: ids every prompt with a system turn starts with, up to its text.
-        head_sep: ids between the system text and the next turn's text.
-        head_keep: how many of ``head_sep``'s ids end the head (0 ≤ head_keep ≤ len(head_sep)).
-        generation_open: ids of the generation prompt (the assistant opener); may be empty.
-    """
+    """Token ids that delimit the agent head, the shared transcript and the suffix of a prompt
+    (the fields as in the module docstring; ``generation_open`` may be empty). ``name``: where
+    the template came from (for logs), e.g. ``"tokenizer"`` or a file name."""
 
     name: str
     system_open: tuple[int, ...]
@@ -120,8 +114,8 @@ def _derive(render: Render, encode: Encode, name: str) -> TemplateMarkers | None
                                   {"role": "user", "content": _USERS[0]}], False):
         return None  # the template drops system text
     open_len = _common_prefix(base, ids(_SYSTEMS[1], _USERS[:1]))
-    generation_open = _generation_open(ids(_SYSTEMS[0], _USERS[:1]),
-                                       ids(_SYSTEMS[0], _USERS[:1], gen=True))
+    with_gen = ids(_SYSTEMS[0], _USERS[:1], gen=True)
+    generation_open = with_gen[_common_prefix(base, with_gen):]  # what the generation prompt adds
     seps, sys_ends = [], []
     for ending in _SYSTEM_ENDINGS:
         system = _SYSTEMS[0] + ending
@@ -136,8 +130,7 @@ def _derive(render: Render, encode: Encode, name: str) -> TemplateMarkers | None
     # part every ending shares.
     common = min(_common_suffix(seps[0], s) for s in seps)
     sep = seps[0][len(seps[0]) - common:]
-    full_sep = seps[0]
-    keep = _head_keep(full_sep, generation_open) - (len(full_sep) - common)
+    keep = _head_keep(seps[0], generation_open) - (len(seps[0]) - common)
     if not sep or keep < 0:
         return None
     markers = TemplateMarkers(name, tuple(base[:open_len]), tuple(sep), keep,
@@ -145,11 +138,6 @@ def _derive(render: Render, encode: Encode, name: str) -> TemplateMarkers | None
     # Per system ending: how many separator ids precede the common part.
     drops = [len(s) - common for s in seps]
     return markers if _self_check(markers, ids, drops) else None
-
-
-def _generation_open(without: list[int], with_gen: list[int]) -> list[int]:
-    """The ids ``add_generation_prompt`` adds (after the longest common prefix)."""
-    return with_gen[_common_prefix(without, with_gen):]
 
 
 def _head_keep(sep: list[int], generation_open: list[int]) -> int:

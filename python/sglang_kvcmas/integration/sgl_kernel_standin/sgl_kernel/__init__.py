@@ -1,9 +1,8 @@
 """Stand-in for ``sgl_kernel`` on machines without it (CPU only). Every op raises.
 
-SGLang 0.5.23's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``sgl_kernel`` at module level
-in a few places, but for Llama-family models on torch_native attention it never calls one of
-its ops. No CPU build of ``sgl_kernel`` is on PyPI, so this module lets the server boot. It is
-put on the path only when ``importlib.util.find_spec("sgl_kernel")`` finds nothing.
+SGLang's CPU engine imports ``sgl_kernel`` at module level in a few places but, for Llama-family
+models on torch_native attention, never calls one of its ops; no CPU build of ``sgl_kernel`` is
+on PyPI, so this module lets the server boot (``integration/cpu_runtime.py`` says when).
 
 Any attribute looked up here is an op that raises :class:`NotImplementedError` naming itself
 when called. If ``KVCMAS_SGL_KERNEL_STANDIN_LOG`` names a file, each call also appends one line
