@@ -1,10 +1,10 @@
-"""Every served Triton kernel compiles for a Hopper GPU, on a machine without one.
+"""Every served Triton kernel compiles for Ampere and Hopper GPUs, on a machine without one.
 
 The interpreter the other kernel tests use on CPU runs kernels as Python: it accepts code that
 Triton's compiler refuses, such as a kernel reading a module global that is not a
 ``tl.constexpr``. Here each kernel goes through the real compiler (to PTX and cubin for
-``sm_90``) in a subprocess without ``TRITON_INTERPRET``, so such an error fails CI rather than
-the first batch on a user's GPU.
+``sm_80`` and ``sm_90``) in a subprocess without ``TRITON_INTERPRET``, so such an error fails
+CI rather than the first batch on a user's GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ pytest.importorskip("triton.backends.nvidia")
 # Compiles each kernel with a typical signature: pointer arguments by name, the rest int32.
 _SCRIPT = r"""
 import inspect
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -51,19 +52,21 @@ for fn, consts, bf16 in KERNELS:
             sig[name] = "*i32"
         else:
             sig[name] = SCALARS.get(name, "i32")
-    compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+    target = GPUTarget("cuda", int(sys.argv[1]), 32)
+    compiled = triton.compile(ASTSource(fn, sig, consts), target=target)
     assert compiled.asm["cubin"], fn.fn.__name__
     print("compiled", fn.fn.__name__)
 """
 
 
-def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_kernel_compiles(arch: int, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "TRITON_ALLOW_NON_CONSTEXPR_GLOBALS")}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[2] / "python"), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(arch)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("compiled") == 4, done.stdout
