@@ -99,6 +99,14 @@ def test_recomputed_tokens_are_placed_at_their_true_positions():
     batch.extend_prefix_lens_cpu = [0, 5]  # a row that does not extend where planned
     with pytest.raises(RuntimeError, match="recomputed tokens start at row 6"):
         be._place_recomputed(batch)
+    # A batch SGLang built from device tensors alone has no host lists: read the tensors.
+    batch = SimpleNamespace(
+        extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None,
+        extend_prefix_lens=torch.tensor([0, 6]), extend_seq_lens=torch.tensor([3, 4]),
+        req_pool_indices=torch.tensor([0, 3]), input_ids=torch.arange(7) + 100,
+        positions=torch.tensor([0, 1, 2, 6, 7, 8, 9]))
+    be._place_recomputed(batch)
+    assert batch.positions.tolist() == [0, 1, 2, 2, 3, 8, 9]
 
 
 def test_head_mass_equals_softmax_mass_on_the_head():
@@ -247,3 +255,53 @@ def test_a_probed_plain_row_records_the_mass_of_the_reference_path(monkeypatch):
     assert torch.equal(out, ref_out)
     assert mass.abs().sum() > 0
     torch.testing.assert_close(mass, ref_mass, atol=1e-6, rtol=1e-4)
+
+
+def test_the_kernel_plan_keeps_a_row_whose_leaves_are_zero_at_the_first_layer():
+    """The kernels' plan is made once per batch, at the first layer that reads it. A row read at
+    its owner's positions through factored leaves differs from plain attention only where its
+    deviations do: not at layer 0 (a token at its owner's position has its owner's K/V), at
+    layer 1. Decoding layer 0 then layer 1 through the kernels (Triton's interpreter on CPU)
+    reads layer 1 as the torch path does, deviations included."""
+    from sglang_kvcmas.attention.deviation_factors import (
+        FactorBasis,
+        LeafReads,
+        RowLeaves,
+        TokenFactors,
+    )
+    from sglang_kvcmas.attention.spans import KeyShifts
+
+    torch.manual_seed(9)
+    n_layers, H, Hkv, d, r, n = 2, 4, 2, 64, 4, 20
+    k_f, v_f = torch.randn(n_layers, 3, Hkv, r), torch.randn(n_layers, 3, Hkv, r)
+    k_f[0], v_f[0] = 0, 0  # layer 0: no deviation
+    basis = FactorBasis(torch.randn(n_layers, Hkv, d, r), torch.randn(n_layers, Hkv, d, r), 3)
+    at = torch.tensor([4, 5, 6])
+    shifted = RowSpans("a", KeyShifts.of_row(2, torch.full((8,), 5)))
+    factored = RowSpans("b", KeyShifts.none(), leaves=RowLeaves(
+        reads=LeafReads([(at, at.clone(), TokenFactors(k_f, v_f, basis))])))
+    k_cache, v_cache = torch.randn(2 * n, Hkv, d), torch.randn(2 * n, Hkv, d)
+    query = torch.randn(2, H, d)
+    args = (k_cache, v_cache, torch.arange(2 * n).view(2, n), torch.tensor([0, 1]),
+            torch.tensor([n, n]))
+
+    def decode(kernel: bool, layers: tuple[int, ...]) -> torch.Tensor:
+        be = _backend()
+        be.shift_rope = ShiftRope.full(rope_inv_freq(d))
+        be.delta_kernel, be._groups = kernel, {}
+        be._batch_rows = (BatchRow(shifted), BatchRow(factored))
+        out = torch.empty_like(query)
+        for layer in layers:
+            be._layer_id = layer
+            be._run_sdpa_forward_decode(query, out, *args, scaling=d**-0.5, enable_gqa=True)
+        return out
+
+    torch.testing.assert_close(decode(True, (0, 1)), decode(False, (1,)), atol=2e-5, rtol=2e-5)
+
+
+def test_cuda_graphs_are_refused_naming_the_flag_that_turns_them_off():
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    assert callable(AttentionBackend.init_cuda_graph_state)  # what SGLang's graph runner calls
+    with pytest.raises(RuntimeError, match="--disable-cuda-graph"):
+        _backend().init_cuda_graph_state(8, 64)

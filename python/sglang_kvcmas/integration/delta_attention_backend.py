@@ -114,6 +114,12 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
             self._place_recomputed(forward_batch)
         super().init_forward_metadata(forward_batch)
 
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Refused: every batch here runs eagerly (SGLang captures decode graphs for every
+        backend but its torch ones; ``sglang-kvcmas-server`` turns them off for this one)."""
+        raise RuntimeError("sglang-kvcmas: the kvcmas_delta attention backend runs without CUDA "
+                           "graphs; start the server with --disable-cuda-graph")
+
     def kvcmas_route(self, forward_batch) -> Route:
         """The batch's route (``dispatch_route``) when this backend is the user's
         (``--attention-backend kvcmas_delta``): probe batches stay here, as over torch_native."""
@@ -141,8 +147,13 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         """Write recomputed tokens' ids and true positions into their rows' first extend slots."""
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         seq_lens = forward_batch.extend_seq_lens_cpu
-        if prefix_lens is None or seq_lens is None:
-            return
+        if prefix_lens is None or seq_lens is None:  # SGLang's device-only batch: no host lists
+            if forward_batch.extend_seq_lens is None or not any(
+                    r is not None and r.recomputed is not None
+                    for r in map(self._spans, range(len(self._batch_rows)))):
+                return
+            prefix_lens = forward_batch.extend_prefix_lens.tolist()
+            seq_lens = forward_batch.extend_seq_lens.tolist()
         start = 0
         for i in range(len(seq_lens)):
             row = self._spans(i)
@@ -291,7 +302,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         if self._on_kernel(decode=True):
             # One launch for the whole batch: tiles rotated by their run's shift in registers,
             # factored tokens corrected there.
-            planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
+            planned, _ = self._kernel_plan(req_to_token, req_pool_indices, seq_lens,
                                            k_cache.shape[1])
             output[:] = shifted_attention(query, k_cache, v_cache, planned,
                                           _scale(scaling, query), self._layer_id)
@@ -346,14 +357,19 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
                                                     leaves=leaves)
         return self._groups[key]
 
-    def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, rows, num_kv_heads: int,
+    def _kernel_plan(self, req_to_token, req_pool_indices, seq_lens, num_kv_heads: int,
                      extend_seq_lens=None) -> tuple[ShiftedPlan, torch.Tensor | None]:
         """The kernels' plan of this batch, once per forward (every layer reads it); for an
         extend (``extend_seq_lens``), also the query rows the kernel reads: each row's new
-        tokens after its recomputed ones."""
+        tokens after its recomputed ones.
+
+        NOTE: built from every row's spans, not from the rows that differ at the layer that
+        first asks (:meth:`_rows`): a row's factored leaves may be zero at one layer (at layer 0
+        a token at its owner's position has its owner's K/V) and not at the next."""
         key = ("kernel", num_kv_heads, extend_seq_lens is None)
         if key not in self._groups:
             n = req_pool_indices.shape[0]
+            rows = [self._spans(i) for i in range(n)]
             kv = [req_to_token[req_pool_indices[i], : int(seq_lens[i])] for i in range(n)]
             shifts = [r.key_shifts if r is not None else None for r in rows]
             leaves = [r.leaves.reads if r is not None and r.leaves is not None else None
@@ -378,7 +394,7 @@ class DeltaAttnBackend(TorchNativeAttnBackend):
         recomputed tokens (before some of its borrowed keys in position, after them in row
         order) in PyTorch, masked by true position."""
         scale = _scale(scaling, query)
-        planned, q_rows = self._kernel_plan(req_to_token, req_pool_indices, seq_lens, rows,
+        planned, q_rows = self._kernel_plan(req_to_token, req_pool_indices, seq_lens,
                                             k_cache.shape[1], extend_seq_lens)
         output[q_rows] = shifted_attention(query[q_rows], k_cache, v_cache, planned, scale,
                                            self._layer_id)
