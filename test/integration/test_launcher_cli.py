@@ -207,3 +207,31 @@ def test_sharing_on_a_gpu_takes_sglangs_own_backend(monkeypatch):
         with pytest.raises(SystemExit, match=f"got {flag} fa3"):
             parse_launcher_args(["--kvcmas-share-context", flag, "fa3"])
     parse_launcher_args(["--attention-backend", "fa3"])  # sharing off: SGLang's business
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
+    (["--enable-two-batch-overlap", "--port", "1"], "--enable-two-batch-overlap"),
+    (["--kv-cache-dtype=fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+])
+def test_sharing_refuses_what_it_does_not_serve(argv, named):
+    with pytest.raises(SystemExit, match=f"does not serve {named}: "):
+        parse_launcher_args(["--kvcmas-share-context", *argv])
+    parse_launcher_args(argv)  # sharing off: SGLang's business
+
+
+def test_sharing_serves_sglangs_default_kv_cache_dtype():
+    parse_launcher_args(["--kvcmas-share-context", "--kv-cache-dtype", "auto"])
+
+
+def test_our_backend_on_a_gpu_runs_without_cuda_graphs():
+    """SGLang captures decode graphs for every backend but its torch ones; ours reads eagerly."""
+    ours = _argv(["--kvcmas-share-context", "--device", "cuda",
+                  "--attention-backend", "kvcmas_delta"])
+    assert "--disable-cuda-graph" in ours
+    for argv in (["--kvcmas-share-context", "--device", "cuda"],  # a dispatcher keeps its graphs
+                 ["--kvcmas-share-context"]):  # CPU: SGLang captures none
+        assert "--disable-cuda-graph" not in _argv(argv)
+    assert _argv(["--device", "cuda", "--attention-backend", "kvcmas_delta",
+                  "--disable-cuda-graph"], {"disable_cuda_graph"}).count(
+        "--disable-cuda-graph") == 1

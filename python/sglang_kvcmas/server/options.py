@@ -41,11 +41,26 @@ def shared_attention_backend(on_cpu: bool) -> str:
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def check_shared_attention_backend(argv: list[str] | tuple[str, ...]) -> None:
-    """With sharing on, every attention backend the user named must read borrowed KV.
+UNSHARED_FEATURES = (
+    ("--speculative-algorithm", True, (
+        "speculative decoding's verify and draft passes read the KV without re-positioning "
+        "borrowed keys")),
+    ("--enable-two-batch-overlap", False, (
+        "a batch split in two loses the rows that say which keys are borrowed")),
+    ("--kv-cache-dtype", True, (
+        "borrowed keys are re-positioned in the model's dtype, without a quantized cache's "
+        "scales (only 'auto' is served)")),
+)
+"""SGLang features sharing does not serve: (flag, whether it takes a value, why); a refusal at
+start names both. A value of ``auto`` is SGLang's default, so it is served."""
+
+
+def check_sharing_flags(argv: list[str] | tuple[str, ...]) -> None:
+    """With sharing on, every attention backend the user named must read borrowed KV, and no
+    feature of :data:`UNSHARED_FEATURES` may be on.
 
     Raises:
-        SystemExit: naming the flag, its value and the backends that serve sharing.
+        SystemExit: naming the flag, its value and why sharing cannot serve it.
     """
     served = (SHARED_ATTENTION_BACKEND, "torch_native", *SHARED_GPU_BACKENDS)
     for flag in ("--attention-backend", "--prefill-attention-backend",
@@ -56,6 +71,12 @@ def check_shared_attention_backend(argv: list[str] | tuple[str, ...]) -> None:
                 f"{PROG}: error: --kvcmas-share-context reads other agents' KV re-positioned, "
                 f"which the attention backends {', '.join(served)} do; got {flag} {value}"
             )
+    for flag, takes_value, why in UNSHARED_FEATURES:
+        value = _peek(argv, flag) if takes_value else (flag if flag in argv else None)
+        if value not in (None, "auto"):
+            shown = f"{flag} {value}" if takes_value else flag
+            raise SystemExit(f"{PROG}: error: --kvcmas-share-context does not serve {shown}: "
+                             f"{why}")
 
 
 @dataclass(frozen=True)
@@ -171,7 +192,7 @@ def parse_launcher_args(argv: list[str]) -> LauncherOptions:
         raise SystemExit(f"{PROG}: error: --kvcmas-share-context needs our tree cache; drop "
                          "--kvcmas-stock-cache")
     if config.share_context:
-        check_shared_attention_backend(rest)
+        check_sharing_flags(rest)
     return LauncherOptions(model=model, config=config, sglang_argv=tuple(rest),
                            device=_peek(rest, "--device"))
 
@@ -204,6 +225,10 @@ def default_flags(
         DefaultFlag("lora_backend", ("--lora-backend", "torch_native"), cpu_only=True),
         DefaultFlag("enable_cache_report", ("--enable-cache-report",)),
     ]
+    if not options.on_cpu and _peek(options.sglang_argv, "--attention-backend") == \
+            SHARED_ATTENTION_BACKEND:
+        # Ours reads every batch eagerly (SGLang captures graphs for all but its torch ones).
+        flags.append(DefaultFlag("disable_cuda_graph", ("--disable-cuda-graph",)))
     if importlib.util.find_spec("prometheus_client") is not None:
         flags.append(DefaultFlag("enable_metrics", ("--enable-metrics",)))
     if not options.config.stock_cache:
