@@ -45,7 +45,7 @@ def convert_around(original: Any, serving: Any, request: Any, *args: Any, **kwar
     result = original(serving, request, *args, **kwargs)
     try:
         apply_message_split(serving, request, result[0])
-    except Exception:  # noqa: BLE001 - never fail a request over its split
+    except Exception:  # never fail a request over its split
         logger.debug("sglang-kvcmas: no message split for a chat request", exc_info=True)
     return result
 

@@ -101,7 +101,7 @@ def markers_for_tokenizer(tokenizer: Any, chat_template: str | None = None,
     if resolved is None:
         return None
     name, render, specials = resolved
-    encode: Callable[[str], list[int]] = lambda text: list(  # noqa: E731
+    encode: Callable[[str], list[int]] = lambda text: list(
         tokenizer.encode(text, add_special_tokens=specials))
     return derive_markers(render, encode, name)
 

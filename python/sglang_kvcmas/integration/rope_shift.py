@@ -21,8 +21,8 @@ Fourier RoPE, ...), layers with different rotary embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from sglang.srt.layers.rotary_embedding import get_rope

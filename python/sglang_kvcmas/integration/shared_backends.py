@@ -42,7 +42,8 @@ the tree cache (``tree_cache_factory``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -61,10 +62,10 @@ SHARED_BACKENDS = ("triton", "flashinfer", "torch_native")
 """SGLang attention backends that serve sharing through :func:`as_shared`."""
 
 GRAPH_GATE_TARGETS = (
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
-    ".can_run_graph",
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
-    ".can_run_graph",
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+     ".can_run_graph"),
+    ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+     ".can_run_graph"),
     "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph",
 )
 

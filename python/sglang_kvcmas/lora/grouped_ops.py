@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -126,7 +127,7 @@ def lora_b(a: torch.Tensor, weights: torch.Tensor, groups: AdapterGroups,
     offsets: num_slices + 1 output offsets -> [T, d_out].
     """
     bounds = [int(o) for o in offsets]
-    slices = list(zip(bounds, bounds[1:]))
+    slices = list(pairwise(bounds))
     out = base_output if base_output is not None else a.new_zeros(a.shape[0], bounds[-1])
     for g in groups.groups:
         r = g.rank
@@ -171,6 +172,6 @@ def lora_b_reference(a: torch.Tensor, weights: torch.Tensor, groups: AdapterGrou
     for t, g in enumerate(_token_slots(groups)):
         if g is not None:
             r = g.rank
-            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            for i, (lo, hi) in enumerate(pairwise(bounds)):
                 out[t, lo:hi] += weights[g.slot, lo:hi, :r] @ a[t, i * r:(i + 1) * r]
     return out
