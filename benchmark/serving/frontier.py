@@ -56,6 +56,12 @@ split.
     python benchmark/serving/frontier.py           # 3, 8 and 16 agents, every arm (~75 min)
     python benchmark/serving/frontier.py --report results/frontier.json   # re-render only
 
+The spare pass is off in every arm (``KVCMAS_SPARE_PREFILL=0``, radix's too, so the arms differ
+in the cache alone). The probes run one at a time on the idle server after the workload, where
+the spare pass would serve each exactly: every read would match the exact prefill and KL
+recovered would be 0 / 0. A run whose probes read nothing approximate (naive's pooled KL20 under
+:data:`MIN_NAIVE_KL`) fails rather than report it.
+
 The document is 1024 tokens by default (``--doc``): long enough that every reader borrows
 it, short enough that the radix arm of 16 agents takes about two minutes on 2 cores;
 ``scale.py``'s panel runs the same workload over a 7000-token document.
@@ -109,6 +115,12 @@ QUICK_ARMS = ("naive", "exact", "factored4", "factored8")
 TARGETS = {"kl_recovered": 0.6, "ttft_speedup_vs_radix": 2.0, "kv_vs_ideal": 1.25,
            "leaf_bytes_ratio_vs_exact": 4.0}
 """The 16-agent targets (a minimum for each, but ``kv_vs_ideal``: a maximum)."""
+
+
+NO_SPARE_PASS = {"KVCMAS_SPARE_PREFILL": "0"}
+"""Every arm's server environment: see the module docstring."""
+MIN_NAIVE_KL = 1e-6
+"""Least pooled KL20 of the naive reads for the probes to have read borrowed KV approximately."""
 
 
 KL_FLOOR = -1.5
@@ -394,14 +406,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{time.monotonic() - t_start:.0f} s in")
             if name == "radix":
                 panel[name] = panel_arm("radix", tok, n, args.doc, args.answer_tokens, args.pool,
-                                        logs, model.server_args)
+                                        logs, model.server_args, env=NO_SPARE_PASS)
             else:
                 panel[name] = panel_arm(f"{name}_{n}", tok, n, args.doc, args.answer_tokens,
                                         args.pool, logs, model.server_args,
                                         server_arm="kvcmas", flags=ARMS[name], probe=args.probe,
                                         probe_turn=turn_selection(ARMS[name], n),
                                         replay=panel["radix"]["round1_answers"],
-                                        probe_leaves=True)
+                                        probe_leaves=True, env=NO_SPARE_PASS)
         rows = with_pooled_kl(with_leaf_ratios(
             {a: arm_row(panel, a, model.kv_bytes_per_token) for a in arms}))
         result["by_agents"][n] = {"arms": rows, "best": pick(rows),
@@ -414,7 +426,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(agents_lines(n, result["by_agents"][n], args.doc)), flush=True)
     result["seconds"] = round(time.monotonic() - t_start, 1)
     print(write(result, out))
+    unread = unread_probes(result)
+    if unread:
+        print(f"frontier: the probes at {unread} agents read nothing approximate (naive's KL20 "
+              f"under {MIN_NAIVE_KL:g}): their KL columns measure nothing", file=sys.stderr)
+        return 1
     return 0
+
+
+def unread_probes(result: dict) -> list[int]:
+    """Agent counts whose probes ran but whose naive reads matched the exact prefill."""
+    out = []
+    for n, block in result["by_agents"].items():
+        rows = [r for r in block["arms"].values() if r.get("probed")]
+        naive = [r.get("kl20_naive_pooled", r.get("kl20_naive")) or 0.0 for r in rows]
+        if rows and max(naive) < MIN_NAIVE_KL:
+            out.append(int(n))
+    return out
 
 
 def agents_lines(n: int, block: dict, doc: int) -> list[str]:

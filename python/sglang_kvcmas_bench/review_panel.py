@@ -156,7 +156,8 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
               out: Path, model_args: list[str] | None = None, server_arm: str | None = None,
               flags: list[str] | None = None, probe: int = 0,
               probe_turn: tuple[int, float, int] | None = None,
-              replay: list[str] | None = None, probe_leaves: bool = False) -> dict:
+              replay: list[str] | None = None, probe_leaves: bool = False,
+              env: dict[str, str] | None = None) -> dict:
     """An introduction round, then two rounds of ``agents`` concurrent reviews of one document;
     one server (``model_args``: the launcher's ``--model-path``, default the embedded model;
     its log ``out/scale_panel_<arm>.log``). ``arm`` names the run; the server is
@@ -165,12 +166,13 @@ def panel_arm(arm: str, tok, agents: int, doc_tokens: int, new: int, pool: int,
     round's readers, spread over the panel (``probe_turn``: its ``turn`` selection;
     ``probe_leaves``: its ``leaves`` read).
     ``replay``: the first document round's answers the second round reads instead of this
-    run's own (another arm's ``round1_answers``), so that arms read identical prompts there."""
+    run's own (another arm's ``round1_answers``), so that arms read identical prompts there.
+    ``env``: the server's environment beside ours (e.g. the spare pass off)."""
     heads = [system_prompt(p) for p in PERSONAS[:agents]]
     doc = essay_ids(tok, doc_tokens)
     with ArmServer(server_arm or arm, out / f"scale_panel_{arm}.log",
                    [*(model_args or []), "--max-total-tokens", str(pool),
-                    *(flags or [])]) as server:
+                    *(flags or [])], env=env) as server:
         stream(server.url, tok.encode("Warm up."), 2)
         sampler = KvSampler(server.url)
         sampler.start()

@@ -164,3 +164,13 @@ def test_the_default_arm_is_the_servers_defaults_and_exact_is_exact_leaves():
 
     assert parse_launcher_args(ARMS[DEFAULT_ARM]).config == parse_launcher_args([]).config
     assert parse_launcher_args(ARMS[EXACT_ARM]).config.leaf_mode == "exact"
+
+
+def test_agent_counts_whose_probes_read_nothing_approximate_are_named():
+    def block(naive: float, probed: int = 8) -> dict:
+        return {"arms": {"exact": {"probed": probed, "kl20_naive_pooled": naive},
+                         "factored4": {"probed": probed, "kl20_naive_pooled": naive}}}
+
+    # The 2026-12-07 run with the spare pass on served every probe exactly: KL20 about 1e-13.
+    result = {"by_agents": {"3": block(0.0085), "16": block(2.6e-13), "8": block(0.0, probed=0)}}
+    assert frontier.unread_probes(result) == [16]
