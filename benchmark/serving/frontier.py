@@ -30,8 +30,9 @@ teacher-forced over the greedy answer of an exact prefill on the same server, as
 ``scale.probe_readers``), teacher-forced top-1, the share of turns whose greedy answer is radix's,
 non-owner median TTFT vs radix, peak KV (pool slots held: the most of SGLang's gauges, sampled
 every 0.5 s, and of the tree cache's mark after each row's allocation, which holds a prefill
-batch's transient; plus factored leaves' bytes in tokens of KV) over the one-copy ideal, leaf
-bytes per agent (median over readers), and the prompt tokens each arm computed (prefill,
+batch's transient; plus factored leaves' bytes in tokens of KV, and the most deviations
+running readers held expanded, as if at the pool's peak: an upper bound) over the one-copy
+ideal, leaf bytes per agent (median over readers), and the prompt tokens each arm computed (prefill,
 recomputed borrowed tokens included: no arm prefills a reference). The probe runs after the
 workload and reads each probed reader three times: over what its turn left it (``leaves``: its
 leaves, nothing recomputed: for a ``factored`` arm the picks through their deviations, as its

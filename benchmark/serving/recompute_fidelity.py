@@ -8,7 +8,9 @@ nothing cached: an exact prefill on the same server binary). What the reader rec
 request — ``custom_params["kvcmas_recompute_boundary"]`` (first tokens of each borrowed span) and
 ``["kvcmas_recompute_mass_fraction"]`` (share of borrowed tokens with the largest owner head mass)
 and ``["kvcmas_recompute_tail"]`` (the last borrowed tokens before the reader's suffix) — so every
-configuration reads the same owner KV (explicit knobs bypass the agent's exact leaves).
+configuration reads the same owner KV (explicit knobs bypass the agent's exact leaves). The
+spare pass is off (``KVCMAS_SPARE_PREFILL=0``): one request at a time, it would serve every
+reader exactly and each configuration would match the reference.
 
 Per configuration it reports, over reader turns: teacher-forced top-1 agreement with the exact
 computation, mean KL on the exact computation's top-20 tokens (KL20: both distributions
@@ -70,7 +72,7 @@ def main() -> int:
     t_start = time.perf_counter()
     log = Path(tempfile.mkdtemp(prefix="kvcmas-fidelity-")) / "server.log"
     print(f"[recompute_fidelity] server log: {log}", file=sys.stderr, flush=True)
-    with ArmServer("kvcmas", log, model.server_args) as server:
+    with ArmServer("kvcmas", log, model.server_args, env={"KVCMAS_SPARE_PREFILL": "0"}) as server:
         url = server.url
         for name, head in DEBATERS.items():  # every agent's head cached, as in a running service
             generate(url, chat_prompt_ids(tok, [{"role": "system", "content": head},
