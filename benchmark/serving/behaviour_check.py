@@ -34,14 +34,13 @@ from pathlib import Path
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import normalized, of_meta
-from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_arms import NO_SPARE_PASS, ArmServer
 from sglang_kvcmas_bench.workflows import chat_prompt_ids, debate, reviewer_chain
 
 ROOT = Path(__file__).resolve().parents[2]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "behaviour_check.json"
-NO_SPARE_PASS = {"KVCMAS_SPARE_PREFILL": "0"}  # readers borrow on the idle server
 
 
 def generate(url: str, ids: list[int], max_new: int) -> dict:

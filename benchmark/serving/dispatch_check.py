@@ -36,7 +36,7 @@ from sglang_kvcmas.models.resolve import resolve_model_path
 from sglang_kvcmas_bench.model_arg import BenchModel
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
-from sglang_kvcmas_bench.server_arms import ArmServer, kvcmas_state, run_header
+from sglang_kvcmas_bench.server_arms import NO_SPARE_PASS, ArmServer, kvcmas_state, run_header
 from sglang_kvcmas_bench.server_calls import generate
 from sglang_kvcmas_bench.tiny_models import tiny_qwen2
 from sglang_kvcmas_bench.workflows import chat_prompt_ids
@@ -47,7 +47,7 @@ HEADS = (("You are Ada, a careful mathematician who checks every step and states
           "answer as a number."),
          ("You are Ben, a skeptical reviewer who looks for the one most likely mistake before "
           "agreeing."))
-ENV = {"TRITON_INTERPRET": "1", "KVCMAS_SPARE_PREFILL": "0"}
+ENV = {"TRITON_INTERPRET": "1", **NO_SPARE_PASS}
 
 
 def say(text: str) -> None:
@@ -115,7 +115,7 @@ def check_model(name: str, folder: Path, new_tokens: int, passage_chars: int,
         out["dispatch"] = kvcmas_state(server.url).get("dispatch", {})
     # The same turns on our torch path (kvcmas_delta, no interpreter): the kernels' answers.
     with ArmServer("kvcmas", logs / f"dispatch_{name}_torch.log",
-                   ["--model-path", str(folder)], env={"KVCMAS_SPARE_PREFILL": "0"},
+                   ["--model-path", str(folder)], env=NO_SPARE_PASS,
                    boot_timeout_s=900) as server:
         torch_texts = [generate(server.url, ids, new_tokens)["text"] for _, ids in prompts]
     out["same_text_as_torch_path"] = sum(

@@ -93,7 +93,7 @@ from sglang_kvcmas_bench.review_panel import (
     panel_arm,
     same_answers,
 )
-from sglang_kvcmas_bench.server_arms import run_header
+from sglang_kvcmas_bench.server_arms import NO_SPARE_PASS, run_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ARM = "factored4"
@@ -118,8 +118,6 @@ TARGETS = {"kl_recovered": 0.6, "ttft_speedup_vs_radix": 2.0, "kv_vs_ideal": 1.2
 """The 16-agent targets (a minimum for each, but ``kv_vs_ideal``: a maximum)."""
 
 
-NO_SPARE_PASS = {"KVCMAS_SPARE_PREFILL": "0"}
-"""Every arm's server environment: see the module docstring."""
 MIN_NAIVE_KL = 1e-6
 """Least pooled KL20 of the naive reads for the probes to have read borrowed KV approximately."""
 

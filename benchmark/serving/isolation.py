@@ -46,7 +46,7 @@ from sglang_kvcmas.server.cluster import Cluster, Tenants, workflow_headers
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
 from sglang_kvcmas_bench.reuse_records import of_meta
-from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, ArmServer, run_header
+from sglang_kvcmas_bench.server_arms import ARMS, COMMON_FLAGS, NO_SPARE_PASS, ArmServer, run_header
 from sglang_kvcmas_bench.workflows import Workflow, chat_prompt_ids, debate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,7 +56,6 @@ BODY_SALT = "team-salt"
 SIZES = {True: {"debates": 4, "rounds": 2, "max_new": 16},
          False: {"debates": 8, "rounds": 3, "max_new": 32}}
 POOL_TOKENS = 16384
-ENV = {"KVCMAS_SPARE_PREFILL": "0"}
 
 
 def say(text: str) -> None:
@@ -187,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
 
     say(f"one server, no gateway: {sizes}")
-    with ArmServer("kvcmas", logs / "one_server.log", flags, env=ENV) as server:
+    with ArmServer("kvcmas", logs / "one_server.log", flags, env=NO_SPARE_PASS) as server:
         warm([server.url], tok, acme)
         ref = run(server.url, tok, sizes, acme)
     say(f"one server: {sum(t['borrowed'] for t in ref)} tokens borrowed")
 
     worker_args = [*ARMS["kvcmas"][1], *COMMON_FLAGS, *flags]
     with Cluster(workers=2, worker_args=worker_args, log_dir=logs / "cluster",
-                 tenants=tenants, request_log=True, env=ENV) as cluster:
+                 tenants=tenants, request_log=True, env=NO_SPARE_PASS) as cluster:
         say(f"gateway {cluster.url} -> {cluster.worker_urls}; tenant acme")
         for headers in (acme, globex):
             warm(cluster.worker_urls, tok, headers)

@@ -39,7 +39,7 @@ from sglang_kvcmas_bench.figures import pct
 from sglang_kvcmas_bench.forced_reads import compare, config_name, forced, parse_config
 from sglang_kvcmas_bench.model_arg import add_model_arg, model_from_args
 from sglang_kvcmas_bench.results import record
-from sglang_kvcmas_bench.server_arms import ArmServer
+from sglang_kvcmas_bench.server_arms import NO_SPARE_PASS, ArmServer
 from sglang_kvcmas_bench.server_calls import generate
 from sglang_kvcmas_bench.workflows import DEBATERS, chat_prompt_ids, debate
 
@@ -72,7 +72,7 @@ def main() -> int:
     t_start = time.perf_counter()
     log = Path(tempfile.mkdtemp(prefix="kvcmas-fidelity-")) / "server.log"
     print(f"[recompute_fidelity] server log: {log}", file=sys.stderr, flush=True)
-    with ArmServer("kvcmas", log, model.server_args, env={"KVCMAS_SPARE_PREFILL": "0"}) as server:
+    with ArmServer("kvcmas", log, model.server_args, env=NO_SPARE_PASS) as server:
         url = server.url
         for name, head in DEBATERS.items():  # every agent's head cached, as in a running service
             generate(url, chat_prompt_ids(tok, [{"role": "system", "content": head},

@@ -57,10 +57,7 @@ from sglang_kvcmas_bench.review_panel import (
     same_answers,
     stream,
 )
-from sglang_kvcmas_bench.server_arms import (
-    ArmServer,
-    run_header,
-)
+from sglang_kvcmas_bench.server_arms import NO_SPARE_PASS, ArmServer, run_header
 from sglang_kvcmas_examples.panel import PERSONAS, system_prompt
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,7 +77,7 @@ def decode_arm(arm: str, tok, contexts: list[int], readers: int, new: int, pool:
     rows = {}
     with ArmServer(server_arm or arm, out / f"scale_decode_{arm}.log",
                    [*(model_args or []), "--max-total-tokens", str(pool), *(flags or [])],
-                   env={"KVCMAS_SPARE_PREFILL": "0"}) as server:
+                   env=NO_SPARE_PASS) as server:
         for c in contexts:
             stream(server.url, tok.encode("Warm up."), 2)
             doc = essay_ids(tok, c)

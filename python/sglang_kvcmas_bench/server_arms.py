@@ -18,11 +18,14 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS
+from sglang_kvcmas.envs import KVCMAS_BENCH_SERVER_ARGS, KVCMAS_SPARE_PREFILL
 from sglang_kvcmas.server.process import ServerProcess, free_port
 
 from sglang_kvcmas_bench.provenance import commit, machine
 
+NO_SPARE_PASS = {KVCMAS_SPARE_PREFILL.name: "0"}
+"""A server environment with the spare pass off: readers borrow on an idle server too (a script
+that sends one request at a time and measures the read path needs it)."""
 COMMON_FLAGS = ["--mem-fraction-static", "0.3"]
 """Every arm gets the same KV pool (``--max-total-tokens``, 16384 by default): SGLang sizes the
 pool from the host memory free at boot, capped by that flag, and at the launcher's default
